@@ -1,0 +1,70 @@
+"""The ``eogym-sft`` console script: thin argument parsing over the package's functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_prepare_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", nargs="+", required=True, help="EO-Gym JSONL file(s)")
+    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
+    parser.add_argument("--model", required=True, help="hub id or local folder whose processor and chat template are used")
+    parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="token budget per sample, image tokens included")
+    parser.add_argument("--max-pixels", type=int, default=1003520, help="pixel cap per image (980 tokens on Qwen3-VL)")
+    parser.add_argument("--min-pixels", type=int, default=65536, help="pixel floor per image (Qwen3-VL's default)")
+    parser.add_argument("--overlong", choices=("split", "drop"), default="split", help="what to do with traces over the budget")
+    parser.add_argument("--tool-images", choices=("attach", "text"), default="attach", help="attach images that tool results name, or keep them as text")
+    parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
+    parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
+
+
+def run_prepare(args: argparse.Namespace) -> dict:
+    from .prepare import PrepConfig, prepare_files
+    from .prepared import format_summary, write_prepared
+    from .processor import load_processor, processor_fingerprint
+
+    cfg = PrepConfig(args.data_root, args.max_tokens, args.max_pixels, args.min_pixels, args.overlong, args.tool_images, args.strict)
+    for path in args.input:
+        if not Path(path).is_file():
+            raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
+    results = prepare_files(args.input, args.model, cfg, num_proc=args.num_proc)
+    settings = dict(vars(cfg), model=args.model, inputs=[str(p) for p in args.input])
+    settings["processor_fingerprint"] = processor_fingerprint(load_processor(args.model, cfg.max_pixels, cfg.min_pixels))
+    stats = write_prepared(args.output, results, settings)
+    print(format_summary(stats))
+    print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
+    return stats
+
+
+def add_tiny_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, help="folder to write the tiny random Qwen3-VL and its processor to")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run_tiny(args: argparse.Namespace) -> None:
+    from .tiny import save_tiny_model
+
+    print(f"tiny Qwen3-VL written to {save_tiny_model(args.output, args.seed)}")
+
+
+COMMANDS = {
+    "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
+    "tiny-model": (add_tiny_args, run_tiny, "write a tiny random Qwen3-VL with a real offline processor"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add_args, _, help_text) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    COMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,92 @@
+"""Image paths, sizes and decoding. Pillow and numpy only, so the collator can import it.
+
+Rules (documented in ``docs/data.md``):
+
+* paths are relative to the data root; absolute paths and paths that leave the root are rejected;
+* sizes come from the file header, without decoding pixels;
+* a header above ``MAX_SOURCE_PIXELS`` is refused before decoding (decompression bombs);
+* decoding gives 8-bit RGB: 16-bit and float images are stretched linearly from their own min..max
+  to 0..255; palette, grayscale and CMYK go through Pillow's ``convert("RGB")``; images with alpha
+  are composited on white (the rule qwen-vl-utils' ``to_rgb`` applies); multi-frame TIFFs use frame 0;
+  EXIF orientation is ignored so that decoded size equals header size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+# Twice Pillow's own warning threshold: the point where Pillow itself raises DecompressionBombError.
+MAX_SOURCE_PIXELS = 2 * 89_478_485
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; ``reason`` is a stable code for the manifest."""
+
+    def __init__(self, reason: str, path: str, detail: str):
+        super().__init__(f"{reason}: {path}: {detail}")
+        self.reason = reason
+        self.path = path
+        self.detail = detail
+
+
+def resolve_image_path(path: str, data_root: str | os.PathLike) -> Path:
+    """Resolve a row's relative image path under ``data_root``, refusing anything that escapes it."""
+    if os.path.isabs(path) or path.startswith("~") or "://" in path:
+        raise ImageError("unsafe_image_path", path, "image paths must be relative to the data root")
+    root = Path(data_root).resolve()
+    full = (root / path).resolve()
+    if not full.is_relative_to(root):
+        raise ImageError("unsafe_image_path", path, "the path leaves the data root")
+    return full
+
+
+def image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` from the file header, without decoding pixels."""
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+    except FileNotFoundError:
+        raise ImageError("missing_image", str(path), "no such file") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise ImageError("corrupt_image", str(path), f"unreadable header ({err})") from None
+    except Image.DecompressionBombError as err:
+        raise ImageError("image_too_large", str(path), str(err)) from None
+    if width * height > MAX_SOURCE_PIXELS:
+        raise ImageError("image_too_large", str(path), f"{width}x{height} exceeds {MAX_SOURCE_PIXELS} pixels")
+    if width < 1 or height < 1:
+        raise ImageError("corrupt_image", str(path), f"empty image {width}x{height}")
+    return width, height
+
+
+def to_rgb8(img: Image.Image) -> Image.Image:
+    """Convert any Pillow image to 8-bit RGB by the rules in this module's docstring."""
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scaled = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+        img = Image.fromarray(np.round(scaled).astype(np.uint8), mode="L")
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode in ("LA", "La", "PA", "RGBa"):
+        img = img.convert("RGBA")
+    if img.mode == "RGBA":
+        background = Image.new("RGB", img.size, (255, 255, 255))
+        background.paste(img, mask=img.getchannel("A"))
+        return background
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def load_rgb(path: str | os.PathLike) -> Image.Image:
+    """Decode an image file to 8-bit RGB (frame 0 of multi-frame files), refusing decompression bombs."""
+    image_size(path)
+    try:
+        with Image.open(path) as img:
+            img.seek(0)
+            img.load()
+            return to_rgb8(img)
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ImageError("corrupt_image", str(path), f"cannot decode ({err})") from None

@@ -1,0 +1,116 @@
+"""Write and read a prepared dataset folder: ``dataset/``, ``manifest.jsonl``, ``stats.json``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+META_FIELDS = ("EO_task", "question_type", "data_source", "gt_answer")
+HISTOGRAM_BIN = 512
+
+
+def features():
+    """The dataset schema, fixed so that nothing is inferred (messages and tools stay JSON strings)."""
+    from datasets import Features, Sequence, Value
+
+    return Features(
+        {
+            "sample_id": Value("string"),
+            "source_id": Value("string"),
+            "window": Value("int32"),
+            "n_windows": Value("int32"),
+            "trained_turns": Sequence(Value("int32")),
+            "messages": Value("string"),
+            "tools": Value("string"),
+            "images": Sequence(Value("string")),
+            "image_hw": Sequence(Sequence(Value("int32"))),
+            "input_ids": Sequence(Value("int32")),
+            "assistant_masks": Sequence(Value("int8")),
+            "n_tokens": Value("int32"),
+            "n_trained_tokens": Value("int32"),
+            "n_image_tokens": Value("int32"),
+            **{name: Value("string") for name in META_FIELDS},
+            "source_file": Value("string"),
+            "source_line": Value("int32"),
+        }
+    )
+
+
+def content_hash(samples: list[dict]) -> str:
+    """sha256 of the samples, in order: equal inputs and settings give an equal hash."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        digest.update(json.dumps(sample, sort_keys=True, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def compute_stats(results, samples: list[dict]) -> dict:
+    """Counts that add up: every input line is kept, split or dropped, and samples trace back to lines."""
+    status = Counter(r.status for r in results)
+    tokens = sum(s["n_tokens"] for s in samples)
+    trained = sum(s["n_trained_tokens"] for s in samples)
+    image = sum(s["n_image_tokens"] for s in samples)
+    hist = Counter((s["n_tokens"] // HISTOGRAM_BIN) * HISTOGRAM_BIN for s in samples)
+    return {
+        "rows_in": len(results),
+        "rows_kept": status["kept"],
+        "rows_split": status["split"],
+        "rows_dropped": status["dropped"],
+        "drops_by_reason": dict(sorted(Counter(r.reason for r in results if r.status == "dropped").items())),
+        "samples_out": len(samples),
+        "windows_per_split_row": dict(sorted(Counter(len(r.samples) for r in results if r.status == "split").items())),
+        "tokens_total": tokens,
+        "tokens_trained": trained,
+        "tokens_image": image,
+        "trained_token_share": round(trained / tokens, 4) if tokens else 0.0,
+        "image_token_share": round(image / tokens, 4) if tokens else 0.0,
+        "token_histogram": {f"{k}-{k + HISTOGRAM_BIN - 1}": v for k, v in sorted(hist.items())},
+        "max_tokens_seen": max((s["n_tokens"] for s in samples), default=0),
+        "images_per_sample": {str(k): v for k, v in sorted(Counter(len(s["images"]) for s in samples).items())},
+        "content_hash": content_hash(samples),
+    }
+
+
+def format_summary(stats: dict) -> str:
+    """A short human-readable report of ``stats``."""
+    lines = [
+        f"rows in {stats['rows_in']}: kept {stats['rows_kept']}, split {stats['rows_split']}, dropped {stats['rows_dropped']}",
+        f"samples out {stats['samples_out']}; tokens {stats['tokens_total']} "
+        f"(trained {stats['trained_token_share']:.1%}, image {stats['image_token_share']:.1%}); longest {stats['max_tokens_seen']}",
+    ]
+    for reason, count in stats["drops_by_reason"].items():
+        lines.append(f"  dropped {count:6d}  {reason}")
+    lines.append("token histogram: " + ", ".join(f"{k}: {v}" for k, v in stats["token_histogram"].items()))
+    lines.append("images per sample: " + ", ".join(f"{k}: {v}" for k, v in stats["images_per_sample"].items()))
+    lines.append(f"content hash {stats['content_hash']}")
+    return "\n".join(lines)
+
+
+def write_prepared(output: str | Path, results, settings: dict) -> dict:
+    """Save the dataset, the manifest (one line per input line) and ``stats.json``; return the stats."""
+    from datasets import Dataset
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    samples = [s for r in results for s in r.samples]
+    Dataset.from_list(samples, features=features()).save_to_disk(str(output / "dataset"))
+    with open(output / "manifest.jsonl", "w") as fh:
+        for res in results:
+            fh.write(json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n")
+    stats = compute_stats(results, samples)
+    stats["settings"] = settings
+    (output / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    return stats
+
+
+def load_prepared(folder: str | Path):
+    """The prepared ``datasets.Dataset`` and its ``stats.json``."""
+    from datasets import load_from_disk
+
+    folder = Path(folder)
+    if not (folder / "dataset").is_dir() or not (folder / "stats.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a prepared folder (no dataset/ or stats.json): run `eogym-sft prepare`")
+    return load_from_disk(str(folder / "dataset")), json.loads((folder / "stats.json").read_text())
