@@ -51,9 +51,35 @@ def run_tiny(args: argparse.Namespace) -> None:
     print(f"tiny Qwen3-VL written to {save_tiny_model(args.output, args.seed)}")
 
 
+def add_validate_args(parser: argparse.ArgumentParser) -> None:
+    from .validate import add_validate_args as add
+
+    add(parser)
+
+
+def run_validate(args: argparse.Namespace) -> dict:
+    from .validate import run_validate as run
+
+    return run(args)
+
+
+def add_evaluate_args(parser: argparse.ArgumentParser) -> None:
+    from .evaluation import add_evaluate_args as add_args
+
+    add_args(parser)
+
+
+def run_evaluate(args: argparse.Namespace) -> dict:
+    from .evaluation import run_evaluate as run
+
+    return run(args)
+
+
 COMMANDS = {
     "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
     "tiny-model": (add_tiny_args, run_tiny, "write a tiny random Qwen3-VL with a real offline processor"),
+    "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
+    "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
 }
 
 

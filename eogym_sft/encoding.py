@@ -15,7 +15,9 @@ count once the image is loaded.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .traces import TraceError
 
@@ -66,6 +68,7 @@ def encode_conversation(processor, messages: list[dict], tools: list[dict] | Non
     conversations prefix by prefix, or if a trained span does not fall on token boundaries.
     """
     text = render(processor, messages, tools)
+    prefix = _PrefixRenderer(processor, messages, tools, text)
     tok = _tokenizer(processor)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in enc["offset_mapping"]]
@@ -75,18 +78,145 @@ def encode_conversation(processor, messages: list[dict], tools: list[dict] | Non
         if msg["role"] != "assistant":
             continue
         where = f"messages[{i}]"
-        before = render(processor, messages[:i], tools) if i else ""
-        header_end = render(processor, messages[:i], tools, add_generation_prompt=True)
-        after = render(processor, messages[: i + 1], tools)
+        before = prefix(i) if i else ""
+        header_end = prefix(i, add_generation_prompt=True)
+        after = prefix(i + 1)
         if not (text.startswith(after) and after.startswith(header_end) and header_end.startswith(before)):
             raise TraceError("template_mismatch", where, "the chat template does not render this conversation prefix by prefix")
         if not after.endswith("\n"):
             raise TraceError("template_mismatch", where, "an assistant turn does not end with '<|im_end|>\\n'")
         first = _char_to_token(starts, len(text), len(header_end), where)
         last = _char_to_token(starts, len(text), len(after) - 1, where)  # the closing "\n" stays context
-        for t in range(first, last):
-            mask[t] = 1
+        mask[first:last] = [1] * max(0, last - first)
         a_starts.append(_char_to_token(starts, len(text), len(before), where))
         a_ends.append(_char_to_token(starts, len(text), len(after), where))
         a_index.append(i)
     return Encoded(text, list(enc["input_ids"]), mask, a_starts, a_ends, a_index)
+
+
+def encode_ids(processor, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """``encode_conversation(...).input_ids`` without the prefix renders that the masks need.
+
+    For checks that only compare token ids (a split window re-rendered on its own, say): one render
+    and one tokenisation instead of three renders per assistant turn. Unlike ``encode_conversation``
+    it does not check that the template renders prefix by prefix.
+    """
+    text = render(processor, messages, tools)
+    return list(_tokenizer(processor)(text, add_special_tokens=False)["input_ids"])
+
+
+class _PrefixRenderer:
+    """``render(processor, messages[:k], tools, add_generation_prompt)``, each distinct prefix once, fast.
+
+    ``processor.apply_chat_template`` converts the whole conversation and every tool schema to plain
+    template data and parses the template on every call, which costs more than the Jinja render itself
+    and, over all prefixes, grows with the square of the number of turns. Here the conversation goes
+    through the same transformers steps once (``_normalize_conversations``, ``_plain_template_data``,
+    ``_alias_reasoning_fields``), and each prefix is a slice of it handed to the same compiled
+    template with the same arguments. Those steps work message by message, so a slice of the
+    converted conversation is the converted slice.
+
+    The fast path is checked on every conversation: the full conversation rendered this way must
+    equal ``text`` (from ``processor.apply_chat_template``). Where it does not, where it is not
+    available (a processor that overrides ``apply_chat_template``, a bare tokenizer, other
+    transformers internals), or where it raises, ``render`` itself is used, so the results (and errors)
+    are always those of ``render``.
+    """
+
+    def __init__(self, processor, messages: list[dict], tools: list[dict] | None, text: str):
+        self.processor, self.messages, self.tools = processor, messages, tools
+        self.cache: dict[tuple[int, bool], str] = {(len(messages), False): text}
+        self.fast = None
+        self.tojson_memo: dict = {}
+        try:
+            self.fast = _fast_setup(processor, messages, tools)
+        except Exception:  # noqa: BLE001 - any surprise in transformers internals: use render()
+            self.fast = None
+        if self.fast is not None and self._fast_render(len(messages), False) != text:
+            self.fast = None
+
+    def _fast_render(self, k: int, add_generation_prompt: bool) -> str | None:
+        compiled, chat, tool_schemas, template_kwargs = self.fast
+        token = _TOJSON_MEMO.set(self.tojson_memo)
+        try:
+            return compiled.render(
+                messages=chat[:k],
+                tools=tool_schemas,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+        except Exception:  # noqa: BLE001 - let render() raise its own error, or succeed
+            return None
+        finally:
+            _TOJSON_MEMO.reset(token)
+
+    def __call__(self, k: int, add_generation_prompt: bool = False) -> str:
+        key = (k, add_generation_prompt)
+        out = self.cache.get(key)
+        if out is None:
+            if self.fast is not None and k > 0:
+                out = self._fast_render(k, add_generation_prompt)
+            if out is None:
+                out = render(self.processor, self.messages[:k], self.tools, add_generation_prompt=add_generation_prompt)
+            self.cache[key] = out
+        return out
+
+
+def _fast_setup(processor, messages: list[dict], tools: list[dict] | None):
+    """The compiled template and the converted conversation, as ``ProcessorMixin.apply_chat_template``
+    (transformers 5) builds them for ``tokenize=False`` without extra kwargs; None where it does not apply."""
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.utils import chat_template_utils as ctu
+
+    if not messages or getattr(type(processor), "apply_chat_template", None) is not ProcessorMixin.apply_chat_template:
+        return None
+    tools = tools or None
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        return None
+    template = processor._resolve_chat_template(None)
+    conversations, is_batched = processor._normalize_conversations(messages)
+    if is_batched:
+        return None
+    chat = ctu._plain_template_data(conversations[0])
+    if not all(isinstance(m, dict) for m in chat):
+        return None
+    chat = ctu._alias_reasoning_fields(chat)
+    tool_schemas = ctu._plain_template_data(list(tools) if tools is not None else None)
+    template_kwargs = ctu._plain_template_data({**processor.tokenizer.special_tokens_map})
+    return _memo_template(template), chat, tool_schemas, template_kwargs
+
+
+# Within one conversation every prefix renders the same tool schemas (and the same tool-call
+# arguments) through ``tojson``; the memo keeps each result for the conversation's renders. Keys
+# are object ids, and each entry holds its object, so an id cannot be reused while it is cached.
+_TOJSON_MEMO: ContextVar[dict | None] = ContextVar("eogym_sft_tojson_memo", default=None)
+
+
+@lru_cache(maxsize=8)
+def _memo_template(template: str):
+    """``template`` compiled in an overlay of transformers' chat-template environment (same sandbox,
+    options, globals and extensions) whose ``tojson`` filter is the original one, memoised."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    env = _compile_jinja_template(template).environment.overlay()
+    base = env.filters["tojson"]
+
+    def tojson(x, *args, **kwargs):
+        memo = _TOJSON_MEMO.get()
+        if memo is None or type(x) not in (dict, list):
+            return base(x, *args, **kwargs)
+        try:
+            key = (id(x), args, tuple(sorted(kwargs.items())))
+            hash(key)
+        except TypeError:  # e.g. separators given as a list
+            return base(x, *args, **kwargs)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = base(x, *args, **kwargs)
+        memo[key] = (x, out)
+        return out
+
+    env.filters = {**env.filters, "tojson": tojson}
+    return env.from_string(template)

@@ -38,7 +38,10 @@ def resolve_image_path(path: str, data_root: str | os.PathLike) -> Path:
     if os.path.isabs(path) or path.startswith("~") or "://" in path:
         raise ImageError("unsafe_image_path", path, "image paths must be relative to the data root")
     root = Path(data_root).resolve()
-    full = (root / path).resolve()
+    try:
+        full = (root / path).resolve()
+    except (ValueError, OSError, RuntimeError) as err:  # a NUL byte, a symlink loop
+        raise ImageError("unsafe_image_path", path, f"cannot resolve the path ({err})") from None
     if not full.is_relative_to(root):
         raise ImageError("unsafe_image_path", path, "the path leaves the data root")
     return full

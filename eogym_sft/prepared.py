@@ -54,6 +54,7 @@ def compute_stats(results, samples: list[dict]) -> dict:
     trained = sum(s["n_trained_tokens"] for s in samples)
     image = sum(s["n_image_tokens"] for s in samples)
     hist = Counter((s["n_tokens"] // HISTOGRAM_BIN) * HISTOGRAM_BIN for s in samples)
+    windows = Counter(len(r.samples) for r in results if r.status == "split")  # str keys below: as JSON stores them
     return {
         "rows_in": len(results),
         "rows_kept": status["kept"],
@@ -61,7 +62,7 @@ def compute_stats(results, samples: list[dict]) -> dict:
         "rows_dropped": status["dropped"],
         "drops_by_reason": dict(sorted(Counter(r.reason for r in results if r.status == "dropped").items())),
         "samples_out": len(samples),
-        "windows_per_split_row": dict(sorted(Counter(len(r.samples) for r in results if r.status == "split").items())),
+        "windows_per_split_row": {str(k): v for k, v in sorted(windows.items())},
         "tokens_total": tokens,
         "tokens_trained": trained,
         "tokens_image": image,
@@ -96,7 +97,10 @@ def write_prepared(output: str | Path, results, settings: dict) -> dict:
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     samples = [s for r in results for s in r.samples]
-    Dataset.from_list(samples, features=features()).save_to_disk(str(output / "dataset"))
+    schema = features()
+    # from_dict, not from_list: it also builds an empty dataset (every row dropped), saved as one empty shard
+    dataset = Dataset.from_dict({name: [s[name] for s in samples] for name in schema}, features=schema)
+    dataset.save_to_disk(str(output / "dataset"), num_shards=None if samples else 1)
     with open(output / "manifest.jsonl", "w") as fh:
         for res in results:
             fh.write(json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n")

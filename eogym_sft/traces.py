@@ -254,8 +254,12 @@ def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
     """Give every image part its path, in document order; return the ordered path list.
 
     Bare placeholders (``<image>`` tags, pathless image parts) take the row's ``images`` in order. With
-    no placeholders at all, the row images go at the start of the first user turn.
+    no placeholders at all, the row images go at the start of the first user turn. Row images that an
+    image part of a user turn already names by path are bound there and not placed a second time.
     """
+    user_parts = [p for m in messages if m["role"] == "user" for p in m["content"]]
+    named = {p["path"] for p in user_parts if p["type"] == "image" and p["path"]}
+    row_images = [p for p in row_images if p not in named]
     slots = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image" and p["path"] is None]
     if row_images and not slots:
         first_user = next((m for m in messages if m["role"] == "user"), None)

@@ -1,0 +1,640 @@
+"""Offline next-action evaluation of a base Qwen3-VL and LoRA adapters on EO-Gym test traces.
+
+For every assistant turn of every trace the prompt is the reference history before that turn
+(images included), rendered by the chat template with the generation prompt. Each arm (the base,
+then each adapter) generates the next message for the same prompts; :mod:`eogym_sft.scoring` scores
+the messages, and arms are compared pairwise on identical turns. ``docs/evaluation.md`` has the metrics.
+
+:func:`evaluate` runs everything and writes ``results.jsonl``, ``skipped.jsonl``, ``summary.json`` and
+``report.txt``; the steps (:func:`read_traces`, :func:`plan_turns`, :func:`load_model`,
+:func:`generate_turns`, :func:`score_turns`, :func:`summarize`) are public for benchmarks and notebooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import time
+from collections import OrderedDict, defaultdict
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .images import ImageError, image_size, load_rgb, resolve_image_path
+from .prepare import _decode_line, image_factor, image_token_count, read_lines, resized_hw
+from .scoring import (
+    END_MARKERS,
+    POSITIVE_METRICS,
+    Reference,
+    combine_samples,
+    extract_final_answer,
+    mean_scores,
+    paired_stats,
+    parse_output,
+    score_output,
+)
+from .traces import Trace, TraceError, count_images, normalize_row
+
+GROUP_FIELDS = ("EO_task", "question_type")
+REPORT_METRICS = (
+    "turn_correct", "action_match", "name_match", "call_match", "invalid_call", "unknown_tool",
+    "answer_exact", "answer_normalized", "no_answer",
+)
+
+
+@dataclass
+class EvalConfig:
+    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``)."""
+
+    model: str
+    data: list[str]
+    output: str | None = None
+    adapters: list[str] = field(default_factory=list)  # "DIR" or "NAME=DIR"
+    data_root: str = "."
+    include_base: bool = True
+    samples: int = 1
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 512
+    batch_size: int = 8
+    num_tolerance: float = 1e-6
+    limit: int | None = None
+    max_prompt_tokens: int = 8192
+    max_pixels: int = 1003520
+    min_pixels: int = 65536
+    tool_images: str = "attach"
+    judge: str | None = None  # "module:function"
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("samples, batch_size and max_new_tokens must be at least 1")
+        if self.samples > 1 and self.temperature <= 0:
+            raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
+        if self.num_tolerance < 0:
+            raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
+        if self.tool_images not in ("attach", "text"):
+            raise ValueError(f"tool_images must be 'attach' or 'text', got {self.tool_images!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if not self.include_base and not self.adapters:
+            raise ValueError("nothing to evaluate: no base arm and no adapters")
+
+
+@dataclass
+class Arm:
+    """One model to evaluate: the base (``adapter is None``) or the base with one LoRA adapter."""
+
+    name: str
+    adapter: str | None = None
+    peft_name: str | None = None  # peft adapter names must be valid module keys, so they are internal
+
+
+@dataclass
+class TurnPrompt:
+    """One scored turn: its prompt, exactly as every arm sees it, and its reference."""
+
+    trace_id: str
+    turn: int  # index among the trace's assistant turns
+    message_index: int
+    source: str
+    text: str
+    images: list[str]  # resolved paths, in prompt order
+    prompt_sha256: str
+    prompt_tokens: int
+    reference: Reference
+    meta: dict
+    question: str
+
+
+# ---------------------------------------------------------------- data
+
+
+def read_traces(cfg: EvalConfig) -> tuple[list[tuple[str, Trace]], list[dict]]:
+    """Normalised traces with their ``file:line``, and one failure entry for every row that is not usable."""
+    traces, failures, seen, count = [], [], {}, 0
+    for file in cfg.data:
+        for line, raw in read_lines(file):
+            if cfg.limit is not None and count >= cfg.limit:
+                return traces, failures
+            count += 1
+            source, row_id = f"{file}:{line}", None
+            try:
+                if not raw.strip():
+                    raise TraceError("blank_line", "<line>", "empty line")
+                row = _decode_line(raw)
+                row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
+                trace = normalize_row(row, attach_tool_images=cfg.tool_images == "attach")
+                if trace.id in seen:
+                    raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
+            except TraceError as err:
+                failures.append(_problem("row", source, row_id, None, err.reason, err.field, err.detail))
+                continue
+            seen[trace.id] = source
+            traces.append((source, trace))
+    return traces, failures
+
+
+def _problem(level, source, trace_id, turn, reason, field_name, detail) -> dict:
+    return {"level": level, "source": source, "trace_id": trace_id, "turn": turn, "reason": reason, "field": field_name, "detail": detail}
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _image_layout(trace: Trace, cfg: EvalConfig, factor: int, hashes: dict) -> list:
+    """Per image: ``(path, visual tokens, sha256)``, or the :class:`ImageError` that makes it unusable."""
+    out = []
+    for rel in trace.images:
+        try:
+            path = resolve_image_path(rel, cfg.data_root)
+            width, height = image_size(path)
+            tokens = image_token_count(resized_hw(width, height, factor, cfg.min_pixels, cfg.max_pixels), factor)
+            if path not in hashes:
+                hashes[path] = _file_sha256(path)
+            out.append((path, tokens, hashes[path]))
+        except ImageError as err:
+            out.append(err)
+    return out
+
+
+def _question(trace: Trace) -> str:
+    user = next((m for m in trace.messages if m["role"] == "user"), None)
+    return "".join(p.get("text", "") for p in user["content"] if p["type"] == "text") if user else ""
+
+
+def _reference(trace: Trace, index: int) -> Reference:
+    msg = trace.messages[index]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
+    last = index == len(trace.messages) - 1  # normalize_row ends every trace at its last assistant turn
+    return Reference(
+        calls=calls,
+        content=msg["content"],
+        tool_names=[t["function"]["name"] for t in trace.tools],
+        is_final=last and extract_final_answer(msg["content"]) is not None,
+        gt_answer=trace.meta.get("gt_answer", ""),
+    )
+
+
+def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> tuple[list[TurnPrompt], list[dict]]:
+    """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
+    included); turns over ``max_prompt_tokens`` or with an unusable image are skipped with a reason."""
+    from .encoding import render
+
+    tokenizer = processor.tokenizer
+    factor, hashes = image_factor(processor), {}
+    prompts, skipped = [], []
+    for source, trace in traces:
+        layout = _image_layout(trace, cfg, factor, hashes)
+        turn = -1
+        for index, msg in enumerate(trace.messages):
+            if msg["role"] != "assistant":
+                continue
+            turn += 1
+            history = trace.messages[:index]
+            images = layout[: count_images(history)]
+            bad = next((img for img in images if isinstance(img, ImageError)), None)
+            if bad is not None:
+                skipped.append(_problem("turn", source, trace.id, turn, bad.reason, f"image {bad.path}", bad.detail))
+                continue
+            text = render(processor, history, trace.tools, add_generation_prompt=True)
+            n_text = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            n_tokens = n_text - len(images) + sum(tokens for _, tokens, _ in images)  # one <|image_pad|> each
+            if n_tokens > cfg.max_prompt_tokens:
+                detail = f"{n_tokens} prompt tokens, limit {cfg.max_prompt_tokens}"
+                skipped.append(_problem("turn", source, trace.id, turn, "prompt_too_long", "messages", detail))
+                continue
+            digest = hashlib.sha256(text.encode())
+            for path, _, sha in images:
+                digest.update(f"\0{path.name}:{sha}".encode())
+            prompts.append(
+                TurnPrompt(trace.id, turn, index, source, text, [p for p, _, _ in images], digest.hexdigest(), n_tokens,
+                           _reference(trace, index), dict(trace.meta), _question(trace))
+            )
+    return prompts, skipped
+
+
+class ImageCache:
+    """Decoded RGB images by path, least recently used first out, within a budget of pixels."""
+
+    def __init__(self, max_pixels: int = 200_000_000):
+        self.max_pixels = max_pixels
+        self._images: OrderedDict = OrderedDict()
+        self._pixels = 0
+
+    def get(self, path: Path):
+        if path in self._images:
+            self._images.move_to_end(path)
+            return self._images[path]
+        image = load_rgb(path)
+        self._images[path] = image
+        self._pixels += image.width * image.height
+        while self._pixels > self.max_pixels and len(self._images) > 1:
+            _, old = self._images.popitem(last=False)
+            self._pixels -= old.width * old.height
+        return image
+
+
+# ---------------------------------------------------------------- model
+
+
+def parse_arms(cfg: EvalConfig) -> list[Arm]:
+    """The base arm (unless excluded) then one arm per ``--adapter DIR`` or ``--adapter NAME=DIR``."""
+    arms = [Arm("base")] if cfg.include_base else []
+    for k, spec in enumerate(cfg.adapters):
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name, spec
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"--adapter {spec}: no adapter_config.json in {path}")
+        arms.append(Arm(name, path, f"arm{k}"))
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique, got {names}: name adapters with NAME=DIR")
+    return arms
+
+
+def resolve_device(cfg: EvalConfig):
+    """``(device, dtype)``: ``auto`` is CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    import torch
+
+    if cfg.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+    if cfg.dtype != "auto":
+        return device, getattr(torch, cfg.dtype)
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(cfg: EvalConfig, arms: list[Arm]):
+    """The base model, loaded once, with every adapter of ``arms`` attached by peft (none active yet)."""
+    from transformers import AutoModelForImageTextToText
+
+    device, dtype = resolve_device(cfg)
+    model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=dtype, device_map={"": str(device)})
+    adapters = [a for a in arms if a.adapter]
+    if adapters:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].peft_name)
+        for arm in adapters[1:]:
+            model.load_adapter(arm.adapter, adapter_name=arm.peft_name)
+    return model.eval()
+
+
+@contextmanager
+def use_arm(model, arm: Arm):
+    """Activate ``arm``'s adapter; for the base arm, disable the adapters of a peft model."""
+    if arm.adapter:
+        model.set_adapter(arm.peft_name)
+        yield model
+        return
+    from peft import PeftModel
+
+    with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
+        yield model
+
+
+def generation_config(cfg: EvalConfig, tokenizer):
+    """Greedy, or sampling with every setting explicit: ``generate`` fills unset (``None``) settings from
+    the model's ``generation_config.json`` (Qwen3-VL-Instruct ships temperature 0.7, top_k 20, top_p 0.8)."""
+    from transformers import GenerationConfig
+
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k} if cfg.temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=bool(sampling),
+        **sampling,
+        repetition_penalty=1.0,
+        num_return_sequences=cfg.samples,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS],
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+
+
+def _generate_batch(model, processor, batch: list[TurnPrompt], images: ImageCache, gen_config, seed: int) -> list[dict]:
+    import torch
+
+    pictures = [images.get(p) for t in batch for p in t.images]
+    inputs = processor(text=[t.text for t in batch], images=pictures or None, padding=True, return_tensors="pt")
+    inputs = inputs.to(model.device)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    torch.manual_seed(seed)  # the same seed per batch in every arm: common random numbers for sampling
+    with torch.inference_mode():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new = out[:, inputs["input_ids"].shape[1]:].tolist()
+    stops = set(gen_config.eos_token_id)
+    k = gen_config.num_return_sequences
+    results = []
+    for i in range(len(batch)):
+        gen = {"outputs": [], "finished": [], "new_tokens": []}
+        for ids in new[i * k : (i + 1) * k]:
+            end = next((j + 1 for j, tok in enumerate(ids) if tok in stops), None)
+            kept = ids[:end] if end else ids
+            gen["outputs"].append(processor.tokenizer.decode(kept, skip_special_tokens=False))
+            gen["finished"].append(end is not None)
+            gen["new_tokens"].append(len(kept))
+        results.append(gen)
+    return results
+
+
+def generate_turns(model, processor, prompts: list[TurnPrompt], cfg: EvalConfig, images: ImageCache | None = None, bar=None) -> list[dict]:
+    """Generate for every prompt with the active arm, in batches of similar length (longest first, so a
+    batch that does not fit in memory fails at once). Returns ``{"outputs", "finished", "new_tokens"}``
+    per prompt, in the order of ``prompts``."""
+    images = images or ImageCache()
+    gen_config = generation_config(cfg, processor.tokenizer)
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].prompt_tokens)
+    results: list = [None] * len(prompts)
+    for b, start in enumerate(range(0, len(order), cfg.batch_size)):
+        idx = order[start : start + cfg.batch_size]
+        for i, gen in zip(idx, _generate_batch(model, processor, [prompts[i] for i in idx], images, gen_config, cfg.seed + b)):
+            results[i] = gen
+        if bar is not None:
+            bar.update(len(idx))
+    return results
+
+
+# ---------------------------------------------------------------- scoring and reports
+
+
+def load_judge(spec: str):
+    """``module:function`` -> the callable ``judge(question, prediction, reference) -> bool``."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--judge must be module:function, got {spec!r}")
+    judge = getattr(importlib.import_module(module), name)
+    if not callable(judge):
+        raise TypeError(f"--judge {spec} is not callable")
+    return judge
+
+
+def _judge(judge, prompt: TurnPrompt, answer: str | None) -> tuple[bool | None, str | None]:
+    if judge is None or not prompt.reference.is_final:
+        return None, None
+    if answer is None:
+        return False, None
+    try:
+        return bool(judge(prompt.question, answer, prompt.reference.gt_answer)), None
+    except Exception as err:  # an external judge (often a web API) must not sink a finished run
+        return None, f"{type(err).__name__}: {err}"
+
+
+def score_turns(arm: str, prompts: list[TurnPrompt], generations: list[dict], cfg: EvalConfig, judge=None) -> list[dict]:
+    """One ``results.jsonl`` record per turn: ids, prompt hash, raw outputs, parsed calls and scores."""
+    records = []
+    for prompt, gen in zip(prompts, generations):
+        parsed = [parse_output(text) for text in gen["outputs"]]
+        verdicts = [_judge(judge, prompt, p.final_answer) for p in parsed]
+        sample_scores = [
+            score_output(p, prompt.reference, cfg.num_tolerance, truncated=not done, judged=v)
+            for p, done, (v, _) in zip(parsed, gen["finished"], verdicts)
+        ]
+        record = {
+            "arm": arm,
+            "trace_id": prompt.trace_id,
+            "turn": prompt.turn,
+            "message_index": prompt.message_index,
+            "source": prompt.source,
+            "prompt_sha256": prompt.prompt_sha256,
+            "prompt_tokens": prompt.prompt_tokens,
+            "n_images": len(prompt.images),
+            **{k: prompt.meta.get(k, "") for k in ("EO_task", "question_type", "data_source")},
+            "reference": prompt.reference.to_json(),
+            "gt_answer": prompt.reference.gt_answer if prompt.reference.is_final else None,
+            **gen,
+            "parsed": [p.to_json() for p in parsed],
+            "sample_scores": sample_scores,
+            "scores": combine_samples(sample_scores, cfg.samples),
+        }
+        if any(err for _, err in verdicts):
+            record["judge_errors"] = [err for _, err in verdicts]
+        records.append(record)
+    return records
+
+
+def _by_group(records: list[dict], key: str) -> dict:
+    groups = defaultdict(list)
+    for r in records:
+        groups[r[key] or "(none)"].append(r["scores"])
+    return {name: mean_scores(scores) for name, scores in sorted(groups.items())}
+
+
+def paired_comparisons(records: list[dict], arms: list[str]) -> list[dict]:
+    """Every later arm against every earlier one, per positive metric, on the turns both have scored."""
+    by_arm = {a: {(r["trace_id"], r["turn"]): r for r in records if r["arm"] == a} for a in arms}
+    metrics = [m for m in dict.fromkeys(k for r in records for k in r["scores"]) if m.split("@")[0] in POSITIVE_METRICS]
+    out = []
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            keys = sorted(by_arm[a].keys() & by_arm[b].keys())
+            for key in keys:
+                if by_arm[a][key]["prompt_sha256"] != by_arm[b][key]["prompt_sha256"]:
+                    raise RuntimeError(f"turn {key} has different prompts in arms {a} and {b}")
+            for metric in metrics:
+                units = [k for k in keys if by_arm[a][k]["scores"].get(metric) is not None and by_arm[b][k]["scores"].get(metric) is not None]
+                if not units:
+                    continue
+                xs = [by_arm[a][k]["scores"][metric] for k in units]
+                ys = [by_arm[b][k]["scores"][metric] for k in units]
+                out.append({"a": a, "b": b, "metric": metric, **paired_stats(xs, ys, clusters=[k[0] for k in units])})
+    return out
+
+
+def summarize(records: list[dict], arms: list[Arm], counts: dict, settings: dict, timing: dict) -> dict:
+    """``summary.json``: settings, counts, per-arm metrics overall and per group, paired comparisons."""
+    per_arm = {}
+    for arm in arms:
+        mine = [r for r in records if r["arm"] == arm.name]
+        per_arm[arm.name] = {
+            "adapter": arm.adapter,
+            "overall": mean_scores([r["scores"] for r in mine]),
+            **{f"by_{key}": _by_group(mine, key) for key in GROUP_FIELDS},
+            "timing": timing.get(arm.name, {}),
+        }
+    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired_comparisons(records, [a.name for a in arms])}
+
+
+def _metric_table(title: str, rows: list[tuple[str, dict]], metrics: list[str]) -> list[str]:
+    width = max([len(title)] + [len(name) for name, _ in rows])
+    lines = [f"{title:<{width}} {'turns':>6} " + " ".join(f"{m:>{max(len(m), 6)}}" for m in metrics)]
+    for name, scores in rows:
+        n = max((v["n"] for v in scores.values()), default=0)
+        cells = [scores.get(m, {}).get("mean") for m in metrics]
+        lines.append(
+            f"{name:<{width}} {n:>6} "
+            + " ".join(f"{'-' if v is None else f'{v:.3f}':>{max(len(m), 6)}}" for m, v in zip(metrics, cells))
+        )
+    return lines
+
+
+def format_report(summary: dict) -> str:
+    """The printed table: counts, per-arm metrics overall and per group, then the paired comparisons."""
+    counts, arms = summary["counts"], summary["arms"]
+    k = summary["settings"]["samples"]
+    metrics = [m for m in REPORT_METRICS if any(m in a["overall"] for a in arms.values())]
+    metrics += [m for m in ("answer_judge", f"turn_correct@{k}", f"answer_normalized@{k}") if any(m in a["overall"] for a in arms.values())]
+    lines = [
+        f"rows {counts['rows_in']} (failed {counts['rows_failed']}), turns {counts['turns_total']} "
+        f"(scored {counts['turns_scored']}, skipped {counts['turns_skipped']}), arms {len(arms)}, samples per turn {k}",
+        "",
+    ]
+    lines += _metric_table("overall", [(name, a["overall"]) for name, a in arms.items()], metrics)
+    for key in GROUP_FIELDS:
+        groups = sorted({g for a in arms.values() for g in a[f"by_{key}"]})
+        rows = [(f"{g} | {name}", a[f"by_{key}"].get(g, {})) for g in groups for name, a in arms.items()]
+        lines += ["", *_metric_table(f"by {key} | arm", rows, metrics)]
+    if summary["paired"]:
+        lines += [
+            "",
+            "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+            "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal",
+            f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
+            f"{'95% CI, normal approx.':>22} {'SE (trace-cl.)':>14} {'W/L/T':>13}",
+        ]
+        for p in summary["paired"]:
+            ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
+            se = "-" if p["se"] is None else f"{p['se']:.4f}"
+            sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
+            lines.append(
+                f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5} {p['mean_a']:>7.3f} {p['mean_b']:>7.3f} "
+                f"{p['delta']:>+8.3f} {se:>7} {ci:>22} {sec:>14} {p['wins']:>4}/{p['losses']}/{p['ties']}"
+            )
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+def _write_jsonl(path: Path, items: list[dict]) -> None:
+    with open(path, "w") as fh:
+        for item in items:
+            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+
+
+def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
+    """Run a whole evaluation and write its files to ``cfg.output``; return the summary."""
+    from tqdm.auto import tqdm
+
+    from .processor import load_processor
+
+    out = Path(cfg.output)
+    if (out / "results.jsonl").exists() and not cfg.overwrite:
+        raise FileExistsError(f"{out}/results.jsonl exists: pick another --output or pass --overwrite")
+    judge = load_judge(cfg.judge) if cfg.judge else None
+    arms = parse_arms(cfg)
+    processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
+    processor.tokenizer.padding_side = "left"
+    traces, failures = read_traces(cfg)
+    prompts, skipped = plan_turns(processor, traces, cfg)
+    model = load_model(cfg, arms)
+    device, dtype = resolve_device(cfg)
+    records, timing, images = [], {}, ImageCache()
+    bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
+    for arm in arms:
+        bar.set_postfix_str(arm.name)
+        start = time.perf_counter()
+        with use_arm(model, arm):
+            generations = generate_turns(model, processor, prompts, cfg, images, bar)
+        seconds = time.perf_counter() - start
+        new_tokens = sum(sum(g["new_tokens"]) for g in generations)
+        timing[arm.name] = {"seconds": seconds, "turns_per_s": len(prompts) / seconds if seconds else None, "new_tokens_per_s": new_tokens / seconds if seconds else None}
+        records += score_turns(arm.name, prompts, generations, cfg, judge)
+    bar.close()
+    counts = {
+        "rows_in": len(traces) + len(failures),
+        "rows_failed": len(failures),
+        "rows_failed_by_reason": _count(failures),
+        "turns_total": len(prompts) + len(skipped),
+        "turns_scored": len(prompts),
+        "turns_skipped": len(skipped),
+        "turns_skipped_by_reason": _count(skipped),
+        "traces_scored": len({p.trace_id for p in prompts}),
+    }
+    settings = {**asdict(cfg), "arms": [asdict(a) for a in arms], "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+                "data_sha256": {f: _file_sha256(Path(f)) for f in cfg.data}, "versions": _versions()}
+    summary = summarize(records, arms, counts, settings, timing)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "results.jsonl", records)
+    _write_jsonl(out / "skipped.jsonl", failures + skipped)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    report = format_report(summary)
+    (out / "report.txt").write_text(report + "\n")
+    print(report)
+    return summary
+
+
+def _count(problems: list[dict]) -> dict:
+    counts = defaultdict(int)
+    for p in problems:
+        counts[p["reason"]] += 1
+    return dict(sorted(counts.items()))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_evaluate_args(parser) -> None:
+    """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
+    add = parser.add_argument
+    add("--model", required=True, help="base model: hub id or local folder (its processor and chat template are used)")
+    add("--adapter", nargs="+", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
+    add("--no-base", action="store_true", help="do not evaluate the base model as an arm")
+    add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
+    add("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
+    add("--output", required=True, help="folder for results.jsonl, skipped.jsonl, summary.json, report.txt")
+    add("--samples", type=int, default=1, help="outputs per turn (k of pass@k); k > 1 needs --temperature")
+    add("--temperature", type=float, default=0.0, help="0 = greedy decoding")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    add("--top-k", type=int, default=0, help="top-k sampling when --temperature > 0 (0 = off)")
+    add("--max-new-tokens", type=int, default=512)
+    add("--batch-size", type=int, default=8, help="prompts per generate() call")
+    add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
+    add("--limit", type=int, default=None, help="read only the first N input rows")
+    add("--max-prompt-tokens", type=int, default=8192, help="skip turns whose prompt is longer (image tokens included)")
+    add("--max-pixels", type=int, default=1003520, help="pixel cap per image, as in data prep")
+    add("--min-pixels", type=int, default=65536, help="pixel floor per image, as in data prep")
+    add("--tool-images", choices=("attach", "text"), default="attach", help="as in data prep")
+    add("--judge", default=None, metavar="MODULE:FUNCTION", help="judge(question, prediction, reference) -> bool for final answers")
+    add("--seed", type=int, default=0)
+    add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"), help="auto = bf16 on GPU, fp32 on CPU")
+    add("--overwrite", action="store_true", help="replace the results of an earlier run in --output")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_evaluate(args) -> dict:
+    """``eogym-sft evaluate``: build the :class:`EvalConfig` from parsed flags and run :func:`evaluate`."""
+    for path in args.data:
+        if not Path(path).is_file():
+            raise SystemExit(f"eogym-sft evaluate: no such data file: {path}")
+    try:
+        cfg = EvalConfig(
+            model=args.model, data=args.data, output=args.output, adapters=args.adapter, data_root=args.data_root,
+            include_base=not args.no_base, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            num_tolerance=args.num_tolerance, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
+            max_pixels=args.max_pixels, min_pixels=args.min_pixels, tool_images=args.tool_images, judge=args.judge,
+            seed=args.seed, device=args.device, dtype=args.dtype, overwrite=args.overwrite,
+        )
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft evaluate: {err}") from None
+    return evaluate(cfg, progress=not args.no_progress)

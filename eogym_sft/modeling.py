@@ -1,0 +1,59 @@
+"""Model setup: load Qwen3-VL, freeze the vision tower and aligner, put LoRA on the language model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The vision tower (blocks: qkv/proj/linear_fc1/2) and the aligner (visual.merger and
+# visual.deepstack_merger_list) all live under `visual.`.
+VISION_MARKER = ".visual."
+
+
+def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
+    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+    # Packed (padding-free) batches are told apart by their position ids only when no cache is built.
+    model.config.use_cache = False
+    return model
+
+
+def lora_target_regex(targets=LORA_TARGETS) -> str:
+    """A PEFT ``target_modules`` regex that matches only the language model's projections."""
+    return rf".*\.language_model\..*\.({'|'.join(targets)})"
+
+
+def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targets=LORA_TARGETS):
+    """Freeze everything, then add LoRA adapters on the language model's projections only."""
+    from peft import LoraConfig, get_peft_model
+
+    for param in model.parameters():
+        param.requires_grad_(False)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=lora_target_regex(targets), task_type="CAUSAL_LM"
+    )
+    peft_model = get_peft_model(model, config)
+    check_trainable(peft_model)
+    return peft_model
+
+
+def check_trainable(model) -> dict:
+    """Fail if anything but language-model LoRA weights would train; return the parameter counts."""
+    bad = [n for n, p in model.named_parameters() if p.requires_grad and (VISION_MARKER in f".{n}" or "lora_" not in n)]
+    if bad:
+        raise RuntimeError(f"only language-model LoRA weights may train, but these are trainable: {bad[:8]}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if trainable == 0:
+        raise RuntimeError("no trainable parameters: the LoRA targets matched nothing")
+    counts = {"trainable": trainable, "total": total, "share": trainable / total}
+    logger.info("trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * counts["share"])
+    return counts

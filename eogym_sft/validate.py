@@ -1,0 +1,155 @@
+"""``eogym-sft validate``: loss and token accuracy of an adapter (and optionally its base) on prepared data.
+
+Logits are computed only at supervised positions (the LM head over a 151,936-token vocabulary is the
+largest activation otherwise). Every figure is a token-weighted sum over the whole set, summed across
+ranks before dividing; see :mod:`eogym_sft.metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .metrics import IGNORE_INDEX, TOKEN_CLASSES, token_classes
+
+GROUP_FIELDS = ("EO_task", "question_type")
+
+
+def _causal_lm(model):
+    """The ``...ForConditionalGeneration`` module under a PEFT wrapper (LoRA layers are injected in it)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+@torch.no_grad()
+def supervised_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per supervised target token: cross-entropy, correctness, and its ``(row, position)`` index."""
+    lm = _causal_lm(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = lm.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
+    targets = batch["labels"][:, 1:]
+    where = (targets != IGNORE_INDEX).nonzero()
+    logits = lm.lm_head(hidden[where[:, 0], where[:, 1]]).float()
+    goal = targets[where[:, 0], where[:, 1]]
+    loss = torch.nn.functional.cross_entropy(logits, goal, reduction="none")
+    return loss, logits.argmax(-1) == goal, where
+
+
+def _accumulate(totals, keys_per_row, classes_per_row, loss, correct, where) -> None:
+    for (row, pos), l, c in zip(where.tolist(), loss.tolist(), correct.tolist()):
+        groups = ["overall", *keys_per_row[row], f"token_class/{classes_per_row[row][pos + 1]}"]
+        for g in groups:
+            totals[g][0] += l
+            totals[g][1] += c
+            totals[g][2] += 1
+
+
+def _merge_ranks(totals: dict) -> dict:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return totals
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, dict(totals))
+    merged = defaultdict(lambda: [0.0, 0, 0])
+    for part in gathered:
+        for key, (l, c, n) in part.items():
+            merged[key][0] += l
+            merged[key][1] += c
+            merged[key][2] += n
+    return merged
+
+
+def score_dataset(model, collator, dataset, batch_size: int = 4, device: str | torch.device = "cpu", progress: bool = True) -> dict:
+    """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
+    ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset."""
+    from tqdm.auto import tqdm
+
+    rank, world = 0, 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    indices = list(range(rank, len(dataset), world))
+    tokenizer = collator.processor.tokenizer
+    totals = defaultdict(lambda: [0.0, 0, 0])
+    for start in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress):
+        examples = [dataset[i] for i in indices[start : start + batch_size]]
+        batch = collator(examples)
+        keys = [[f"{f}/{ex.get(f) or 'unknown'}" for f in GROUP_FIELDS] for ex in examples]
+        classes = [
+            token_classes(batch["input_ids"][b].tolist(), (batch["labels"][b] != IGNORE_INDEX).tolist(), tokenizer)
+            for b in range(len(examples))
+        ]
+        batch = {k: v.to(device) for k, v in batch.items()}
+        loss, correct, where = supervised_scores(model, batch)
+        _accumulate(totals, keys, classes, loss.cpu(), correct.cpu(), where.cpu())
+    merged = _merge_ranks(totals)
+    return {
+        key: {"loss": l / n, "token_accuracy": c / n, "tokens": n}
+        for key, (l, c, n) in sorted(merged.items(), key=lambda kv: (kv[0] != "overall", kv[0]))
+    }
+
+
+def format_report(report: dict) -> str:
+    """A table with one row per group and one column pair per model."""
+    columns = list(report["models"])
+    header = f"{'group':<44}" + "".join(f"{c + ' loss':>16}{c + ' acc':>14}" for c in columns) + f"{'tokens':>10}"
+    lines = [header]
+    first = report["models"][columns[0]]
+    for group, row in first.items():
+        cells = ""
+        for c in columns:
+            r = report["models"][c].get(group, {"loss": float("nan"), "token_accuracy": float("nan")})
+            cells += f"{r['loss']:>16.4f}{r['token_accuracy']:>14.4f}"
+        lines.append(f"{group[:44]:<44}{cells}{row['tokens']:>10}")
+    return "\n".join(lines)
+
+
+def add_validate_args(parser) -> None:
+    parser.add_argument("--model", required=True, help="base model: hub id or local folder")
+    parser.add_argument("--adapter", help="PEFT adapter folder (omit to score the base model alone)")
+    parser.add_argument("--data", required=True, help="prepared folder, or EO-Gym JSONL (prepared on the way in)")
+    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
+    parser.add_argument("--output", required=True, help="report.json to write")
+    parser.add_argument("--with-base", action="store_true", help="also score the base model, as a second column")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--max-pixels", type=int, default=1003520)
+    parser.add_argument("--min-pixels", type=int, default=65536)
+    parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+
+
+def run_validate(args) -> dict:
+    from .collator import EOGymCollator
+    from .data import load_or_prepare
+    from .modeling import load_base_model
+    from .prepare import PrepConfig
+    from .processor import load_processor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    processor = load_processor(args.model, args.max_pixels, args.min_pixels)
+    cfg = PrepConfig(args.data_root, args.max_tokens, args.max_pixels, args.min_pixels)
+    workdir = Path(args.output).with_suffix("").as_posix() + "_prepared"
+    dataset, _ = load_or_prepare(args.data, args.model, processor, cfg, workdir, args.num_proc)
+    model = load_base_model(args.model, dtype=dtype)
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    model.to(device).eval()
+    collator = EOGymCollator(processor, data_root=args.data_root, max_pixels=args.max_pixels, min_pixels=args.min_pixels, max_length=args.max_tokens)
+    models = {}
+    name = "adapter" if args.adapter else "base"
+    models[name] = score_dataset(model, collator, dataset, args.batch_size, device)
+    if args.adapter and args.with_base:
+        with model.disable_adapter():
+            models["base"] = score_dataset(model, collator, dataset, args.batch_size, device)
+    report = {"model": args.model, "adapter": args.adapter, "data": args.data, "samples": len(dataset), "models": models}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    print(format_report(report))
+    print(f"token accuracy ({name}): {models[name]['overall']['token_accuracy']:.4f}  report: {args.output}")
+    return report
