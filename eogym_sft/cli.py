@@ -75,7 +75,20 @@ def run_evaluate(args: argparse.Namespace) -> dict:
     return run(args)
 
 
+def add_demo_args(parser: argparse.ArgumentParser) -> None:
+    from .demo import add_demo_args as add
+
+    add(parser)
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    from .demo import run_demo as run
+
+    return run(args)
+
+
 COMMANDS = {
+    "demo": (add_demo_args, run_demo, "prepare the bundled sample, train a tiny Qwen3-VL a few steps on CPU, validate"),
     "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
     "tiny-model": (add_tiny_args, run_tiny, "write a tiny random Qwen3-VL with a real offline processor"),
     "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),

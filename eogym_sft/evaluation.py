@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .encoding import render
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .prepare import _decode_line, image_factor, image_token_count, read_lines, resized_hw
 from .scoring import (
@@ -72,8 +73,10 @@ class EvalConfig:
     overwrite: bool = False
 
     def __post_init__(self):
-        if self.samples < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError("samples, batch_size and max_new_tokens must be at least 1")
+        if min(self.samples, self.batch_size, self.max_new_tokens, self.max_prompt_tokens) < 1:
+            raise ValueError("samples, batch_size, max_new_tokens and max_prompt_tokens must be at least 1")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
         if self.samples > 1 and self.temperature <= 0:
             raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
         if self.num_tolerance < 0:
@@ -104,7 +107,7 @@ class TurnPrompt:
     message_index: int
     source: str
     text: str
-    images: list[str]  # resolved paths, in prompt order
+    images: list[Path]  # resolved paths, in prompt order
     prompt_sha256: str
     prompt_tokens: int
     reference: Reference
@@ -152,7 +155,7 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _image_layout(trace: Trace, cfg: EvalConfig, factor: int, hashes: dict) -> list:
+def _image_table(trace: Trace, cfg: EvalConfig, factor: int, hashes: dict) -> list:
     """Per image: ``(path, visual tokens, sha256)``, or the :class:`ImageError` that makes it unusable."""
     out = []
     for rel in trace.images:
@@ -189,13 +192,11 @@ def _reference(trace: Trace, index: int) -> Reference:
 def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> tuple[list[TurnPrompt], list[dict]]:
     """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
     included); turns over ``max_prompt_tokens`` or with an unusable image are skipped with a reason."""
-    from .encoding import render
-
     tokenizer = processor.tokenizer
     factor, hashes = image_factor(processor), {}
     prompts, skipped = [], []
     for source, trace in traces:
-        layout = _image_layout(trace, cfg, factor, hashes)
+        layout = _image_table(trace, cfg, factor, hashes)
         turn = -1
         for index, msg in enumerate(trace.messages):
             if msg["role"] != "assistant":
@@ -278,7 +279,7 @@ def resolve_device(cfg: EvalConfig):
 
 
 def load_model(cfg: EvalConfig, arms: list[Arm]):
-    """The base model, loaded once, with every adapter of ``arms`` attached by peft (none active yet)."""
+    """The base model, loaded once, with every adapter of ``arms`` attached by peft (switch with :func:`use_arm`)."""
     from transformers import AutoModelForImageTextToText
 
     device, dtype = resolve_device(cfg)
@@ -324,10 +325,9 @@ def generation_config(cfg: EvalConfig, tokenizer):
     )
 
 
-def _generate_batch(model, processor, batch: list[TurnPrompt], images: ImageCache, gen_config, seed: int) -> list[dict]:
+def _generate_batch(model, processor, batch: list[TurnPrompt], pictures: list, gen_config, seed: int) -> list[dict]:
     import torch
 
-    pictures = [images.get(p) for t in batch for p in t.images]
     inputs = processor(text=[t.text for t in batch], images=pictures or None, padding=True, return_tensors="pt")
     inputs = inputs.to(model.device)
     if "pixel_values" in inputs:
@@ -353,18 +353,31 @@ def _generate_batch(model, processor, batch: list[TurnPrompt], images: ImageCach
 
 def generate_turns(model, processor, prompts: list[TurnPrompt], cfg: EvalConfig, images: ImageCache | None = None, bar=None) -> list[dict]:
     """Generate for every prompt with the active arm, in batches of similar length (longest first, so a
-    batch that does not fit in memory fails at once). Returns ``{"outputs", "finished", "new_tokens"}``
-    per prompt, in the order of ``prompts``."""
+    batch that does not fit in memory fails at once).
+
+    Returns, in the order of ``prompts``, ``{"outputs", "finished", "new_tokens"}`` per prompt, or
+    ``{"error": problem}`` for a prompt with an image that passed the header check but does not decode
+    (the same prompts fail in every arm, so pairing is unaffected).
+    """
     images = images or ImageCache()
     gen_config = generation_config(cfg, processor.tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -prompts[i].prompt_tokens)
     results: list = [None] * len(prompts)
     for b, start in enumerate(range(0, len(order), cfg.batch_size)):
-        idx = order[start : start + cfg.batch_size]
-        for i, gen in zip(idx, _generate_batch(model, processor, [prompts[i] for i in idx], images, gen_config, cfg.seed + b)):
-            results[i] = gen
+        ready, pictures = [], []
+        for i in order[start : start + cfg.batch_size]:
+            p = prompts[i]
+            try:
+                pictures += [images.get(path) for path in p.images]
+                ready.append(i)
+            except ImageError as err:
+                results[i] = {"error": _problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail)}
+        if ready:
+            gens = _generate_batch(model, processor, [prompts[i] for i in ready], pictures, gen_config, cfg.seed + b)
+            for i, gen in zip(ready, gens):
+                results[i] = gen
         if bar is not None:
-            bar.update(len(idx))
+            bar.update(len(order[start : start + cfg.batch_size]))
     return results
 
 
@@ -397,6 +410,8 @@ def score_turns(arm: str, prompts: list[TurnPrompt], generations: list[dict], cf
     """One ``results.jsonl`` record per turn: ids, prompt hash, raw outputs, parsed calls and scores."""
     records = []
     for prompt, gen in zip(prompts, generations):
+        if "error" in gen:
+            continue
         parsed = [parse_output(text) for text in gen["outputs"]]
         verdicts = [_judge(judge, prompt, p.final_answer) for p in parsed]
         sample_scores = [
@@ -530,10 +545,29 @@ def _write_jsonl(path: Path, items: list[dict]) -> None:
             fh.write(json.dumps(item, ensure_ascii=False) + "\n")
 
 
-def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
-    """Run a whole evaluation and write its files to ``cfg.output``; return the summary."""
+def run_arms(model, processor, prompts: list[TurnPrompt], arms: list[Arm], cfg: EvalConfig, judge=None, progress: bool = True):
+    """Generate and score every prompt in every arm: ``(records, timing per arm, undecodable turns)``."""
     from tqdm.auto import tqdm
 
+    records, timing, images, failed = [], {}, ImageCache(), {}
+    bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
+    for arm in arms:
+        bar.set_postfix_str(arm.name)
+        start = time.perf_counter()
+        with use_arm(model, arm):
+            generations = generate_turns(model, processor, prompts, cfg, images, bar)
+        seconds = time.perf_counter() - start
+        mine = score_turns(arm.name, prompts, generations, cfg, judge)
+        new_tokens = sum(sum(r["new_tokens"]) for r in mine)
+        timing[arm.name] = {"seconds": seconds, "turns_per_s": len(mine) / seconds, "new_tokens_per_s": new_tokens / seconds}
+        failed.update({(g["error"]["trace_id"], g["error"]["turn"]): g["error"] for g in generations if "error" in g})
+        records += mine
+    bar.close()
+    return records, timing, list(failed.values())
+
+
+def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
+    """Run a whole evaluation and write its files to ``cfg.output``; return the summary."""
     from .processor import load_processor
 
     out = Path(cfg.output)
@@ -546,29 +580,20 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     traces, failures = read_traces(cfg)
     prompts, skipped = plan_turns(processor, traces, cfg)
     model = load_model(cfg, arms)
-    device, dtype = resolve_device(cfg)
-    records, timing, images = [], {}, ImageCache()
-    bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
-    for arm in arms:
-        bar.set_postfix_str(arm.name)
-        start = time.perf_counter()
-        with use_arm(model, arm):
-            generations = generate_turns(model, processor, prompts, cfg, images, bar)
-        seconds = time.perf_counter() - start
-        new_tokens = sum(sum(g["new_tokens"]) for g in generations)
-        timing[arm.name] = {"seconds": seconds, "turns_per_s": len(prompts) / seconds if seconds else None, "new_tokens_per_s": new_tokens / seconds if seconds else None}
-        records += score_turns(arm.name, prompts, generations, cfg, judge)
-    bar.close()
+    records, timing, undecodable = run_arms(model, processor, prompts, arms, cfg, judge, progress)
+    skipped += undecodable
+    scored = {(r["trace_id"], r["turn"]) for r in records}
     counts = {
         "rows_in": len(traces) + len(failures),
         "rows_failed": len(failures),
         "rows_failed_by_reason": _count(failures),
-        "turns_total": len(prompts) + len(skipped),
-        "turns_scored": len(prompts),
+        "turns_total": len(scored) + len(skipped),
+        "turns_scored": len(scored),
         "turns_skipped": len(skipped),
         "turns_skipped_by_reason": _count(skipped),
-        "traces_scored": len({p.trace_id for p in prompts}),
+        "traces_scored": len({trace for trace, _ in scored}),
     }
+    device, dtype = resolve_device(cfg)
     settings = {**asdict(cfg), "arms": [asdict(a) for a in arms], "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                 "data_sha256": {f: _file_sha256(Path(f)) for f in cfg.data}, "versions": _versions()}
     summary = summarize(records, arms, counts, settings, timing)
@@ -596,7 +621,7 @@ def add_evaluate_args(parser) -> None:
     """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
     add = parser.add_argument
     add("--model", required=True, help="base model: hub id or local folder (its processor and chat template are used)")
-    add("--adapter", nargs="+", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
+    add("--adapter", nargs="+", action="extend", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
     add("--no-base", action="store_true", help="do not evaluate the base model as an arm")
     add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
     add("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")

@@ -247,7 +247,7 @@ def prepare_line(processor, cfg: PrepConfig, file: str, line: int, raw: bytes) -
 
 
 def _dropped(cfg: PrepConfig, file: str, line: int, row_id, err: TraceError) -> LineResult:
-    if cfg.strict:
+    if cfg.strict and err.reason != "blank_line":  # a trailing empty line is no reason to stop
         raise PrepError(f"{file}:{line}: field {err.field}: {err.reason}: {err.detail}") from err
     return LineResult(file, line, row_id, "dropped", err.reason, err.field, err.detail)
 

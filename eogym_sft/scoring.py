@@ -19,7 +19,8 @@ FINAL_ANSWER_RE = re.compile(r"final\s+answer\s*(?:\*\*)?\s*:\s*(?:\*\*)?", re.I
 NUMBER_RE = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?![\d.]*\d)")
 THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 NUMBER_UNIT_GAP_RE = re.compile(r"(\d)\s+(?=[^\W\d_]|%|°)")
-# Everything that is neither a word character, whitespace, nor kept number/unit punctuation.
+# Blanked out: characters other than word characters, whitespace, % ° . and -; underscores; a "." that
+# is not between digits; a "-" that is not a minus sign (not before a digit, or right after a word character).
 PUNCT_RE = re.compile(r"[^\w\s%°.\-]|_|(?<!\d)\.|\.(?!\d)|-(?!\d)|(?<=\w)-")
 
 # Per-output metrics; ``None`` = not applicable to this turn. POSITIVE metrics also get an ``@k``.
@@ -98,11 +99,11 @@ def extract_final_answer(text: str) -> str | None:
     The marker is matched case-insensitively and may be wrapped in ``**``. ``None`` when there is no
     marker or nothing follows it.
     """
-    matches = list(FINAL_ANSWER_RE.finditer(strip_end_markers(text)))
+    text = strip_end_markers(text)
+    matches = list(FINAL_ANSWER_RE.finditer(text))
     if not matches:
         return None
-    tail = strip_end_markers(text)[matches[-1].end():].strip()
-    answer = tail.split("\n", 1)[0].strip() if tail else ""
+    answer = text[matches[-1].end():].strip().split("\n", 1)[0].strip()
     return answer or None
 
 

@@ -228,19 +228,23 @@ def _messages(raw_messages, attach_tool_images: bool) -> list[dict]:
         if role == "assistant":
             out.append(_assistant_message(msg, where))
             continue
-        parts = _expand_image_tags(_text_parts(msg.get("content"), f"{where}.content"))
+        raw_parts = _text_parts(msg.get("content"), f"{where}.content")
+        parts = _expand_image_tags(raw_parts)
+        if role == "system" and i != 0:
+            # Qwen3-VL's template renders only a leading system prompt; a later one would vanish silently.
+            raise TraceError("misplaced_system", f"{where}.role", "a system message is only allowed first")
         if role == "system":
             if any(p["type"] == "image" for p in parts):
                 raise TraceError("bad_field_type", f"{where}.content", "a system prompt cannot contain images")
             out.append({"role": "system", "content": "".join(p["text"] for p in parts)})
             continue
-        text = "".join(p["text"] for p in parts if p["type"] == "text")
+        text = "".join(p["text"] for p in raw_parts if p["type"] == "text")  # <image> tags still in place
         blocks = _split_tool_responses(text, f"{where}.content") if role == "user" else None
         if blocks is not None:
-            if any(p["type"] == "image" for p in parts):
+            if any(p["type"] == "image" for p in raw_parts):
                 raise TraceError("mixed_tool_response", f"{where}.content", "images beside <tool_response> blocks")
             for block in blocks:
-                tool_parts = [{"type": "text", "text": block}]
+                tool_parts = _expand_image_tags([{"type": "text", "text": block}])
                 out.append({"role": "tool", "content": _attach_tool_images(tool_parts) if attach_tool_images else tool_parts})
             continue
         if role in ("tool", "function"):

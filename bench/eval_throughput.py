@@ -1,0 +1,213 @@
+"""Evaluation throughput: scored turns/s of ``eogym-sft evaluate`` for one model, per batch size and arm.
+
+Commands (from the repository root)::
+
+    # CPU smoke run on the tiny model
+    eogym-sft tiny-model --output /tmp/tiny && python bench/eval_throughput.py --model /tmp/tiny --rows 4
+
+    # the Qwen3-VL-4B architecture with random weights, on a GPU
+    python -c "import json; from eogym_sft.tiny import save_tiny_model; \
+        save_tiny_model('/tmp/qwen3vl4b', config=json.load(open('recipes/configs/qwen3_vl_4b_instruct.json')))"
+    python bench/eval_throughput.py --model /tmp/qwen3vl4b --rows 32 --batch-size 8 32 --json bench_eval.json
+
+What it does: (a) takes ``--data``/``--data-root`` or writes the EO-Gym-shaped sample of
+``bench/prep_throughput.py`` (row images up to 4000x4000 px, 1-5 a row, tool-result crops, 1-6 tool
+steps); (b) loads the processor and plans every assistant turn as ``evaluate`` does (timed apart); (c)
+loads the model once in the evaluation dtype (bf16 on GPU, fp32 on CPU) and, with ``--lora-arm``, adds
+one random rank-16 LoRA adapter on q/k/v/o/gate/up/down (the EO-Gym-4B recipe) so that both the base
+arm (adapter disabled) and an adapter arm are timed; (d) runs one warm-up batch, then for each batch
+size and arm times :func:`generate_turns` + :func:`score_turns` over all planned turns. Turns/s is
+scored turns over that wall time: model loading, planning and the warm-up are excluded.
+
+Random weights never emit ``<|im_end|>``, so every turn generates exactly ``--max-new-tokens`` tokens:
+the figure is a floor for a trained model that stops after a short tool call. The JSON records mean
+new tokens per turn, so the figure can be scaled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def machine_info(device) -> dict:
+    import peft
+    import torch
+    import transformers
+
+    info = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cpu_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def sample_data(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
+    """The EO-Gym-shaped sample of ``bench/prep_throughput.py`` (same generator, same seed rules)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from prep_throughput import generate_sample
+
+    return generate_sample(workdir / "sample", rows, seed)
+
+
+def add_random_lora(model, seed: int):
+    """Wrap ``model`` in peft with one random rank-16 adapter named ``arm0`` (B is not zero, so it acts)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(model, lora, adapter_name="arm0").eval()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_arm(model, processor, prompts, cfg, arm, device) -> dict:
+    """Generate and score every prompt with ``arm`` active; wall time, rates and peak memory."""
+    import torch
+
+    from eogym_sft.evaluation import ImageCache, generate_turns, score_turns, use_arm
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    with use_arm(model, arm):
+        generations = generate_turns(model, processor, prompts, cfg, ImageCache())
+    records = score_turns(arm.name, prompts, generations, cfg)
+    _sync(device)
+    wall = time.perf_counter() - start
+    new_tokens = sum(sum(g["new_tokens"]) for g in generations)
+    return {
+        "arm": arm.name,
+        "batch_size": cfg.batch_size,
+        "turns": len(records),
+        "wall_s": round(wall, 3),
+        "turns_per_s": round(len(records) / wall, 4),
+        "new_tokens_per_s": round(new_tokens / wall, 1),
+        "mean_new_tokens": round(new_tokens / max(len(records), 1), 1),
+        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym_sft.tiny.save_tiny_model)")
+    parser.add_argument("--data", default=None, help="EO-Gym JSONL to evaluate (default: a generated sample)")
+    parser.add_argument("--data-root", default=".", help="data root of --data")
+    parser.add_argument("--rows", type=int, default=32, help="rows of the generated sample, or rows read from --data")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192)
+    parser.add_argument("--no-lora-arm", action="store_true", help="time the base arm only")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
+    parser.add_argument("--json", default="eval_throughput.json", help="where to write the result")
+    args = parser.parse_args(argv)
+
+    from eogym_sft.evaluation import Arm, EvalConfig, generate_turns, load_model, plan_turns, read_traces, resolve_device
+    from eogym_sft.processor import load_processor
+
+    tmp = tempfile.mkdtemp(prefix="eogym_eval_bench_") if args.workdir is None and args.data is None else None
+    try:
+        if args.data:
+            data, root = Path(args.data), Path(args.data_root)
+        else:
+            data, root = sample_data(Path(args.workdir or tmp), args.rows, args.seed)
+        cfg = EvalConfig(model=args.model, data=[str(data)], data_root=str(root), limit=args.rows, max_new_tokens=args.max_new_tokens,
+                         max_prompt_tokens=args.max_prompt_tokens, device=args.device, dtype=args.dtype, seed=args.seed)
+        device, dtype = resolve_device(cfg)
+        processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
+        processor.tokenizer.padding_side = "left"
+        t0 = time.perf_counter()
+        traces, failures = read_traces(cfg)
+        prompts, skipped = plan_turns(processor, traces, cfg)
+        plan_s = time.perf_counter() - t0
+        print(f"{len(traces)} rows ({len(failures)} failed), {len(prompts)} turns ({len(skipped)} skipped), planned in {plan_s:.1f}s", flush=True)
+
+        t0 = time.perf_counter()
+        model = load_model(cfg, [Arm("base")])
+        arms = [Arm("base")]
+        if not args.no_lora_arm:
+            model = add_random_lora(model, args.seed)
+            arms.append(Arm("lora_r16", "<random>", "arm0"))
+        load_s = time.perf_counter() - t0
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"model loaded in {load_s:.1f}s: {n_params / 1e9:.2f}B parameters, {dtype} on {device}", flush=True)
+
+        cfg.batch_size = min(args.batch_size)
+        generate_turns(model, processor, prompts[: cfg.batch_size], cfg)  # warm-up: CUDA context, kernels
+        runs = []
+        for batch_size in args.batch_size:
+            cfg.batch_size = batch_size
+            for arm in arms:
+                runs.append(time_arm(model, processor, prompts, cfg, arm, device))
+                print(json.dumps(runs[-1]), flush=True)
+
+        n_tokens = [p.prompt_tokens for p in prompts]
+        result = {
+            "bench": "eval_throughput",
+            "command": " ".join(["python", "bench/eval_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+            "model": args.model,
+            "parameters": n_params,
+            "dtype": str(dtype).replace("torch.", ""),
+            "data": str(data) if args.data else f"generated by bench/prep_throughput.py, {args.rows} rows, seed {args.seed}",
+            "rows": len(traces),
+            "turns": len(prompts),
+            "turns_skipped": len(skipped),
+            "mean_prompt_tokens": round(sum(n_tokens) / max(len(n_tokens), 1), 1),
+            "max_prompt_tokens_seen": max(n_tokens, default=0),
+            "max_new_tokens": args.max_new_tokens,
+            "plan_s": round(plan_s, 2),
+            "model_load_s": round(load_s, 2),
+            "machine": machine_info(device),
+            "runs": runs,
+        }
+        print(format_table(result))
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return result
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
+        f"{result['turns']} turns (mean prompt {result['mean_prompt_tokens']} tokens), max_new_tokens {result['max_new_tokens']}",
+        f"{'batch':>5} {'arm':>10} {'turns/s':>9} {'new tok/s':>10} {'new tok/turn':>12} {'wall s':>8} {'peak GiB':>9}",
+    ]
+    for r in result["runs"]:
+        peak = "-" if r["peak_gpu_mem_gib"] is None else r["peak_gpu_mem_gib"]
+        lines.append(f"{r['batch_size']:>5} {r['arm']:>10} {r['turns_per_s']:>9} {r['new_tokens_per_s']:>10} "
+                     f"{r['mean_new_tokens']:>12} {r['wall_s']:>8} {peak:>9}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Training throughput on one GPU: plain TRL against this library's recipe, feature by feature, one run.
+
+    python bench/train_throughput.py --rows 160 --steps 10 --warmup 3 --json bench_train.json
+
+Model: the Qwen3-VL-4B architecture (``recipes/configs/qwen3_vl_4b_instruct.json``) with random bf16
+weights (speed does not depend on their values), built once and shared by every arm. Data: the
+EO-Gym-shaped sample of ``bench/prep_throughput.py`` (row images up to 4000x4000 px, crops in tool
+results), prepared by the library's own data prep (8,192-token budget, 1,003,520-px cap).
+
+Arms (all LoRA r16/alpha32 on the 7 language-model projections, bf16, 4 samples per step):
+  A        plain TRL ``SFTTrainer`` with its own vision collator and defaults (gradient checkpointing,
+           padded batches, SDPA, every non-pad token trained, dataloader_num_workers=0, dropout 0.05)
+  B        the recipe as shipped (``recipes/eo_gym_4b.yaml``)
+  B-...    B with one feature switched (see ARMS)
+
+Per arm: real (non-pad) tokens/s wall-clock including data loading, supervised tokens/s, peak
+allocated/reserved GPU memory, MFU against 790 TFLOP/s (formula in docs/benchmarks.md), time to first
+step, and the dataloader wait fraction (time between a step's end and the next step's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
+PEAK_FLOPS = 790e12  # bf16 dense, measured on an H200 (shared/research/performance.md)
+
+SHIPPED = {"pack": True, "attn": "eogym_varlen", "head": "supervised", "gc": True, "workers": 4, "dropout": 0.05, "batch": 4, "compile": False}
+ARMS = {
+    "A": None,
+    "B": {},
+    "B-padded": {"pack": False},
+    "B-sdpa": {"attn": "sdpa"},
+    "B-fullhead": {"head": "full"},
+    "B-trlhead": {"head": "trl"},
+    "B-workers0": {"workers": 0},
+    "B-noGC": {"gc": False},
+    "B-noGC-b2": {"gc": False, "batch": 2},
+    "B-noGC-b2-compile": {"gc": False, "batch": 2, "compile": True},
+}
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _memory(kind: str) -> float:
+    if DEVICE != "cuda":
+        return 0.0
+    return (torch.cuda.max_memory_allocated() if kind == "allocated" else torch.cuda.max_memory_reserved()) / 2**30
+
+
+class StepTimer:
+    """Trainer callback: wall time of each step and the gap before it (dataloader wait)."""
+
+    def __init__(self):
+        self.begins, self.ends, self.start = [], [], None
+
+    def on_train_begin(self, *a, **k):
+        self.start = time.perf_counter()
+
+    def on_step_begin(self, *a, **k):
+        _sync()
+        self.begins.append(time.perf_counter())
+
+    def on_step_end(self, *a, **k):
+        _sync()
+        self.ends.append(time.perf_counter())
+
+    def __getattr__(self, name):  # the other TrainerCallback hooks do nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+def flops_per_sample(lengths_and_sup, images, cfg) -> float:
+    """Model FLOPs of one step (formula in docs/benchmarks.md)."""
+    t, v = cfg["text_config"], cfg["vision_config"]
+    h, inter, layers = t["hidden_size"], t["intermediate_size"], t["num_hidden_layers"]
+    hq, hkv, d = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    body = layers * (h * hq * d * 2 + h * hkv * d * 2 + 3 * h * inter)  # q,o + k,v + MLP
+    lora = layers * 16 * (h + hq * d + 2 * (h + hkv * d) + hq * d + h + 3 * (h + inter))
+    total = 0.0
+    for length, supervised in lengths_and_sup:
+        total += length * (4 * body + 6 * lora) + 3 * 2 * length * length * hq * d * layers
+        total += supervised * 4 * h * t["vocab_size"]
+    vh, depth = v["hidden_size"], v["depth"]
+    vit_linear = depth * (4 * vh * vh + 2 * vh * v["intermediate_size"])
+    for n_patches in images:
+        total += 2 * vit_linear * n_patches + 4 * n_patches * n_patches * vh * depth
+    return total
+
+
+def prepare_data(workdir: Path, rows: int, model_dir: Path):
+    from prep_throughput import generate_sample
+
+    from eogym_sft.data import load_or_prepare
+    from eogym_sft.prepare import PrepConfig
+    from eogym_sft.processor import load_processor
+
+    jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
+    processor = load_processor(str(model_dir))
+    dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, PrepConfig(str(root)), workdir / "prepared", os.cpu_count())
+    return dataset, stats, root, processor
+
+
+def trl_dataset(dataset, root: Path, processor):
+    """Arm A's rows: the same conversations as rendered text plus images, for TRL's own collator."""
+    from datasets import Dataset, Image, Sequence
+
+    from eogym_sft.encoding import render
+
+    rows = {"text": [], "images": []}
+    for sample in dataset:
+        rows["text"].append(render(processor, json.loads(sample["messages"]), json.loads(sample["tools"])))
+        rows["images"].append([str(root / p) for p in sample["images"]])
+    return Dataset.from_dict(rows).cast_column("images", Sequence(Image()))
+
+
+class Counted:
+    """Wrap ``compute_loss`` to count real and supervised tokens and per-sample lengths."""
+
+    def __init__(self, trainer, merge: int):
+        self.lengths, self.images, self.real, self.supervised = [], [], [], []
+        self.inner, self.merge = trainer.compute_loss, merge
+        trainer.compute_loss = self
+
+    def __call__(self, model, inputs, *args, **kwargs):
+        labels = inputs["labels"]
+        if "attention_mask" in inputs:
+            lengths = inputs["attention_mask"].sum(-1).tolist()
+        else:
+            pos = inputs["position_ids"][0].reshape(-1)
+            starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+            lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        sup = int((labels[:, 1:] != -100).sum())
+        self.lengths.append([(n, sup / len(lengths)) for n in lengths])
+        grid = inputs.get("image_grid_thw")
+        self.images.append([] if grid is None else grid.prod(-1).tolist())
+        self.real.append(sum(lengths))
+        self.supervised.append(sup)
+        return self.inner(model, inputs, *args, **kwargs)
+
+
+def _full_logits_trainer():
+    from transformers import Trainer
+
+    from eogym_sft.trainer import EOGymSFTTrainer
+
+    class FullLogitsTrainer(EOGymSFTTrainer):
+        """The ablation: the model's own loss over full logits (every position through the LM head)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return Trainer.compute_loss(self, model, {**inputs, "use_cache": False}, return_outputs, num_items_in_batch)
+
+    return FullLogitsTrainer
+
+
+def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: int):
+    from trl import SFTConfig, SFTTrainer
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import apply_lora
+    from eogym_sft.trainer import EOGymSFTTrainer
+
+    FullLogitsTrainer = _full_logits_trainer()
+    common = dict(
+        output_dir=str(out), max_steps=steps, learning_rate=1e-4, bf16=DEVICE == "cuda", logging_steps=1000, save_strategy="no",
+        report_to="none", seed=42, remove_unused_columns=False, max_length=None, use_cpu=DEVICE == "cpu",
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    if arm == "A":
+        from peft import LoraConfig
+
+        from eogym_sft.modeling import LORA_TARGETS
+
+        base.set_attn_implementation("sdpa")
+        args = SFTConfig(per_device_train_batch_size=4, gradient_checkpointing=True, dataloader_num_workers=0, **common)
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+        return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
+    s = dict(SHIPPED, **ARMS[arm])
+    base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
+    model = apply_lora(base, dropout=s["dropout"])
+    if s["gc"]:
+        model.enable_input_require_grads()
+    if s["compile"]:
+        for layer in model.get_base_model().model.language_model.layers:
+            layer.compile()
+    args = SFTConfig(
+        per_device_train_batch_size=s["batch"], gradient_checkpointing=s["gc"], dataloader_num_workers=s["workers"],
+        dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0, dataset_kwargs={"skip_prepare_dataset": True},
+        **common,
+    )
+    collator = EOGymCollator(processor, data_root=str(root), padding_free=s["pack"])
+    cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
+    return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
+
+
+def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int) -> dict:
+    from peft import PeftModel
+
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup)
+    timer = StepTimer()
+    trainer.add_callback(timer)
+    counted = Counted(trainer, 2)
+    t0 = time.perf_counter()
+    trainer.train()
+    first_step = timer.ends[0] - t0
+    b, e = timer.begins[warmup:], timer.ends[warmup:]
+    wall = e[-1] - b[0]
+    gaps = sum(b[i + 1] - e[i] for i in range(len(b) - 1))
+    real = sum(counted.real[warmup:])
+    sup = sum(counted.supervised[warmup:])
+    flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(warmup, len(counted.real)))
+    result = {
+        "arm": arm,
+        "settings": "TRL defaults" if arm == "A" else dict(SHIPPED, **ARMS[arm]),
+        "timed_steps": len(b),
+        "real_tokens_per_s": real / wall,
+        "supervised_tokens_per_s": sup / wall,
+        "real_tokens_per_step": real / len(b),
+        "median_step_s": sorted(y - x for x, y in zip(b, e))[len(b) // 2],
+        "peak_allocated_gib": _memory("allocated"),
+        "peak_reserved_gib": _memory("reserved"),
+        "mfu": flops / wall / PEAK_FLOPS,
+        "time_to_first_step_s": first_step,
+        "dataloader_wait_fraction": gaps / wall,
+    }
+    model = trainer.model
+    del trainer
+    if isinstance(model, PeftModel):
+        model.unload()
+    # Arms share the base: undo what an arm switched on for itself.
+    base.gradient_checkpointing_disable()
+    base.disable_input_require_grads()
+    return result
+
+
+def build_base(config_path: Path, workdir: Path):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from eogym_sft.attention import register_varlen_attention
+    from eogym_sft.tiny import build_offline_processor
+
+    register_varlen_attention()
+    cfg = json.loads(config_path.read_text())
+    model_dir = workdir / "processor"
+    build_offline_processor().save_pretrained(model_dir)
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        base = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(cfg))
+    base = base.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    base.config.use_cache = False
+    return base, cfg, model_dir
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json"))
+    parser.add_argument("--rows", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per arm")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
+    base, cfg, model_dir = build_base(Path(args.config), workdir)
+    dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir)
+    results = []
+    for arm in args.arms.split(","):
+        try:
+            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup))
+        except Exception as err:  # a failing arm is reported, not hidden, and the others still run
+            traceback.print_exc()
+            results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})
+        print(json.dumps(results[-1]), flush=True)
+    anchor = next((r for r in results if r["arm"] == "A" and "error" not in r), None)
+    for r in results:
+        if anchor and "error" not in r:
+            r["vs_A"] = r["real_tokens_per_s"] / anchor["real_tokens_per_s"]
+    report = {
+        "date": dt.date.today().isoformat(),
+        "command": "python bench/train_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "versions": {m.__name__: m.__version__ for m in (torch, __import__("transformers"), __import__("trl"), __import__("peft"))},
+        "data": {k: stats[k] for k in ("samples_out", "tokens_total", "trained_token_share", "image_token_share")},
+        "results": results,
+    }
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_table(report: dict) -> str:
+    head = f"{'arm':<20}{'real tok/s':>12}{'sup tok/s':>11}{'vs A':>7}{'MFU':>7}{'alloc GiB':>10}{'rsrv GiB':>10}{'1st step s':>11}{'wait':>7}"
+    lines = [head]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"{r['arm']:<20}ERROR {r['error'][:100]}")
+            continue
+        lines.append(
+            f"{r['arm']:<20}{r['real_tokens_per_s']:>12.0f}{r['supervised_tokens_per_s']:>11.0f}{r.get('vs_A', float('nan')):>7.2f}"
+            f"{r['mfu']:>7.1%}{r['peak_allocated_gib']:>10.1f}{r['peak_reserved_gib']:>10.1f}{r['time_to_first_step_s']:>11.1f}"
+            f"{r['dataloader_wait_fraction']:>7.1%}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Shared fixtures: the offline Qwen3-VL processor, a tiny model folder, the bundled sample, and small
+builders for EO-Gym rows and images. Everything is offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM = "You are an expert remote-sensing analyst. Reply as: Final Answer: <answer>"
+CROP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "crop_optical_or_sar_image",
+        "description": "Crop an optical or SAR image by a normalized AOI and return the saved path.",
+        "parameters": {
+            "type": "object",
+            "properties": {"image_url": {"type": "string"}, "aoi": {"type": "array", "items": {"type": "number"}}},
+            "required": ["image_url", "aoi"],
+        },
+    },
+}
+INDEX_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "compute_index",
+        "description": "Compute a spectral index over a multispectral dataset.",
+        "parameters": {"type": "object", "properties": {"dataset": {"type": "string"}, "index": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def processor():
+    """The real offline Qwen3-VL processor (Qwen3 tokenizer files, trl's Qwen3-VL template)."""
+    from eogym_sft.tiny import build_offline_processor
+
+    return build_offline_processor()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A folder usable as ``--model``: a tiny random Qwen3-VL and the offline processor."""
+    from eogym_sft.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def sample_dir():
+    """The bundled sample (``data/sample``, written by ``data_prep/make_sample.py``)."""
+    path = REPO / "data" / "sample"
+    assert (path / "eogym_sample.jsonl").is_file(), "run `python data_prep/make_sample.py` to write the sample"
+    return path
+
+
+def save_image(root: Path, rel: str, width: int, height: int, mode: str = "RGB", **save_args) -> str:
+    """Write a non-blank ``width`` x ``height`` image under ``root``; return ``rel``."""
+    rng = np.random.default_rng(width * 7919 + height)
+    arr = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    img = Image.fromarray(arr)
+    if mode != "RGB":
+        img = img.convert(mode)
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, **save_args)
+    return rel
+
+
+@pytest.fixture
+def data_root(tmp_path):
+    """A data root with a few images: two row images and two tool crops."""
+    save_image(tmp_path, "EO_GYM_DATA/aaaa0000/scene.jpg", 640, 480)  # -> 480x640, 300 tokens
+    save_image(tmp_path, "EO_GYM_DATA/bbbb1111/post.png", 256, 256)  # -> 256x256, 64 tokens
+    save_image(tmp_path, "image_cache/crops/c1.png", 128, 96)  # -> 224x320 (min pixels), 70 tokens
+    save_image(tmp_path, "image_cache/crops/c2.png", 300, 300)  # -> 288x288, 81 tokens
+    return tmp_path
+
+
+def crop_call(image: str, aoi: list[float]) -> dict:
+    return {"name": "crop_optical_or_sar_image", "arguments": {"image_url": image, "aoi": aoi}}
+
+
+def crop_result(path: str) -> str:
+    return json.dumps({"cropped_path": path, "width": 64, "height": 64})
+
+
+def make_row(
+    n_steps: int = 2, row_id: str = "train_0000000_aaaaaaaaaaaa", crops=None, images=None, tools=None
+) -> dict:
+    """An OpenAI-dialect EO-Gym row: question with ``<image>`` tags, ``n_steps`` crop calls, a final answer."""
+    images = ["EO_GYM_DATA/aaaa0000/scene.jpg"] if images is None else images
+    crops = crops if crops is not None else ["image_cache/crops/c1.png", "image_cache/crops/c2.png"]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "<image>" * len(images) + "How many ships are in the harbour?"},
+    ]
+    for k in range(n_steps):
+        call = crop_call(images[0] if images else "EO_GYM_DATA/x/y.jpg", [0.1 * k, 0.1, 0.5, 0.5])
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"Step {k}: I crop the harbour.",
+                "tool_calls": [
+                    {
+                        "id": f"call_{k}",
+                        "type": "function",
+                        "function": dict(call, arguments=json.dumps(call["arguments"])),
+                    }
+                ],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": crop_result(crops[k % len(crops)])})
+    messages.append({"role": "assistant", "content": "I count the bright hulls.\nFinal Answer: 3"})
+    return {
+        "id": row_id,
+        "images": images,
+        "tools": [CROP_TOOL, INDEX_TOOL] if tools is None else tools,
+        "messages": messages,
+        "gt_answer": "3",
+        "data_source": "fair1_vhr",
+        "question_type": "object counting",
+        "EO_task": "Object Counting",
+    }
+
+
+@pytest.fixture
+def row_factory():
+    """``make_row`` as a fixture, so tests need not import conftest."""
+    return make_row
+
+
+def trained_runs(processor, input_ids: list[int], mask: list[int]) -> list[tuple[int, str]]:
+    """Split a token sequence into maximal runs of equal mask, each decoded: ``[(mask, text), ...]``."""
+    runs, start = [], 0
+    for i in range(1, len(input_ids) + 1):
+        if i == len(input_ids) or mask[i] != mask[start]:
+            runs.append((mask[start], processor.tokenizer.decode(input_ids[start:i])))
+            start = i
+    return runs
+
+
+@pytest.fixture
+def runs_of():
+    """``trained_runs`` as a fixture."""
+    return trained_runs
