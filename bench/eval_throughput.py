@@ -5,15 +5,16 @@ Commands (from the repository root)::
     # CPU smoke run on the tiny model
     eogym-sft tiny-model --output /tmp/tiny && python bench/eval_throughput.py --model /tmp/tiny --rows 4
 
-    # the Qwen3-VL-4B architecture with random weights, on a GPU
-    python -c "import json; from eogym_sft.tiny import save_tiny_model; \
-        save_tiny_model('/tmp/qwen3vl4b', config=json.load(open('recipes/configs/qwen3_vl_4b_instruct.json')))"
-    python bench/eval_throughput.py --model /tmp/qwen3vl4b --rows 32 --batch-size 8 32 --json bench_eval.json
+    # the Qwen3-VL-4B architecture with random weights, on a GPU (a bf16 folder of ~9 GB)
+    python -c "import json; from eogym_sft.tiny import save_tiny_model; save_tiny_model('outputs/qwen3vl4b_random', \
+        config=json.load(open('recipes/configs/qwen3_vl_4b_instruct.json')), dtype='bfloat16', device='cuda')"
+    PYTHONPATH=. python bench/eval_throughput.py --model outputs/qwen3vl4b_random --rows 32 --batch-size 8 32 \
+        --max-new-tokens 128 --json eval_throughput_h200.json
 
 What it does: (a) takes ``--data``/``--data-root`` or writes the EO-Gym-shaped sample of
 ``bench/prep_throughput.py`` (row images up to 4000x4000 px, 1-5 a row, tool-result crops, 1-6 tool
 steps); (b) loads the processor and plans every assistant turn as ``evaluate`` does (timed apart); (c)
-loads the model once in the evaluation dtype (bf16 on GPU, fp32 on CPU) and, with ``--lora-arm``, adds
+loads the model once in the evaluation dtype (bf16 on GPU, fp32 on CPU) and, unless ``--no-lora-arm``, adds
 one random rank-16 LoRA adapter on q/k/v/o/gate/up/down (the EO-Gym-4B recipe) so that both the base
 arm (adapter disabled) and an adapter arm are timed; (d) runs one warm-up batch, then for each batch
 size and arm times :func:`generate_turns` + :func:`score_turns` over all planned turns. Turns/s is
@@ -107,12 +108,16 @@ def time_arm(model, processor, prompts, cfg, arm, device) -> dict:
         "turns_per_s": round(len(records) / wall, 4),
         "new_tokens_per_s": round(new_tokens / wall, 1),
         "mean_new_tokens": round(new_tokens / max(len(records), 1), 1),
-        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "peak_gpu_mem_gib": (
+            round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+        ),
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym_sft.tiny.save_tiny_model)")
     parser.add_argument("--data", default=None, help="EO-Gym JSONL to evaluate (default: a generated sample)")
     parser.add_argument("--data-root", default=".", help="data root of --data")
@@ -124,11 +129,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
+    parser.add_argument(
+        "--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)"
+    )
     parser.add_argument("--json", default="eval_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
 
-    from eogym_sft.evaluation import Arm, EvalConfig, generate_turns, load_model, plan_turns, read_traces, resolve_device
+    from eogym_sft.evaluation import (
+        Arm,
+        EvalConfig,
+        generate_turns,
+        load_model,
+        plan_turns,
+        read_traces,
+        resolve_device,
+    )
     from eogym_sft.processor import load_processor
 
     tmp = tempfile.mkdtemp(prefix="eogym_eval_bench_") if args.workdir is None and args.data is None else None
@@ -137,16 +152,28 @@ def main(argv: list[str] | None = None) -> dict:
             data, root = Path(args.data), Path(args.data_root)
         else:
             data, root = sample_data(Path(args.workdir or tmp), args.rows, args.seed)
-        cfg = EvalConfig(model=args.model, data=[str(data)], data_root=str(root), limit=args.rows, max_new_tokens=args.max_new_tokens,
-                         max_prompt_tokens=args.max_prompt_tokens, device=args.device, dtype=args.dtype, seed=args.seed)
+        cfg = EvalConfig(
+            model=args.model,
+            data=[str(data)],
+            data_root=str(root),
+            limit=args.rows,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+        )
         device, dtype = resolve_device(cfg)
         processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
-        processor.tokenizer.padding_side = "left"
         t0 = time.perf_counter()
         traces, failures = read_traces(cfg)
         prompts, skipped = plan_turns(processor, traces, cfg)
         plan_s = time.perf_counter() - t0
-        print(f"{len(traces)} rows ({len(failures)} failed), {len(prompts)} turns ({len(skipped)} skipped), planned in {plan_s:.1f}s", flush=True)
+        print(
+            f"{len(traces)} rows ({len(failures)} failed), {len(prompts)} turns ({len(skipped)} skipped), "
+            f"planned in {plan_s:.1f}s",
+            flush=True,
+        )
 
         t0 = time.perf_counter()
         model = load_model(cfg, [Arm("base")])
@@ -174,7 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
             "model": args.model,
             "parameters": n_params,
             "dtype": str(dtype).replace("torch.", ""),
-            "data": str(data) if args.data else f"generated by bench/prep_throughput.py, {args.rows} rows, seed {args.seed}",
+            "data": (
+                str(data)
+                if args.data
+                else f"generated by bench/prep_throughput.py, {args.rows} rows, seed {args.seed}"
+            ),
             "rows": len(traces),
             "turns": len(prompts),
             "turns_skipped": len(skipped),
@@ -198,14 +229,19 @@ def main(argv: list[str] | None = None) -> dict:
 def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [
-        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
-        f"{result['turns']} turns (mean prompt {result['mean_prompt_tokens']} tokens), max_new_tokens {result['max_new_tokens']}",
-        f"{'batch':>5} {'arm':>10} {'turns/s':>9} {'new tok/s':>10} {'new tok/turn':>12} {'wall s':>8} {'peak GiB':>9}",
+        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} "
+        f"| {m['date']}",
+        f"{result['turns']} turns (mean prompt {result['mean_prompt_tokens']} tokens), "
+        f"max_new_tokens {result['max_new_tokens']}",
+        f"{'batch':>5} {'arm':>10} {'turns/s':>9} {'new tok/s':>10} {'new tok/turn':>12} {'wall s':>8} "
+        f"{'peak GiB':>9}",
     ]
     for r in result["runs"]:
         peak = "-" if r["peak_gpu_mem_gib"] is None else r["peak_gpu_mem_gib"]
-        lines.append(f"{r['batch_size']:>5} {r['arm']:>10} {r['turns_per_s']:>9} {r['new_tokens_per_s']:>10} "
-                     f"{r['mean_new_tokens']:>12} {r['wall_s']:>8} {peak:>9}")
+        lines.append(
+            f"{r['batch_size']:>5} {r['arm']:>10} {r['turns_per_s']:>9} {r['new_tokens_per_s']:>10} "
+            f"{r['mean_new_tokens']:>12} {r['wall_s']:>8} {peak:>9}"
+        )
     return "\n".join(lines)
 
 

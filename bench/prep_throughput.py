@@ -299,7 +299,7 @@ BREAKDOWN_TARGETS = [
     ("eogym_sft.prepare", "normalize_row", "normalize_row (dialects)"),
     ("eogym_sft.prepare", "_image_layout", "image headers + resize arithmetic"),
     ("eogym_sft.prepare", "encode_conversation", "encode: offsets, masks (rest)"),
-    ("eogym_sft.encoding", "render", "template: full text (apply_chat_template)"),
+    ("eogym_sft.encoding", "render", "template: render() = processor.apply_chat_template"),
     ("eogym_sft.encoding", "_PrefixRenderer.__init__", "template: prefixes (setup + check)"),
     ("eogym_sft.encoding", "_PrefixRenderer.__call__", "template: prefixes"),
     ("eogym_sft.prepare", "_check_window_render", "window re-check (rest)"),

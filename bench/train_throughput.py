@@ -225,13 +225,17 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     b, e = timer.begins[warmup:], timer.ends[warmup:]
     wall = e[-1] - b[0]
     gaps = sum(b[i + 1] - e[i] for i in range(len(b) - 1))
-    real = sum(counted.real[warmup:])
-    sup = sum(counted.supervised[warmup:])
-    flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(warmup, len(counted.real)))
+    world = int(_all_ranks_sum(1))
+    # Token and FLOP counts are summed over every GPU; figures below are per GPU.
+    real = _all_ranks_sum(sum(counted.real[warmup:])) / world
+    sup = _all_ranks_sum(sum(counted.supervised[warmup:])) / world
+    local_flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(warmup, len(counted.real)))
+    flops = _all_ranks_sum(local_flops) / world
     result = {
         "arm": arm,
         "settings": "TRL defaults" if arm == "A" else dict(SHIPPED, **ARMS[arm]),
         "timed_steps": len(b),
+        "gpus": world,
         "real_tokens_per_s": real / wall,
         "supervised_tokens_per_s": sup / wall,
         "real_tokens_per_step": real / len(b),
@@ -271,6 +275,38 @@ def build_base(config_path: Path, workdir: Path):
     return base, cfg, model_dir
 
 
+@torch.no_grad()
+def loss_parity(base, dataset, root, processor) -> dict:
+    """The same 4 samples: padded + SDPA + full logits (the plain path) against packed + varlen + the
+    supervised-only head (the shipped path). Equal up to bf16 rounding."""
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.metrics import IGNORE_INDEX
+
+    examples = [dataset[i] for i in range(4)]
+    out = {}
+    for name, attn, pack in (("padded_sdpa_full_logits", "sdpa", False), ("packed_varlen_supervised_head", "eogym_varlen", True)):
+        base.set_attn_implementation({"text_config": attn, "vision_config": "sdpa"})
+        batch = {k: v.to(DEVICE) for k, v in EOGymCollator(processor, data_root=str(root), padding_free=pack)(examples).items()}
+        if pack:
+            labels = batch.pop("labels")
+            keep = (labels[:, 1:] != IGNORE_INDEX).any(0).nonzero().flatten()
+            logits = base(**batch, use_cache=False, logits_to_keep=keep).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:][:, keep], ignore_index=IGNORE_INDEX)
+        else:
+            loss = base(**batch, use_cache=False).loss
+        out[name] = loss.item()
+    out["abs_diff"] = abs(out["padded_sdpa_full_logits"] - out["packed_varlen_supervised_head"])
+    return out
+
+
+def _all_ranks_sum(value: float) -> float:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        t = torch.tensor([float(value)], device=DEVICE)
+        torch.distributed.all_reduce(t)
+        return t.item()
+    return value
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json"))
@@ -281,9 +317,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    from accelerate import PartialState
+
+    state = PartialState()  # under `accelerate launch` this joins the process group, one GPU a process
+    if DEVICE == "cuda":
+        torch.cuda.set_device(state.local_process_index)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
-    base, cfg, model_dir = build_base(Path(args.config), workdir)
-    dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir)
+    with state.main_process_first():
+        base, cfg, model_dir = build_base(Path(args.config), workdir)
+        dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir)
+    parity = loss_parity(base, dataset, root, processor) if state.num_processes == 1 else None
+    if state.is_main_process:
+        print("loss parity:", json.dumps(parity), flush=True)
     results = []
     for arm in args.arms.split(","):
         try:
@@ -291,7 +336,10 @@ def main(argv=None) -> dict:
         except Exception as err:  # a failing arm is reported, not hidden, and the others still run
             traceback.print_exc()
             results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})
-        print(json.dumps(results[-1]), flush=True)
+        if state.is_main_process:
+            print(json.dumps(results[-1]), flush=True)
+            if args.json:  # written after every arm, so a run cut short keeps what it measured
+                Path(args.json).with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
     anchor = next((r for r in results if r["arm"] == "A" and "error" not in r), None)
     for r in results:
         if anchor and "error" not in r:
@@ -302,8 +350,11 @@ def main(argv=None) -> dict:
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "versions": {m.__name__: m.__version__ for m in (torch, __import__("transformers"), __import__("trl"), __import__("peft"))},
         "data": {k: stats[k] for k in ("samples_out", "tokens_total", "trained_token_share", "image_token_share")},
+        "loss_parity": parity,
         "results": results,
     }
+    if not state.is_main_process:
+        return report
     print(format_table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -311,7 +362,7 @@ def main(argv=None) -> dict:
 
 
 def format_table(report: dict) -> str:
-    head = f"{'arm':<20}{'real tok/s':>12}{'sup tok/s':>11}{'vs A':>7}{'MFU':>7}{'alloc GiB':>10}{'rsrv GiB':>10}{'1st step s':>11}{'wait':>7}"
+    head = f"{'arm (per GPU)':<20}{'real tok/s':>12}{'sup tok/s':>11}{'vs A':>7}{'MFU':>7}{'alloc GiB':>10}{'rsrv GiB':>10}{'1st step s':>11}{'wait':>7}"
     lines = [head]
     for r in report["results"]:
         if "error" in r:

@@ -43,12 +43,17 @@ def run_prepare(args: argparse.Namespace) -> dict:
 def add_tiny_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="folder to write the tiny random Qwen3-VL and its processor to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", help="architecture config JSON (default: the tiny one), e.g. recipes/configs/qwen3_vl_4b_instruct.json")
+    parser.add_argument("--dtype", default="float32", help="weight dtype, e.g. bfloat16 for the 4B architecture")
+    parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for 4B)")
 
 
 def run_tiny(args: argparse.Namespace) -> None:
     from .tiny import save_tiny_model
 
-    print(f"tiny Qwen3-VL written to {save_tiny_model(args.output, args.seed)}")
+    config = json.loads(Path(args.config).read_text()) if args.config else None
+    path = save_tiny_model(args.output, args.seed, config, args.dtype, args.device)
+    print(f"random-weight Qwen3-VL written to {path}")
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 COMMANDS = {
     "demo": (add_demo_args, run_demo, "prepare the bundled sample, train a tiny Qwen3-VL a few steps on CPU, validate"),
     "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
-    "tiny-model": (add_tiny_args, run_tiny, "write a tiny random Qwen3-VL with a real offline processor"),
+    "tiny-model": (add_tiny_args, run_tiny, "write a random-weight Qwen3-VL (tiny by default) with a real offline processor"),
     "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
     "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
 }

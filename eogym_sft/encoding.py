@@ -45,6 +45,42 @@ def _tokenizer(processor):
     return getattr(processor, "tokenizer", processor)
 
 
+def _ids_and_starts(tok, text: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` (no special tokens added) and the character where each token starts.
+
+    The same as ``tok(text, add_special_tokens=False, return_offsets_mapping=True)``; for a
+    transformers fast tokenizer whose Rust backend is in the state that call sets (no truncation, no
+    padding, special tokens kept whole) the backend is called directly, on this thread, without the
+    batch wrapping and conversion around it.
+    """
+    backend = _direct_backend(tok)
+    if backend is not None:
+        enc = backend.encode(text, add_special_tokens=False)
+        return enc.ids, [start for start, _ in enc.offsets]
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+
+
+def _direct_backend(tok):
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tok, "_tokenizer", None)
+    if (
+        backend is None
+        or not isinstance(tok, TokenizersBackend)
+        or type(tok).__call__ is not PreTrainedTokenizerBase.__call__
+        or type(tok)._encode_plus is not TokenizersBackend._encode_plus
+        or backend.truncation is not None
+        or backend.padding is not None
+        or backend.encode_special_tokens != bool(getattr(tok, "split_special_tokens", False))
+    ):
+        return None
+    return backend
+
+
 def _char_to_token(starts: list[int], text_len: int, char: int, where: str) -> int:
     """Index of the token that starts exactly at ``char`` (len(tokens) for the end of the text)."""
     if char == text_len:
@@ -69,10 +105,8 @@ def encode_conversation(processor, messages: list[dict], tools: list[dict] | Non
     """
     text = render(processor, messages, tools)
     prefix = _PrefixRenderer(processor, messages, tools, text)
-    tok = _tokenizer(processor)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [s for s, _ in enc["offset_mapping"]]
-    mask = [0] * len(enc["input_ids"])
+    input_ids, starts = _ids_and_starts(_tokenizer(processor), text)
+    mask = [0] * len(input_ids)
     a_starts, a_ends, a_index = [], [], []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
@@ -91,7 +125,7 @@ def encode_conversation(processor, messages: list[dict], tools: list[dict] | Non
         a_starts.append(_char_to_token(starts, len(text), len(before), where))
         a_ends.append(_char_to_token(starts, len(text), len(after), where))
         a_index.append(i)
-    return Encoded(text, list(enc["input_ids"]), mask, a_starts, a_ends, a_index)
+    return Encoded(text, input_ids, mask, a_starts, a_ends, a_index)
 
 
 def encode_ids(processor, messages: list[dict], tools: list[dict] | None) -> list[int]:
@@ -101,8 +135,7 @@ def encode_ids(processor, messages: list[dict], tools: list[dict] | None) -> lis
     and one tokenisation instead of three renders per assistant turn. Unlike ``encode_conversation``
     it does not check that the template renders prefix by prefix.
     """
-    text = render(processor, messages, tools)
-    return list(_tokenizer(processor)(text, add_special_tokens=False)["input_ids"])
+    return _ids_and_starts(_tokenizer(processor), render(processor, messages, tools))[0]
 
 
 class _PrefixRenderer:

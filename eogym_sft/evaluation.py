@@ -38,9 +38,17 @@ from .scoring import (
 from .traces import Trace, TraceError, count_images, normalize_row
 
 GROUP_FIELDS = ("EO_task", "question_type")
+PAIRED_REPORT_METRICS = ("turn_correct", "call_match", "answer_normalized", "answer_judge")
 REPORT_METRICS = (
-    "turn_correct", "action_match", "name_match", "call_match", "invalid_call", "unknown_tool",
-    "answer_exact", "answer_normalized", "no_answer",
+    "turn_correct",
+    "action_match",
+    "name_match",
+    "call_match",
+    "invalid_call",
+    "unknown_tool",
+    "answer_exact",
+    "answer_normalized",
+    "no_answer",
 )
 
 
@@ -96,6 +104,7 @@ class Arm:
     name: str
     adapter: str | None = None
     peft_name: str | None = None  # peft adapter names must be valid module keys, so they are internal
+    trained_on: str | None = None  # the adapter's base_model_name_or_path, recorded to catch a wrong base
 
 
 @dataclass
@@ -144,7 +153,15 @@ def read_traces(cfg: EvalConfig) -> tuple[list[tuple[str, Trace]], list[dict]]:
 
 
 def _problem(level, source, trace_id, turn, reason, field_name, detail) -> dict:
-    return {"level": level, "source": source, "trace_id": trace_id, "turn": turn, "reason": reason, "field": field_name, "detail": detail}
+    return {
+        "level": level,
+        "source": source,
+        "trace_id": trace_id,
+        "turn": turn,
+        "reason": reason,
+        "field": field_name,
+        "detail": detail,
+    }
 
 
 def _file_sha256(path: Path) -> str:
@@ -155,19 +172,19 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _image_table(trace: Trace, cfg: EvalConfig, factor: int, hashes: dict) -> list:
-    """Per image: ``(path, visual tokens, sha256)``, or the :class:`ImageError` that makes it unusable."""
+def _image_table(trace: Trace, cfg: EvalConfig, factor: int) -> list:
+    """Per image: ``(path, visual tokens, "relative/path:bytes")``, or the :class:`ImageError` that makes it
+    unusable. Size, not content, identifies the file in the prompt hash: reading every image of a test split
+    (many GB) only to hash it would cost more than the evaluation's own decoding."""
     out = []
     for rel in trace.images:
         try:
             path = resolve_image_path(rel, cfg.data_root)
             width, height = image_size(path)
             tokens = image_token_count(resized_hw(width, height, factor, cfg.min_pixels, cfg.max_pixels), factor)
-            if path not in hashes:
-                hashes[path] = _file_sha256(path)
-            out.append((path, tokens, hashes[path]))
+            out.append((path, tokens, f"{rel}:{path.stat().st_size}"))
         except ImageError as err:
-            out.append(err)
+            out.append(ImageError(err.reason, rel, err.detail))  # name the row's path, not the resolved one
     return out
 
 
@@ -178,7 +195,9 @@ def _question(trace: Trace) -> str:
 
 def _reference(trace: Trace, index: int) -> Reference:
     msg = trace.messages[index]
-    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
+    calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])
+    ]
     last = index == len(trace.messages) - 1  # normalize_row ends every trace at its last assistant turn
     return Reference(
         calls=calls,
@@ -193,10 +212,10 @@ def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> t
     """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
     included); turns over ``max_prompt_tokens`` or with an unusable image are skipped with a reason."""
     tokenizer = processor.tokenizer
-    factor, hashes = image_factor(processor), {}
+    factor = image_factor(processor)
     prompts, skipped = [], []
     for source, trace in traces:
-        layout = _image_table(trace, cfg, factor, hashes)
+        layout = _image_table(trace, cfg, factor)
         turn = -1
         for index, msg in enumerate(trace.messages):
             if msg["role"] != "assistant":
@@ -216,11 +235,22 @@ def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> t
                 skipped.append(_problem("turn", source, trace.id, turn, "prompt_too_long", "messages", detail))
                 continue
             digest = hashlib.sha256(text.encode())
-            for path, _, sha in images:
-                digest.update(f"\0{path.name}:{sha}".encode())
+            for _, _, key in images:
+                digest.update(f"\0{key}".encode())
             prompts.append(
-                TurnPrompt(trace.id, turn, index, source, text, [p for p, _, _ in images], digest.hexdigest(), n_tokens,
-                           _reference(trace, index), dict(trace.meta), _question(trace))
+                TurnPrompt(
+                    trace.id,
+                    turn,
+                    index,
+                    source,
+                    text,
+                    [p for p, _, _ in images],
+                    digest.hexdigest(),
+                    n_tokens,
+                    _reference(trace, index),
+                    dict(trace.meta),
+                    _question(trace),
+                )
             )
     return prompts, skipped
 
@@ -256,9 +286,10 @@ def parse_arms(cfg: EvalConfig) -> list[Arm]:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = Path(spec.rstrip("/")).name, spec
-        if not (Path(path) / "adapter_config.json").is_file():
+        config = Path(path) / "adapter_config.json"
+        if not config.is_file():
             raise FileNotFoundError(f"--adapter {spec}: no adapter_config.json in {path}")
-        arms.append(Arm(name, path, f"arm{k}"))
+        arms.append(Arm(name, path, f"arm{k}", json.loads(config.read_text()).get("base_model_name_or_path")))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}: name adapters with NAME=DIR")
@@ -328,14 +359,15 @@ def generation_config(cfg: EvalConfig, tokenizer):
 def _generate_batch(model, processor, batch: list[TurnPrompt], pictures: list, gen_config, seed: int) -> list[dict]:
     import torch
 
-    inputs = processor(text=[t.text for t in batch], images=pictures or None, padding=True, return_tensors="pt")
+    texts = [t.text for t in batch]
+    inputs = processor(text=texts, images=pictures or None, padding=True, padding_side="left", return_tensors="pt")
     inputs = inputs.to(model.device)
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     torch.manual_seed(seed)  # the same seed per batch in every arm: common random numbers for sampling
     with torch.inference_mode():
         out = model.generate(**inputs, generation_config=gen_config)
-    new = out[:, inputs["input_ids"].shape[1]:].tolist()
+    new = out[:, inputs["input_ids"].shape[1] :].tolist()
     stops = set(gen_config.eos_token_id)
     k = gen_config.num_return_sequences
     results = []
@@ -351,7 +383,9 @@ def _generate_batch(model, processor, batch: list[TurnPrompt], pictures: list, g
     return results
 
 
-def generate_turns(model, processor, prompts: list[TurnPrompt], cfg: EvalConfig, images: ImageCache | None = None, bar=None) -> list[dict]:
+def generate_turns(
+    model, processor, prompts: list[TurnPrompt], cfg: EvalConfig, images: ImageCache | None = None, bar=None
+) -> list[dict]:
     """Generate for every prompt with the active arm, in batches of similar length (longest first, so a
     batch that does not fit in memory fails at once).
 
@@ -371,7 +405,11 @@ def generate_turns(model, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
                 pictures += [images.get(path) for path in p.images]
                 ready.append(i)
             except ImageError as err:
-                results[i] = {"error": _problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail)}
+                results[i] = {
+                    "error": _problem(
+                        "turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail
+                    )
+                }
         if ready:
             gens = _generate_batch(model, processor, [prompts[i] for i in ready], pictures, gen_config, cfg.seed + b)
             for i, gen in zip(ready, gens):
@@ -396,7 +434,7 @@ def load_judge(spec: str):
 
 
 def _judge(judge, prompt: TurnPrompt, answer: str | None) -> tuple[bool | None, str | None]:
-    if judge is None or not prompt.reference.is_final:
+    if judge is None or not prompt.reference.scores_answer:
         return None, None
     if answer is None:
         return False, None
@@ -406,7 +444,9 @@ def _judge(judge, prompt: TurnPrompt, answer: str | None) -> tuple[bool | None, 
         return None, f"{type(err).__name__}: {err}"
 
 
-def score_turns(arm: str, prompts: list[TurnPrompt], generations: list[dict], cfg: EvalConfig, judge=None) -> list[dict]:
+def score_turns(
+    arm: str, prompts: list[TurnPrompt], generations: list[dict], cfg: EvalConfig, judge=None
+) -> list[dict]:
     """One ``results.jsonl`` record per turn: ids, prompt hash, raw outputs, parsed calls and scores."""
     records = []
     for prompt, gen in zip(prompts, generations):
@@ -429,7 +469,7 @@ def score_turns(arm: str, prompts: list[TurnPrompt], generations: list[dict], cf
             "n_images": len(prompt.images),
             **{k: prompt.meta.get(k, "") for k in ("EO_task", "question_type", "data_source")},
             "reference": prompt.reference.to_json(),
-            "gt_answer": prompt.reference.gt_answer if prompt.reference.is_final else None,
+            "gt_answer": prompt.reference.gt_answer if prompt.reference.scores_answer else None,
             **gen,
             "parsed": [p.to_json() for p in parsed],
             "sample_scores": sample_scores,
@@ -451,7 +491,9 @@ def _by_group(records: list[dict], key: str) -> dict:
 def paired_comparisons(records: list[dict], arms: list[str]) -> list[dict]:
     """Every later arm against every earlier one, per positive metric, on the turns both have scored."""
     by_arm = {a: {(r["trace_id"], r["turn"]): r for r in records if r["arm"] == a} for a in arms}
-    metrics = [m for m in dict.fromkeys(k for r in records for k in r["scores"]) if m.split("@")[0] in POSITIVE_METRICS]
+    metrics = [
+        m for m in dict.fromkeys(k for r in records for k in r["scores"]) if m.split("@")[0] in POSITIVE_METRICS
+    ]
     out = []
     for i, a in enumerate(arms):
         for b in arms[i + 1 :]:
@@ -460,7 +502,12 @@ def paired_comparisons(records: list[dict], arms: list[str]) -> list[dict]:
                 if by_arm[a][key]["prompt_sha256"] != by_arm[b][key]["prompt_sha256"]:
                     raise RuntimeError(f"turn {key} has different prompts in arms {a} and {b}")
             for metric in metrics:
-                units = [k for k in keys if by_arm[a][k]["scores"].get(metric) is not None and by_arm[b][k]["scores"].get(metric) is not None]
+                units = [
+                    k
+                    for k in keys
+                    if by_arm[a][k]["scores"].get(metric) is not None
+                    and by_arm[b][k]["scores"].get(metric) is not None
+                ]
                 if not units:
                     continue
                 xs = [by_arm[a][k]["scores"][metric] for k in units]
@@ -480,7 +527,12 @@ def summarize(records: list[dict], arms: list[Arm], counts: dict, settings: dict
             **{f"by_{key}": _by_group(mine, key) for key in GROUP_FIELDS},
             "timing": timing.get(arm.name, {}),
         }
-    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired_comparisons(records, [a.name for a in arms])}
+    return {
+        "settings": settings,
+        "counts": counts,
+        "arms": per_arm,
+        "paired": paired_comparisons(records, [a.name for a in arms]),
+    }
 
 
 def _metric_table(title: str, rows: list[tuple[str, dict]], metrics: list[str]) -> list[str]:
@@ -496,15 +548,41 @@ def _metric_table(title: str, rows: list[tuple[str, dict]], metrics: list[str]) 
     return lines
 
 
+def _paired_table(paired: list[dict]) -> list[str]:
+    head = (
+        f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
+        f"{'95% CI, normal approx.':>22} {'SE (trace-cl.)':>14} {'W/L/T':>13}"
+    )
+    lines = [
+        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal;",
+        "headline metrics only: summary.json has every positive metric",
+        head,
+    ]
+    for p in paired:
+        ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
+        se = "-" if p["se"] is None else f"{p['se']:.4f}"
+        sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
+        names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5}"
+        means = f"{p['mean_a']:>7.3f} {p['mean_b']:>7.3f} {p['delta']:>+8.3f}"
+        lines.append(f"{names} {means} {se:>7} {ci:>22} {sec:>14} {p['wins']:>4}/{p['losses']}/{p['ties']}")
+    return lines
+
+
 def format_report(summary: dict) -> str:
     """The printed table: counts, per-arm metrics overall and per group, then the paired comparisons."""
     counts, arms = summary["counts"], summary["arms"]
     k = summary["settings"]["samples"]
     metrics = [m for m in REPORT_METRICS if any(m in a["overall"] for a in arms.values())]
-    metrics += [m for m in ("answer_judge", f"turn_correct@{k}", f"answer_normalized@{k}") if any(m in a["overall"] for a in arms.values())]
+    metrics += [
+        m
+        for m in ("answer_judge", f"turn_correct@{k}", f"answer_normalized@{k}")
+        if any(m in a["overall"] for a in arms.values())
+    ]
     lines = [
         f"rows {counts['rows_in']} (failed {counts['rows_failed']}), turns {counts['turns_total']} "
-        f"(scored {counts['turns_scored']}, skipped {counts['turns_skipped']}), arms {len(arms)}, samples per turn {k}",
+        f"(scored {counts['turns_scored']}, skipped {counts['turns_skipped']}), "
+        f"arms {len(arms)}, samples per turn {k}",
         "",
     ]
     lines += _metric_table("overall", [(name, a["overall"]) for name, a in arms.items()], metrics)
@@ -512,22 +590,9 @@ def format_report(summary: dict) -> str:
         groups = sorted({g for a in arms.values() for g in a[f"by_{key}"]})
         rows = [(f"{g} | {name}", a[f"by_{key}"].get(g, {})) for g in groups for name, a in arms.items()]
         lines += ["", *_metric_table(f"by {key} | arm", rows, metrics)]
-    if summary["paired"]:
-        lines += [
-            "",
-            "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
-            "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal",
-            f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
-            f"{'95% CI, normal approx.':>22} {'SE (trace-cl.)':>14} {'W/L/T':>13}",
-        ]
-        for p in summary["paired"]:
-            ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
-            se = "-" if p["se"] is None else f"{p['se']:.4f}"
-            sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
-            lines.append(
-                f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5} {p['mean_a']:>7.3f} {p['mean_b']:>7.3f} "
-                f"{p['delta']:>+8.3f} {se:>7} {ci:>22} {sec:>14} {p['wins']:>4}/{p['losses']}/{p['ties']}"
-            )
+    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in PAIRED_REPORT_METRICS]
+    if headline:
+        lines += ["", *_paired_table(headline)]
     return "\n".join(lines)
 
 
@@ -539,14 +604,27 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
 
 
-def _write_jsonl(path: Path, items: list[dict]) -> None:
-    with open(path, "w") as fh:
+def _write_jsonl(path: Path, items: list[dict], mode: str = "w") -> None:
+    with open(path, mode) as fh:
         for item in items:
             fh.write(json.dumps(item, ensure_ascii=False) + "\n")
 
 
-def run_arms(model, processor, prompts: list[TurnPrompt], arms: list[Arm], cfg: EvalConfig, judge=None, progress: bool = True):
-    """Generate and score every prompt in every arm: ``(records, timing per arm, undecodable turns)``."""
+def run_arms(
+    model,
+    processor,
+    prompts: list[TurnPrompt],
+    arms: list[Arm],
+    cfg: EvalConfig,
+    judge=None,
+    progress: bool = True,
+    results_path: Path | None = None,
+):
+    """Generate and score every prompt in every arm: ``(records, timing per arm, undecodable turns)``.
+
+    With ``results_path``, each arm's records are appended there as soon as the arm is done, so that a
+    crash in a later arm keeps the earlier arms' results.
+    """
     from tqdm.auto import tqdm
 
     records, timing, images, failed = [], {}, ImageCache(), {}
@@ -559,9 +637,15 @@ def run_arms(model, processor, prompts: list[TurnPrompt], arms: list[Arm], cfg: 
         seconds = time.perf_counter() - start
         mine = score_turns(arm.name, prompts, generations, cfg, judge)
         new_tokens = sum(sum(r["new_tokens"]) for r in mine)
-        timing[arm.name] = {"seconds": seconds, "turns_per_s": len(mine) / seconds, "new_tokens_per_s": new_tokens / seconds}
+        timing[arm.name] = {
+            "seconds": seconds,
+            "turns_per_s": len(mine) / seconds,
+            "new_tokens_per_s": new_tokens / seconds,
+        }
         failed.update({(g["error"]["trace_id"], g["error"]["turn"]): g["error"] for g in generations if "error" in g})
         records += mine
+        if results_path is not None:
+            _write_jsonl(results_path, mine, mode="a")
     bar.close()
     return records, timing, list(failed.values())
 
@@ -576,11 +660,14 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     judge = load_judge(cfg.judge) if cfg.judge else None
     arms = parse_arms(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
-    processor.tokenizer.padding_side = "left"
     traces, failures = read_traces(cfg)
     prompts, skipped = plan_turns(processor, traces, cfg)
     model = load_model(cfg, arms)
-    records, timing, undecodable = run_arms(model, processor, prompts, arms, cfg, judge, progress)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("")
+    records, timing, undecodable = run_arms(
+        model, processor, prompts, arms, cfg, judge, progress, out / "results.jsonl"
+    )
     skipped += undecodable
     scored = {(r["trace_id"], r["turn"]) for r in records}
     counts = {
@@ -594,11 +681,15 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         "traces_scored": len({trace for trace, _ in scored}),
     }
     device, dtype = resolve_device(cfg)
-    settings = {**asdict(cfg), "arms": [asdict(a) for a in arms], "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-                "data_sha256": {f: _file_sha256(Path(f)) for f in cfg.data}, "versions": _versions()}
+    settings = {
+        **asdict(cfg),
+        "arms": [asdict(a) for a in arms],
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "data_sha256": {f: _file_sha256(Path(f)) for f in cfg.data},
+        "versions": _versions(),
+    }
     summary = summarize(records, arms, counts, settings, timing)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "results.jsonl", records)
     _write_jsonl(out / "skipped.jsonl", failures + skipped)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     report = format_report(summary)
@@ -621,7 +712,14 @@ def add_evaluate_args(parser) -> None:
     """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
     add = parser.add_argument
     add("--model", required=True, help="base model: hub id or local folder (its processor and chat template are used)")
-    add("--adapter", nargs="+", action="extend", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
+    add(
+        "--adapter",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="LoRA adapter folder(s), each one arm",
+    )
     add("--no-base", action="store_true", help="do not evaluate the base model as an arm")
     add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
     add("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
@@ -632,16 +730,30 @@ def add_evaluate_args(parser) -> None:
     add("--top-k", type=int, default=0, help="top-k sampling when --temperature > 0 (0 = off)")
     add("--max-new-tokens", type=int, default=512)
     add("--batch-size", type=int, default=8, help="prompts per generate() call")
-    add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
+    add(
+        "--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)"
+    )
     add("--limit", type=int, default=None, help="read only the first N input rows")
-    add("--max-prompt-tokens", type=int, default=8192, help="skip turns whose prompt is longer (image tokens included)")
+    add(
+        "--max-prompt-tokens", type=int, default=8192, help="skip turns whose prompt is longer (image tokens included)"
+    )
     add("--max-pixels", type=int, default=1003520, help="pixel cap per image, as in data prep")
     add("--min-pixels", type=int, default=65536, help="pixel floor per image, as in data prep")
     add("--tool-images", choices=("attach", "text"), default="attach", help="as in data prep")
-    add("--judge", default=None, metavar="MODULE:FUNCTION", help="judge(question, prediction, reference) -> bool for final answers")
+    add(
+        "--judge",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="judge(question, prediction, reference) -> bool for final answers",
+    )
     add("--seed", type=int, default=0)
     add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    add("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"), help="auto = bf16 on GPU, fp32 on CPU")
+    add(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="auto = bf16 on GPU, fp32 on CPU",
+    )
     add("--overwrite", action="store_true", help="replace the results of an earlier run in --output")
     add("--no-progress", action="store_true", help="no progress bar")
 
@@ -653,12 +765,29 @@ def run_evaluate(args) -> dict:
             raise SystemExit(f"eogym-sft evaluate: no such data file: {path}")
     try:
         cfg = EvalConfig(
-            model=args.model, data=args.data, output=args.output, adapters=args.adapter, data_root=args.data_root,
-            include_base=not args.no_base, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-            num_tolerance=args.num_tolerance, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
-            max_pixels=args.max_pixels, min_pixels=args.min_pixels, tool_images=args.tool_images, judge=args.judge,
-            seed=args.seed, device=args.device, dtype=args.dtype, overwrite=args.overwrite,
+            model=args.model,
+            data=args.data,
+            output=args.output,
+            adapters=args.adapter,
+            data_root=args.data_root,
+            include_base=not args.no_base,
+            samples=args.samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            num_tolerance=args.num_tolerance,
+            limit=args.limit,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_pixels=args.max_pixels,
+            min_pixels=args.min_pixels,
+            tool_images=args.tool_images,
+            judge=args.judge,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
         )
     except ValueError as err:
         raise SystemExit(f"eogym-sft evaluate: {err}") from None

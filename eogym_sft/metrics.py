@@ -65,7 +65,9 @@ def _mark_final_answers(input_ids: list[int], classes: list[str | None], tokeniz
     """Relabel free-text tokens from ``Final Answer`` to the end of its line."""
     starts, text = [], ""
     positions = [t for t, c in enumerate(classes) if c == "free_text"]
-    for t in positions:
+    for k, t in enumerate(positions):
+        if k and t != positions[k - 1] + 1:
+            text += "\n"  # a gap (the end of a turn, a tool call) ends the line: it never runs on into the next turn
         starts.append(len(text))
         text += tokenizer.decode([input_ids[t]])
     at = text.find("Final Answer")

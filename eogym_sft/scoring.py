@@ -25,9 +25,22 @@ PUNCT_RE = re.compile(r"[^\w\s%°.\-]|_|(?<!\d)\.|\.(?!\d)|-(?!\d)|(?<=\w)-")
 
 # Per-output metrics; ``None`` = not applicable to this turn. POSITIVE metrics also get an ``@k``.
 POSITIVE_METRICS = (
-    "turn_correct", "action_match", "name_match", "call_match", "answer_exact", "answer_normalized", "answer_judge",
+    "turn_correct",
+    "action_match",
+    "name_match",
+    "call_match",
+    "answer_exact",
+    "answer_normalized",
+    "answer_judge",
 )
-RATE_METRICS = ("invalid_call", "unknown_tool", "answered_instead_of_call", "called_instead_of_answer", "no_answer", "truncated")
+RATE_METRICS = (
+    "invalid_call",
+    "unknown_tool",
+    "answered_instead_of_call",
+    "called_instead_of_answer",
+    "no_answer",
+    "truncated",
+)
 METRICS = POSITIVE_METRICS + RATE_METRICS
 
 
@@ -103,7 +116,7 @@ def extract_final_answer(text: str) -> str | None:
     matches = list(FINAL_ANSWER_RE.finditer(text))
     if not matches:
         return None
-    answer = text[matches[-1].end():].strip().split("\n", 1)[0].strip()
+    answer = text[matches[-1].end() :].strip().split("\n", 1)[0].strip()
     return answer or None
 
 
@@ -169,6 +182,11 @@ class Reference:
     gt_answer: str = ""
 
     @property
+    def scores_answer(self) -> bool:
+        """Final-answer metrics apply: the final turn, without calls, with a non-empty ``gt_answer``."""
+        return self.is_final and not self.calls and bool(self.gt_answer.strip())
+
+    @property
     def action(self) -> str:
         """``call``, ``answer`` (a ``Final Answer:`` line) or ``message`` (text only)."""
         if self.calls:
@@ -179,7 +197,9 @@ class Reference:
         return {"action": self.action, "content": self.content, "calls": self.calls, "is_final": self.is_final}
 
 
-def score_output(parsed: ParsedOutput, ref: Reference, tol: float, truncated: bool = False, judged: bool | None = None) -> dict:
+def score_output(
+    parsed: ParsedOutput, ref: Reference, tol: float, truncated: bool = False, judged: bool | None = None
+) -> dict:
     """Score one parsed output against its reference turn; ``None`` marks a metric that does not apply.
 
     Args:
@@ -200,10 +220,12 @@ def score_output(parsed: ParsedOutput, ref: Reference, tol: float, truncated: bo
         if calls_ref
         else None
     )
-    final = ref.is_final and not calls_ref and bool(ref.gt_answer.strip())
+    final = ref.scores_answer
     answer = parsed.final_answer
     exact = (answer is not None and answer.strip() == ref.gt_answer.strip()) if final else None
-    normalized = (answer is not None and normalize_answer(answer) == normalize_answer(ref.gt_answer)) if final else None
+    normalized = (
+        (answer is not None and normalize_answer(answer) == normalize_answer(ref.gt_answer)) if final else None
+    )
     action_match = parsed.has_call == calls_ref
     return {
         "turn_correct": call_match if calls_ref else (normalized if final else action_match),

@@ -103,18 +103,22 @@ def build_offline_processor(max_pixels: int = 1003520, min_pixels: int = 65536):
     )
 
 
-def build_tiny_model(seed: int = 0, config: dict | None = None):
-    """A Qwen3-VL with the given architecture (tiny by default) and seeded random weights, in fp32."""
+def build_tiny_model(seed: int = 0, config: dict | None = None, dtype: str = "float32", device: str = "cpu"):
+    """A Qwen3-VL with the given architecture (tiny by default) and seeded random weights."""
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(config or TINY_QWEN3_VL_CONFIG)).float()
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(config or TINY_QWEN3_VL_CONFIG))
+    return model.to(getattr(torch, dtype))
 
 
-def save_tiny_model(output_dir: str | Path, seed: int = 0, config: dict | None = None) -> Path:
-    """Write a tiny model and the offline processor to ``output_dir``: a folder usable as ``--model``."""
+def save_tiny_model(output_dir: str | Path, seed: int = 0, config: dict | None = None, dtype: str = "float32", device: str = "cpu") -> Path:
+    """Write a random-weight Qwen3-VL (tiny by default) and the offline processor to ``output_dir``:
+    a folder usable as ``--model``. Pass the 4B ``config`` with ``dtype="bfloat16", device="cuda"``
+    for the full-size architecture."""
     output_dir = Path(output_dir)
-    build_tiny_model(seed, config).save_pretrained(output_dir)
+    build_tiny_model(seed, config, dtype, device).save_pretrained(output_dir)
     build_offline_processor().save_pretrained(output_dir)
     return output_dir

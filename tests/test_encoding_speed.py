@@ -227,3 +227,18 @@ def test_generated_rows_are_deterministic():
     bench = _bench_module()
     first = [json.dumps(r) for r, _ in bench.generate_rows(20, seed=3)]
     assert first == [json.dumps(r) for r, _ in bench.generate_rows(20, seed=3)]
+
+
+def test_tokeniser_in_another_state_goes_through_its_own_call(processor, traces):
+    """The Rust backend is called directly only in the state ``tok(...)`` itself sets."""
+    backend = processor.tokenizer._tokenizer
+    assert encoding._direct_backend(processor.tokenizer) is backend
+    backend.enable_truncation(max_length=100_000)
+    try:
+        assert encoding._direct_backend(processor.tokenizer) is None
+        trace = traces[3]
+        expected = outcome(reference_encode, processor, trace.messages, trace.tools)
+        backend.enable_truncation(max_length=100_000)
+        assert outcome(encode_conversation, processor, trace.messages, trace.tools) == expected
+    finally:
+        backend.no_truncation()

@@ -4,10 +4,12 @@ hand, turn planning, and an end-to-end run of a tiny Qwen3-VL with two LoRA adap
 import copy
 import json
 import math
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from eogym_sft.encoding import render
 from eogym_sft.scoring import (
     Reference,
     combine_samples,
@@ -21,11 +23,17 @@ from eogym_sft.scoring import (
 )
 
 TOOLS = [
-    {"type": "function", "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": {}}}}
+    {
+        "type": "function",
+        "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": {}}},
+    }
     for name in ("crop_optical_or_sar_image", "get_optical_image_list")
 ]
 TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
-CROP = {"name": "crop_optical_or_sar_image", "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]}}
+CROP = {
+    "name": "crop_optical_or_sar_image",
+    "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]},
+}
 LIST = {"name": "get_optical_image_list", "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg"}}
 
 
@@ -34,7 +42,13 @@ def call_text(name, arguments) -> str:
 
 
 def score(text, ref_calls=(), final=False, gt="", tol=1e-6, judged=None):
-    ref = Reference(calls=list(ref_calls), content="Final Answer: x" if final else "", tool_names=TOOL_NAMES, is_final=final, gt_answer=gt)
+    ref = Reference(
+        calls=list(ref_calls),
+        content="Final Answer: x" if final else "",
+        tool_names=TOOL_NAMES,
+        is_final=final,
+        gt_answer=gt,
+    )
     return score_output(parse_output(text), ref, tol, judged=judged)
 
 
@@ -42,11 +56,26 @@ def score(text, ref_calls=(), final=False, gt="", tol=1e-6, judged=None):
 
 
 def test_right_tool_and_arguments():
-    s = score("Let me crop.\n" + call_text(CROP["name"], {"aoi": [0.25, 0.25, 0.75, 0.75], "image_url": "EO_GYM_DATA/a/b.jpg"}) + "<|im_end|>", [CROP])
+    s = score(
+        "Let me crop.\n"
+        + call_text(CROP["name"], {"aoi": [0.25, 0.25, 0.75, 0.75], "image_url": "EO_GYM_DATA/a/b.jpg"})
+        + "<|im_end|>",
+        [CROP],
+    )
     assert s == {
-        "turn_correct": True, "action_match": True, "name_match": True, "call_match": True, "answer_exact": None,
-        "answer_normalized": None, "answer_judge": None, "invalid_call": False, "unknown_tool": False,
-        "answered_instead_of_call": False, "called_instead_of_answer": None, "no_answer": None, "truncated": False,
+        "turn_correct": True,
+        "action_match": True,
+        "name_match": True,
+        "call_match": True,
+        "answer_exact": None,
+        "answer_normalized": None,
+        "answer_judge": None,
+        "invalid_call": False,
+        "unknown_tool": False,
+        "answered_instead_of_call": False,
+        "called_instead_of_answer": None,
+        "no_answer": None,
+        "truncated": False,
     }
 
 
@@ -81,20 +110,32 @@ def test_values_match(pred, ref, tol, expected):
 
 
 def test_number_tolerance_in_a_call():
-    near = score(call_text(CROP["name"], {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.2500001, 0.25, 0.75, 0.75]}), [CROP])
-    far = score(call_text(CROP["name"], {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.2500001, 0.25, 0.75, 0.75]}), [CROP], tol=1e-8)
+    near = score(
+        call_text(CROP["name"], {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.2500001, 0.25, 0.75, 0.75]}), [CROP]
+    )
+    far = score(
+        call_text(CROP["name"], {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.2500001, 0.25, 0.75, 0.75]}),
+        [CROP],
+        tol=1e-8,
+    )
     assert (near["call_match"], far["call_match"]) == (True, False)
 
 
 def test_arguments_as_a_json_string_follow_data_prep():
-    text = "<tool_call>" + json.dumps({"name": LIST["name"], "arguments": json.dumps(LIST["arguments"])}) + "</tool_call>"
+    text = (
+        "<tool_call>" + json.dumps({"name": LIST["name"], "arguments": json.dumps(LIST["arguments"])}) + "</tool_call>"
+    )
     assert score(text, [LIST])["call_match"] is True
 
 
 def test_invalid_tool_call_json():
     s = score('<tool_call>\n{"name": "get_optical_image_list", "arguments": {"image_url": "x"}\n</tool_call>', [LIST])
     assert (s["invalid_call"], s["name_match"], s["call_match"], s["action_match"], s["answered_instead_of_call"]) == (
-        True, False, False, True, False,
+        True,
+        False,
+        False,
+        True,
+        False,
     )
     parsed = parse_output('<tool_call>{"name": "x"</tool_call>')
     assert parsed.calls == [None] and parsed.errors[0].startswith("invalid_tool_call")
@@ -108,7 +149,7 @@ def test_one_bad_block_does_not_hide_a_good_one():
 
 
 def test_unclosed_tool_call_is_invalid():
-    parsed = parse_output("Cropping now.\n<tool_call>\n{\"name\": \"crop_optical_or_sar_image\", \"argu")
+    parsed = parse_output('Cropping now.\n<tool_call>\n{"name": "crop_optical_or_sar_image", "argu')
     assert parsed.calls == [None] and parsed.content == "Cropping now." and parsed.has_call
 
 
@@ -121,15 +162,29 @@ def test_unknown_tool():
 def test_answer_instead_of_call():
     s = score("Final Answer: 5", [LIST])
     assert (s["answered_instead_of_call"], s["action_match"], s["turn_correct"], s["name_match"], s["call_match"]) == (
-        True, False, False, False, False,
+        True,
+        False,
+        False,
+        False,
+        False,
     )
     assert s["called_instead_of_answer"] is None and s["no_answer"] is None  # not the final turn
 
 
 def test_call_instead_of_answer():
     s = score(call_text(**LIST), final=True, gt="5")
-    assert (s["called_instead_of_answer"], s["action_match"], s["no_answer"], s["answer_normalized"], s["turn_correct"]) == (
-        True, False, True, False, False,
+    assert (
+        s["called_instead_of_answer"],
+        s["action_match"],
+        s["no_answer"],
+        s["answer_normalized"],
+        s["turn_correct"],
+    ) == (
+        True,
+        False,
+        True,
+        False,
+        False,
     )
     assert s["answered_instead_of_call"] is None and s["name_match"] is None
 
@@ -137,7 +192,11 @@ def test_call_instead_of_answer():
 def test_missing_final_answer():
     s = score("The harbour holds five ships.", final=True, gt="5")
     assert (s["no_answer"], s["answer_exact"], s["answer_normalized"], s["turn_correct"], s["action_match"]) == (
-        True, False, False, False, True,
+        True,
+        False,
+        False,
+        False,
+        True,
     )
 
 
@@ -191,7 +250,11 @@ def test_judge_verdict_is_recorded_on_final_turns_only():
 
 
 def test_combine_samples_mean_and_pass_at_k():
-    samples = [score(call_text(**LIST), [LIST]), score("Final Answer: 1", [LIST]), score(call_text("zoom", {}), [LIST])]
+    samples = [
+        score(call_text(**LIST), [LIST]),
+        score("Final Answer: 1", [LIST]),
+        score(call_text("zoom", {}), [LIST]),
+    ]
     combined = combine_samples(samples, 3)
     assert combined["call_match"] == pytest.approx(1 / 3)
     assert combined["call_match@3"] == 1.0
@@ -201,7 +264,11 @@ def test_combine_samples_mean_and_pass_at_k():
 
 
 def test_mean_scores_skip_not_applicable():
-    turns = [{"call_match": 1.0, "name_match": 1.0}, {"call_match": 0.0, "name_match": 1.0}, {"call_match": None, "name_match": None}]
+    turns = [
+        {"call_match": 1.0, "name_match": 1.0},
+        {"call_match": 0.0, "name_match": 1.0},
+        {"call_match": None, "name_match": None},
+    ]
     out = mean_scores(turns)
     assert out["call_match"] == {"mean": 0.5, "n": 2}
     assert out["args_match_given_name"] == {"mean": 0.5, "n": 2}
@@ -239,9 +306,21 @@ def test_paired_comparisons_align_turns_by_key():
     from eogym_sft.evaluation import paired_comparisons
 
     def rec(arm, trace, turn, value, sha="h"):
-        return {"arm": arm, "trace_id": trace, "turn": turn, "prompt_sha256": sha + trace + str(turn), "scores": {"turn_correct": value}}
+        return {
+            "arm": arm,
+            "trace_id": trace,
+            "turn": turn,
+            "prompt_sha256": sha + trace + str(turn),
+            "scores": {"turn_correct": value},
+        }
 
-    records = [rec("base", "t", 0, 0.0), rec("base", "t", 1, 1.0), rec("lora", "t", 1, 1.0), rec("lora", "t", 0, 1.0), rec("lora", "u", 0, 1.0)]
+    records = [
+        rec("base", "t", 0, 0.0),
+        rec("base", "t", 1, 1.0),
+        rec("lora", "t", 1, 1.0),
+        rec("lora", "t", 0, 1.0),
+        rec("lora", "u", 0, 1.0),
+    ]
     (out,) = paired_comparisons(records, ["base", "lora"])
     assert (out["a"], out["b"], out["n"], out["delta"], out["wins"], out["ties"]) == ("base", "lora", 2, 0.5, 1, 1)
     records[2]["prompt_sha256"] = "different"
@@ -250,6 +329,7 @@ def test_paired_comparisons_align_turns_by_key():
 
 
 # ---------------------------------------------------------------- planning and end to end
+
 
 def _varied_config():
     """A tiny config whose random weights give varied greedy tokens (the default init repeats one token)."""
@@ -264,13 +344,26 @@ def _row(row_id, question_image=True, crop_path="image_cache/crops/c1.png", fina
     messages = [
         {"role": "system", "content": "You are an expert remote-sensing analyst."},
         {"role": "user", "content": ("<image>" if question_image else "") + "How many ships are in the harbour?"},
-        {"role": "assistant", "content": "I will crop the harbour.", "tool_calls": [
-            {"type": "function", "function": {"name": CROP["name"], "arguments": json.dumps(CROP["arguments"])}}]},
+        {
+            "role": "assistant",
+            "content": "I will crop the harbour.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": CROP["name"], "arguments": json.dumps(CROP["arguments"])}}
+            ],
+        },
         {"role": "tool", "content": json.dumps({"cropped_path": crop_path})},
         {"role": "assistant", "content": final},
     ]
-    return {"id": row_id, "images": ["EO_GYM_DATA/a/b.png"] if question_image else [], "tools": TOOLS, "messages": messages,
-            "gt_answer": "5", "EO_task": "Object Counting", "question_type": "ship counting", "data_source": "test"}
+    return {
+        "id": row_id,
+        "images": ["EO_GYM_DATA/a/b.png"] if question_image else [],
+        "tools": TOOLS,
+        "messages": messages,
+        "gt_answer": "5",
+        "EO_task": "Object Counting",
+        "question_type": "ship counting",
+        "data_source": "test",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -300,21 +393,11 @@ def data(tmp_path_factory):
     return root, path
 
 
-@pytest.fixture(scope="module")
-def processor():
-    from eogym_sft.tiny import build_offline_processor
-
-    proc = build_offline_processor(max_pixels=64 * 64, min_pixels=32 * 32)
-    proc.tokenizer.padding_side = "left"
-    return proc
-
-
 def _cfg(data, **kw):
     from eogym_sft.evaluation import EvalConfig
 
     root, path = data
-    kw = {"model": "unused", "max_pixels": 64 * 64, "min_pixels": 32 * 32, **kw}
-    return EvalConfig(data=[str(path)], data_root=str(root), **kw)
+    return EvalConfig(**{"model": "unused", "data": [str(path)], "data_root": str(root), **kw})
 
 
 def test_read_traces_lists_every_failed_row(data):
@@ -323,7 +406,10 @@ def test_read_traces_lists_every_failed_row(data):
     traces, failures = read_traces(_cfg(data))
     assert [t.id for _, t in traces] == ["r1", "r2", "r3", "r5"]
     assert [(f["source"].rsplit(":", 1)[1], f["reason"]) for f in failures] == [
-        ("4", "malformed_json"), ("5", "blank_line"), ("6", "no_assistant_turn"), ("7", "duplicate_id"),
+        ("4", "malformed_json"),
+        ("5", "blank_line"),
+        ("6", "no_assistant_turn"),
+        ("7", "duplicate_id"),
     ]
     assert len(read_traces(_cfg(data, limit=2))[0]) == 2
 
@@ -333,7 +419,15 @@ def test_plan_turns_prompts_tokens_and_skips(data, processor):
 
     cfg = _cfg(data)
     prompts, skipped = plan_turns(processor, read_traces(cfg)[0], cfg)
-    assert [(p.trace_id, p.turn) for p in prompts] == [("r1", 0), ("r1", 1), ("r2", 0), ("r2", 1), ("r3", 0), ("r5", 0), ("r5", 1)]
+    assert [(p.trace_id, p.turn) for p in prompts] == [
+        ("r1", 0),
+        ("r1", 1),
+        ("r2", 0),
+        ("r2", 1),
+        ("r3", 0),
+        ("r5", 0),
+        ("r5", 1),
+    ]
     assert [(s["trace_id"], s["turn"], s["reason"]) for s in skipped] == [("r3", 1, "missing_image")]
     first, final = prompts[0], prompts[1]
     assert first.text.endswith("<|im_start|>assistant\n") and "How many ships" in first.text
@@ -350,10 +444,62 @@ def test_plan_turns_prompts_tokens_and_skips(data, processor):
     assert all(p.prompt_tokens <= limit for p in short)
 
 
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample" / "eogym_sample.jsonl"
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason="the bundled sample is not there")
+def test_bundled_sample_reference_turns_score_perfectly(processor):
+    """Parity of data prep and scoring: every reference turn of the bundled sample, rendered by the chat
+    template as the training target and parsed back, is a correct next action and answer."""
+    from eogym_sft.evaluation import plan_turns, read_traces
+
+    cfg = _cfg((SAMPLE.parent, SAMPLE))
+    traces, failures = read_traces(cfg)
+    prompts, skipped = plan_turns(processor, traces, cfg)
+    assert len(traces) == 41 and {f["reason"] for f in failures} == {
+        "malformed_json",
+        "unknown_role",
+        "invalid_tool_arguments",
+    }
+    assert {s["reason"] for s in skipped} == {"missing_image"}
+    by_id = {t.id: t for _, t in traces}
+    finals = 0
+    for p in prompts:
+        trace = by_id[p.trace_id]
+        target = render(processor, trace.messages[: p.message_index + 1], trace.tools)[len(p.text) :]
+        scores = score_output(parse_output(target), p.reference, 0.0)
+        assert scores["turn_correct"] and scores["action_match"] and not scores["invalid_call"], (p.trace_id, p.turn)
+        assert scores["unknown_tool"] is False
+        finals += p.reference.scores_answer
+    assert len(prompts) >= 100 and finals == 40
+
+
 def echo_judge(question, prediction, reference):
     """A judge for the end-to-end test: right when the prediction contains the reference."""
     assert "How many ships" in question
     return reference in prediction
+
+
+def test_score_turns_calls_the_judge_on_final_answers(data, processor):
+    from eogym_sft.evaluation import load_judge, plan_turns, read_traces, score_turns
+
+    cfg = _cfg(data)
+    prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0][:2]  # r1: a call turn, then the final turn
+    outputs = [["Final Answer: 5"], ["Let me count.\nFinal Answer: 5 ships<|im_end|>"]]
+    generations = [{"outputs": o, "finished": [True], "new_tokens": [9]} for o in outputs]
+    judge = load_judge(f"{__name__}:echo_judge")
+    call_turn, final_turn = score_turns("base", prompts, generations, cfg, judge)
+    assert call_turn["scores"]["answer_judge"] is None and call_turn["scores"]["answered_instead_of_call"] == 1.0
+    assert final_turn["scores"]["answer_judge"] == 1.0  # "5" is in "5 ships"
+    assert (final_turn["scores"]["answer_normalized"], final_turn["scores"]["answer_exact"]) == (0.0, 0.0)
+
+    def broken(question, prediction, reference):
+        raise TimeoutError("judge API down")
+
+    (record,) = score_turns("base", prompts[1:], generations[1:], cfg, broken)
+    assert record["scores"]["answer_judge"] is None and "TimeoutError" in record["judge_errors"][0]
+    with pytest.raises(ValueError, match="module:function"):
+        load_judge("no_colon")
 
 
 @pytest.fixture(scope="module")
@@ -380,12 +526,10 @@ def test_end_to_end_two_adapters_on_identical_turns(data, models, tmp_path, caps
 
     root, path = data
     out = tmp_path / "eval"
-    main([
-        "evaluate", "--model", str(models / "base"), "--adapter", f"one={models / 'lora1'}", str(models / "lora2"),
-        "--data", str(path), "--data-root", str(root), "--output", str(out), "--max-new-tokens", "6",
-        "--batch-size", "2", "--max-pixels", str(64 * 64), "--min-pixels", str(32 * 32), "--no-progress",
-        "--judge", f"{__name__}:echo_judge",
-    ])
+    adapters = ["--adapter", f"one={models / 'lora1'}", str(models / "lora2")]
+    data_args = ["--data", str(path), "--data-root", str(root), "--output", str(out)]
+    run_args = ["--max-new-tokens", "4", "--batch-size", "4", "--no-progress", "--judge", f"{__name__}:echo_judge"]
+    main(["evaluate", "--model", str(models / "base"), *adapters, *data_args, *run_args])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     arms = ["base", "one", "lora2"]
@@ -407,7 +551,12 @@ def test_end_to_end_two_adapters_on_identical_turns(data, models, tmp_path, caps
     assert (counts["rows_in"], counts["rows_failed"], counts["turns_scored"], counts["turns_skipped"]) == (8, 4, 6, 2)
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert {s["reason"] for s in skipped} == {
-        "malformed_json", "blank_line", "no_assistant_turn", "duplicate_id", "missing_image", "corrupt_image",
+        "malformed_json",
+        "blank_line",
+        "no_assistant_turn",
+        "duplicate_id",
+        "missing_image",
+        "corrupt_image",
     }
     final = by_arm["base"][("r1", 1)]
     assert final["gt_answer"] == "5" and final["sample_scores"][0]["answer_judge"] is not None
@@ -420,8 +569,8 @@ def test_batching_and_base_arm_match_a_plain_model(data, models, processor):
     model (adapters disabled) gives the plain base model's tokens; bf16 runs on CPU too."""
     from eogym_sft.evaluation import Arm, generate_turns, load_model, plan_turns, read_traces, use_arm
 
-    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=5, batch_size=1)
-    prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0][:4]
+    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=4, batch_size=1)
+    prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0][:3]  # 1, 2 and no images
     plain = load_model(cfg, [Arm("base")])
     one_by_one = generate_turns(plain, processor, prompts, cfg)
     cfg.batch_size = 4
@@ -433,8 +582,8 @@ def test_batching_and_base_arm_match_a_plain_model(data, models, processor):
     with use_arm(wrapped, arms[1]):
         assert generate_turns(wrapped, processor, prompts, cfg) != one_by_one
     cfg.dtype = "bfloat16"
-    bf16 = generate_turns(load_model(cfg, [Arm("base")]), processor, prompts[:2], cfg)
-    assert all(len(g["outputs"]) == 1 for g in bf16)
+    (bf16,) = generate_turns(load_model(cfg, [Arm("base")]), processor, prompts[1:2], cfg)  # two images
+    assert len(bf16["outputs"]) == 1 and bf16["new_tokens"][0] > 0
 
 
 def test_sampling_gives_k_outputs_and_pass_at_k(data, models, processor):

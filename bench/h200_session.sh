@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md and docs/training.md, stage by stage, on an H200 host
+# (2 GPUs for the scaling stages). Wheels the image lacks are installed from .whl/ (see bench/README.md).
+#   bash bench/h200_session.sh setup        # install, versions, GPU tests
+#   bash bench/h200_session.sh train_bench  # plain TRL vs the recipe, feature by feature, 1 GPU
+#   bash bench/h200_session.sh prep_bench   # data prep on 16 cores
+#   bash bench/h200_session.sh recipe       # the recipe on the 4B architecture, ZeRO-2 bf16, 1 then 2 GPUs
+#   bash bench/h200_session.sh scaling      # the recipe's speed on 2 GPUs, DDP and ZeRO-2
+#   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+cfg=recipes/configs/qwen3_vl_4b_instruct.json
+model=/tmp/qwen3vl4b-random
+data=/tmp/eo_synth
+
+make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
+make_data() { [ -f $data/train.jsonl ] || python -c "import sys; sys.path.insert(0, 'bench'); from prep_throughput import generate_sample; generate_sample('$data', rows=${1:-240}, seed=0)"; }
+
+case "$1" in
+setup)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
+  python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_collator.py 2>&1 | tail -5 || echo "GPU tests failed"
+  ;;
+train_bench)
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py --rows 160 --steps 8 --warmup 2 --workdir /tmp/bt --json $OUT/train_1gpu.json
+  ;;
+prep_bench)
+  python bench/prep_throughput.py --rows 1600 --num-proc 1 16 --json $OUT/prep.json
+  ;;
+recipe)
+  make_model; make_data 240
+  common="--model_name_or_path $model --dataset_path $data/train.jsonl --data_root $data/data --max_steps 20 --learning_rate 1e-3
+    --lr_scheduler_type constant --gradient_accumulation_steps 1 --logging_steps 4 --eval_steps 10 --save_steps 20 --eval_fraction 0.05
+    --pack_batch true --attn_implementation eogym_varlen --prep_num_proc 16"
+  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --output_dir /tmp/run_1gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_1gpu.log
+  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --prepared_dir /tmp/run_1gpu/prepared --output_dir /tmp/run_2gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_2gpu.log
+  cp /tmp/run_1gpu/eogym_run.json $OUT/eogym_run_1gpu.json; ls /tmp/run_1gpu /tmp/run_2gpu
+  ;;
+scaling)
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B,B-noGC-b2 --workdir /tmp/bt --json $OUT/scale_1gpu.json
+  accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B --workdir /tmp/bt --json $OUT/scale_ddp.json
+  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B --workdir /tmp/bt --json $OUT/scale_zero2.json
+  ;;
+eval_bench)
+  make_model; make_data 240
+  CUDA_VISIBLE_DEVICES=0 python bench/eval_throughput.py --model $model --rows 16 --batch-size 16 --max-new-tokens 64 --json $OUT/eval.json
+  ;;
+esac

@@ -1,0 +1,141 @@
+"""``eogym_varlen`` attention: the same loss as SDPA on padded and packed batches, sample boundaries
+from the position row, and (on a GPU) the CUDA varlen kernel against the CPU reference path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eogym_sft.attention import _boundaries, _varlen_reference
+
+MIN_PIXELS, MAX_PIXELS = 1024, 16384
+
+
+def _sharpen(model, seed: int):
+    """Larger random weights, so that a token attending outside its sample moves the loss visibly."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tmp_path_factory):
+    from eogym_sft.tiny import build_tiny_model
+
+    path = tmp_path_factory.mktemp("sharp_tiny")
+    _sharpen(build_tiny_model(seed=3), seed=3).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(sharp_model_dir):
+    from eogym_sft.modeling import load_base_model
+
+    sdpa = load_base_model(str(sharp_model_dir), dtype="float32").eval()
+    varlen = load_base_model(str(sharp_model_dir), dtype="float32", attn_implementation="eogym_varlen").eval()
+    return sdpa, varlen
+
+
+def _examples():
+    from PIL import Image
+
+    def ex(question, answer, images=()):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}], "images": list(images)}
+
+    return [
+        ex("How many ships are in the harbour?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30))]),
+        ex("Flooded?", "No.\nFinal Answer: no"),
+        ex("Compare the two scenes.", "The second is greener.", [Image.new("RGB", (32, 96), "green"), Image.new("RGB", (64, 32), "blue")]),
+    ]
+
+
+def test_varlen_model_uses_varlen_for_text_only(models):
+    _, varlen = models
+    assert varlen.config.text_config._attn_implementation == "eogym_varlen"
+    assert varlen.config.vision_config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_varlen_gives_the_sdpa_loss(models, processor, padding_free):
+    from eogym_sft.collator import EOGymCollator
+
+    sdpa, varlen = models
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    batch = collator(_examples())
+    with torch.no_grad():
+        want = sdpa(**batch, use_cache=False)
+        got = varlen(**batch, use_cache=False)
+    assert abs(got.loss.item() - want.loss.item()) < 1e-5
+    valid = batch["labels"] != -100
+    assert torch.allclose(got.logits[valid], want.logits[valid], atol=1e-4, rtol=0)
+    if padding_free:
+        # the comparison can fail: without sample boundaries the varlen loss moves by far more than 1e-5
+        leaky = dict(batch, position_ids=batch["position_ids"].clone())
+        leaky["position_ids"][0, 0] = torch.arange(batch["input_ids"].shape[1])
+        with torch.no_grad():
+            assert abs(varlen(**leaky, use_cache=False).loss.item() - want.loss.item()) > 1e-3
+
+
+def test_boundaries_from_a_position_row():
+    import eogym_sft.attention as attention
+
+    attention._last_boundaries.clear()
+    row = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 0, 1, 2]])
+    cu, max_len = _boundaries(row)
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == [0, 4, 6, 7, 10] and max_len == 4
+    # a padded batch flattens row after row; each pad (position 0) is a sample of one token
+    padded = torch.tensor([[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]])
+    cu, max_len = _boundaries(padded)
+    assert cu.tolist() == [0, 3, 4, 5, 10] and max_len == 5
+    # cached per tensor object, recomputed for a new one
+    assert _boundaries(padded)[0] is cu
+    assert _boundaries(padded.clone())[0] is not cu
+
+
+def test_reference_path_is_causal_per_segment():
+    torch.manual_seed(0)
+    total, heads, kv_heads, dim = 9, 4, 2, 8
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = _varlen_reference(q, k, v, cu, 1 / math.sqrt(dim))
+    # by hand for one query: token 2 of the first segment (head 3 -> kv head 1) sees keys 0..2 only
+    scores = (q[2, 3] @ k[:3, 1].T) / math.sqrt(dim)
+    assert torch.allclose(out[2, 3], torch.softmax(scores, -1) @ v[:3, 1], atol=1e-6)
+    # the second segment starts afresh: its first token attends to itself only
+    assert torch.allclose(out[4], v[4].repeat_interleave(2, 0), atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_varlen_matches_the_reference_and_is_causal():
+    from eogym_sft.attention import _varlen_cuda
+
+    torch.manual_seed(0)
+    lengths = [37, 128, 91]
+    total, heads, kv_heads, dim = sum(lengths), 32, 8, 128
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(dim)
+    got = _varlen_cuda(q, k, v, cu, max(lengths), scale)
+    want = _varlen_reference(q.float(), k.float(), v.float(), cu, scale)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # causality and isolation: change the keys/values of the last token of segment 1 and everything of
+    # segment 2; only that last token of segment 1 and segment 2 may change
+    k2, v2 = k.clone(), v.clone()
+    last = lengths[0] + lengths[1] - 1
+    k2[last:] = torch.randn_like(k2[last:])
+    v2[last:] = torch.randn_like(v2[last:])
+    again = _varlen_cuda(q, k2, v2, cu, max(lengths), scale)
+    assert torch.equal(again[:last], got[:last])
+    assert not torch.equal(again[last], got[last])
+    assert (again[last + 1 :] != got[last + 1 :]).any(-1).any(-1).all()

@@ -1,0 +1,125 @@
+"""The shipped configs: every recipe YAML parses with the recipe's own parser and ``eo_gym_4b.yaml`` holds
+the published EO-Gym-4B settings, with or without ``--config``; the accelerate configs are valid."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+ACCELERATE = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
+# bf16 training arguments are refused on a machine without a GPU unless they are told it is a CPU run
+CPU = [] if torch.cuda.is_available() else ["--use_cpu", "true"]
+ADJUSTED_ON_CPU = {"dataloader_pin_memory"} if CPU else set()  # TrainingArguments turns it off without a GPU
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("eo_gym_4b_recipe_configs", REPO / "recipes" / "eo_gym_4b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def published(script, training, model) -> None:
+    """The EO-Gym-4B recipe as published."""
+    assert model.model_name_or_path == "Qwen/Qwen3-VL-4B-Instruct"
+    assert model.dtype == "bfloat16" and not getattr(model, "trust_remote_code", False)
+    assert training.num_train_epochs == 3
+    assert training.per_device_train_batch_size == 4
+    assert training.gradient_accumulation_steps == 16
+    assert training.learning_rate == 1e-4
+    assert str(training.lr_scheduler_type) in ("cosine", "SchedulerType.COSINE")
+    assert training.weight_decay == 0.1
+    assert str(training.optim) in ("adamw_torch_fused", "OptimizerNames.ADAMW_TORCH_FUSED")
+    assert training.seed == 42
+    assert training.bf16 is True and training.fp16 is False
+    assert training.max_length == 8192
+    assert training.remove_unused_columns is False
+    assert training.dataset_kwargs == {"skip_prepare_dataset": True}
+    assert training.max_steps == -1 and training.resume_from_checkpoint is None
+    assert model.use_peft is True
+    assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
+    assert list(model.lora_target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert script.max_pixels == 1003520 and script.min_pixels == 65536
+    assert 0 < script.eval_fraction < 1 and script.overlong == "split"
+
+
+def test_recipe_yamls_exist():
+    assert REPO / "recipes" / "eo_gym_4b.yaml" in RECIPES
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_yaml_parses(recipe, path):
+    raw = yaml.safe_load(path.read_text())
+    script, training, model = recipe.parse_args(["--config", str(path), *CPU])
+    for key, value in raw.items():  # every key lands in one of the three argument groups, unchanged
+        holders = [args for args in (script, training, model) if hasattr(args, key)]
+        assert holders, f"{path.name}: {key} is no recipe argument"
+        got = getattr(holders[0], key)
+        got = got.value if hasattr(got, "value") else got
+        if key == "report_to" and value == "none":
+            value = []  # TrainingArguments' spelling of "none"
+        if isinstance(value, float) or isinstance(got, float):
+            assert got == pytest.approx(value), key
+        elif isinstance(value, list):
+            assert list(got) == value, key
+        elif key not in ADJUSTED_ON_CPU:
+            assert got == value or str(got) == str(value), key
+
+
+def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
+    published(*recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU]))
+
+
+def test_no_config_reads_the_same_yaml(recipe):
+    default = recipe.parse_args(list(CPU))
+    explicit = recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU])
+    published(*default)
+    for a, b in zip(default, explicit):
+        assert vars(a) == vars(b)
+
+
+def test_flags_override_the_yaml(recipe):
+    script, training, model = recipe.parse_args([*CPU, "--learning_rate", "3e-4", "--lora_r", "8", "--max_pixels", "4096", "--max_steps", "5"])
+    assert training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
+    assert training.gradient_accumulation_steps == 16  # the rest still comes from the file
+
+
+def test_bad_eval_fraction_is_refused(recipe):
+    with pytest.raises(ValueError, match="eval_fraction"):
+        recipe.parse_args([*CPU, "--eval_fraction", "1.0"])
+
+
+EXPECTED_DISTRIBUTED = {"deepspeed_zero2": ("DEEPSPEED", 2), "deepspeed_zero3": ("DEEPSPEED", 3), "ddp": ("MULTI_GPU", None), "multi_gpu": ("MULTI_GPU", None)}
+
+
+@pytest.mark.skipif(not ACCELERATE, reason="no accelerate configs under recipes/accelerate/")
+@pytest.mark.parametrize("path", ACCELERATE, ids=[p.name for p in ACCELERATE])
+def test_accelerate_configs(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = yaml.safe_load(path.read_text())
+    assert isinstance(config, dict)
+    loaded = ClusterConfig.from_yaml_file(str(path))  # accelerate's own reader: unknown keys are refused
+    assert loaded.distributed_type.value == config["distributed_type"]
+    expected = EXPECTED_DISTRIBUTED.get(path.stem)
+    assert expected is not None, f"{path.name}: no expectation for this accelerate config"
+    kind, stage = expected
+    assert config["distributed_type"] == kind
+    if stage is not None:
+        assert config["deepspeed_config"]["zero_stage"] == stage
+    assert config.get("mixed_precision", "bf16") == "bf16"
+    assert config.get("num_processes", 1) >= 1
+
+
+def test_accelerate_configs_for_zero2_zero3_and_ddp_are_shipped():
+    names = {p.stem for p in ACCELERATE}
+    if not names:
+        pytest.skip("no accelerate configs under recipes/accelerate/ yet")
+    assert {"deepspeed_zero2", "deepspeed_zero3"} <= names and names & {"ddp", "multi_gpu"}

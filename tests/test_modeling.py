@@ -1,0 +1,144 @@
+"""Model setup: LoRA on the language model's seven projections only, a frozen vision tower and aligner,
+and a loud failure when anything else would train."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from eogym_sft.modeling import LORA_TARGETS, apply_lora, check_trainable, load_base_model, lora_target_regex
+
+REPO = Path(__file__).resolve().parents[1]
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def language_projections(n_layers: int, prefix: str = "model.") -> set[str]:
+    """Module names of the seven projections of every language-model layer, written out by hand."""
+    names = set()
+    for layer in range(n_layers):
+        base = f"{prefix}language_model.layers.{layer}"
+        names |= {f"{base}.self_attn.{p}" for p in ATTENTION} | {f"{base}.mlp.{p}" for p in MLP}
+    return names
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    from eogym_sft.tiny import build_tiny_model
+
+    return apply_lora(build_tiny_model())
+
+
+def test_lora_targets_are_the_seven_projections():
+    assert set(LORA_TARGETS) == set(ATTENTION + MLP) and len(LORA_TARGETS) == 7
+
+
+def test_apply_lora_trains_exactly_the_language_model_lora_weights(lora_model):
+    trainable = {n for n, p in lora_model.named_parameters() if p.requires_grad}
+    modules = {f"base_model.model.{m}" for m in language_projections(2)}
+    expected = {f"{m}.lora_{ab}.default.weight" for m in modules for ab in "AB"}
+    assert len(expected) == 2 * 7 * 2
+    assert trainable == expected
+    assert not any("visual" in n for n in trainable)
+    # every vision, aligner and base weight is frozen
+    frozen = {n for n, p in lora_model.named_parameters() if not p.requires_grad}
+    assert any(".visual.merger." in n for n in frozen) and any(".visual.deepstack_merger_list." in n for n in frozen)
+    assert any(".visual.blocks." in n for n in frozen)
+    # r=16, alpha=32, dropout 0.05 by default
+    q = lora_model.get_submodule("base_model.model.model.language_model.layers.1.self_attn.q_proj")
+    assert q.r["default"] == 16 and q.scaling["default"] == 2.0 and q.lora_dropout["default"].p == 0.05
+    down = lora_model.get_submodule("base_model.model.model.language_model.layers.0.mlp.down_proj")
+    assert down.lora_A["default"].weight.shape == (16, 32) and down.lora_B["default"].weight.shape == (16, 16)
+    counts = check_trainable(lora_model)
+    # per layer: q 256+256, k 256+128, v 256+128, o 256+256, gate 256+512, up 256+512, down 512+256
+    assert counts["trainable"] == 2 * 4096
+    assert counts["total"] == sum(p.numel() for p in lora_model.parameters())
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "base_model.model.model.visual.blocks.0.attn.qkv.weight",  # vision tower
+        "base_model.model.model.visual.merger.linear_fc1.weight",  # aligner
+        "base_model.model.model.visual.deepstack_merger_list.0.linear_fc2.bias",  # deepstack aligner
+        "base_model.model.model.language_model.embed_tokens.weight",  # not LoRA
+        "base_model.model.model.language_model.layers.0.self_attn.q_proj.base_layer.weight",  # the frozen base
+    ],
+)
+def test_check_trainable_fails_loudly(lora_model, name):
+    param = dict(lora_model.named_parameters())[name]
+    param.requires_grad_(True)
+    try:
+        with pytest.raises(RuntimeError, match=re.escape(name)):
+            check_trainable(lora_model)
+    finally:
+        param.requires_grad_(False)
+    check_trainable(lora_model)  # back to a valid setup
+
+
+def test_check_trainable_fails_on_vision_lora_weights():
+    from peft import LoraConfig, get_peft_model
+
+    from eogym_sft.tiny import build_tiny_model
+
+    model = build_tiny_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    on_vision = get_peft_model(model, LoraConfig(r=4, target_modules=["qkv"]))  # the vision tower's attention
+    with pytest.raises(RuntimeError, match=r"visual\.blocks\.0\.attn\.qkv\.lora_A"):
+        check_trainable(on_vision)
+
+
+def test_check_trainable_fails_when_nothing_trains():
+    from eogym_sft.tiny import build_tiny_model
+
+    with pytest.raises(ValueError, match=r"no_such_proj\) not found"):  # PEFT refuses before check_trainable
+        apply_lora(build_tiny_model(), targets=("no_such_proj",))
+    frozen = build_tiny_model()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no trainable parameters"):
+        check_trainable(frozen)
+
+
+def test_target_regex_matches_no_vision_module():
+    from eogym_sft.tiny import build_tiny_model
+
+    pattern = lora_target_regex()
+    names = [n for n, _ in build_tiny_model().named_modules()]
+    matched = {n for n in names if re.fullmatch(pattern, n)}
+    assert matched == language_projections(2)
+    assert not any(re.fullmatch(pattern, n) for n in names if "visual" in n)
+    # the vision tower has its own projections and MLPs; none of them may match
+    assert any(n.endswith("attn.proj") for n in names if "visual" in n)
+    assert any(n.endswith("linear_fc1") for n in names if "visual" in n)
+
+
+def test_target_regex_on_the_4b_architecture():
+    """The module names of the real Qwen3-VL-4B (built on the meta device: no memory, no weights)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig.from_dict(json.loads((REPO / "recipes" / "configs" / "qwen3_vl_4b_instruct.json").read_text()))
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    names = [n for n, _ in model.named_modules()]
+    pattern = lora_target_regex()
+    matched = {n for n in names if re.fullmatch(pattern, n)}
+    assert matched == language_projections(36)
+    assert len(matched) == 36 * 7
+    assert sum("visual" in n for n in names) > 100 and not any("visual" in n for n in matched)
+
+
+def test_load_base_model(tiny_model_dir):
+    model = load_base_model(str(tiny_model_dir))
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.use_cache is False
+    assert model.config._attn_implementation == "sdpa"
+    import inspect
+
+    assert inspect.signature(load_base_model).parameters["trust_remote_code"].default is False

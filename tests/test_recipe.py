@@ -1,0 +1,307 @@
+"""The real recipe (``recipes/eo_gym_4b.py``) on the tiny Qwen3-VL and a tiny EO-Gym JSONL, on CPU: a few
+steps change every LoRA weight and nothing else, the adapter reloads with ``PeftModel`` and gives the
+same logits, the run leaves ``eogym_run.json``, and ``--resume_from_checkpoint`` continues from the
+last checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+MIN_PIXELS, MAX_PIXELS = 1024, 4096  # 32..64 px images stay 1..4 visual tokens
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "crop",
+        "description": "Crop an image by a normalized AOI.",
+        "parameters": {"type": "object", "properties": {"image_url": {"type": "string"}, "aoi": {"type": "array"}}},
+    },
+}
+N_ROWS = 6  # train_0000002_tiny is the one held-out trace (eval_fraction 0.3, seed 42); 5 train samples
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("eo_gym_4b_recipe_under_test", REPO / "recipes" / "eo_gym_4b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _save_image(root: Path, rel: str, width: int, height: int, seed: int) -> str:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return rel
+
+
+def write_rows(root: Path) -> Path:
+    """Six short EO-Gym rows (OpenAI dialect): three with a crop call whose result names an image."""
+    rows = []
+    for i in range(N_ROWS):
+        scene = _save_image(root, f"EO_GYM_DATA/s{i}/scene.png", 32 + 16 * (i % 3), 32 + 8 * (i % 2), i)
+        messages = [
+            {"role": "system", "content": "Answer as: Final Answer: <answer>"},
+            {"role": "user", "content": f"<image>How many ships are in scene {i}?"},
+        ]
+        if i % 2 == 0:
+            crop = _save_image(root, f"image_cache/crops/c{i}.png", 48, 32, 100 + i)
+            args = json.dumps({"image_url": scene, "aoi": [0, 0, 0.5, 0.5]})
+            messages += [
+                {"role": "assistant", "content": "I crop the port.", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "crop", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "c", "content": json.dumps({"cropped_path": crop})},
+            ]
+        messages.append({"role": "assistant", "content": f"I count {i} hulls.\nFinal Answer: {i}"})
+        rows.append({"id": f"train_{i:07d}_tiny", "images": [scene], "tools": [TOOL], "messages": messages,
+                     "EO_task": "Object Counting", "question_type": "count"})
+    path = root / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def recipe_args(model_dir: Path, data: Path, output: Path, prepared: Path, steps: int) -> list[str]:
+    """The published recipe shrunk to a CPU run; everything not named here comes from eo_gym_4b.yaml."""
+    return [
+        "--model_name_or_path", str(model_dir),
+        "--dtype", "float32",
+        "--dataset_path", str(data),
+        "--data_root", str(data.parent),
+        "--output_dir", str(output),
+        "--prepared_dir", str(prepared),
+        "--min_pixels", str(MIN_PIXELS),
+        "--max_pixels", str(MAX_PIXELS),
+        "--eval_fraction", "0.3",
+        "--max_steps", str(steps),
+        "--per_device_train_batch_size", "2",
+        "--per_device_eval_batch_size", "2",
+        "--gradient_accumulation_steps", "1",
+        "--learning_rate", "1e-2",
+        "--lr_scheduler_type", "constant",
+        "--weight_decay", "0",  # every change to a weight then comes from its gradient
+        "--eval_steps", "2",
+        "--save_steps", "1",
+        "--logging_steps", "1",
+        "--use_cpu", "true",
+        "--bf16", "false",
+        "--optim", "adamw_torch",
+        "--gradient_checkpointing", "false",
+        "--dataloader_num_workers", "0",
+        "--dataloader_persistent_workers", "false",
+        "--dataloader_pin_memory", "false",
+        "--prep_num_proc", "1",
+    ]
+
+
+def lora_only(params: dict) -> dict:
+    return {n: p for n, p in params.items() if "lora_" in n}
+
+
+def run_recipe(recipe, argv: list[str]):
+    """``main(*parse_args(argv))`` with a trainer that records what the checks need."""
+
+    class RecordingTrainer(recipe.EOGymSFTTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            self.first_step_lora = None
+            self.steps_run = 0
+            self.resumed_from = "train() not called"
+
+        def train(self, resume_from_checkpoint=None, **kwargs):
+            self.resumed_from = resume_from_checkpoint
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.first_step_lora is None:
+                self.first_step_lora = {n: p.detach().clone() for n, p in lora_only(dict(self.model.named_parameters())).items()}
+            self.steps_run += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    made = []
+
+    class Factory(RecordingTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    original = recipe.EOGymSFTTrainer
+    recipe.EOGymSFTTrainer = Factory
+    try:
+        output = recipe.main(*recipe.parse_args(argv))
+    finally:
+        recipe.EOGymSFTTrainer = original
+    (trainer,) = made
+    return output, trainer
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    return {"root": root, "data": write_rows(root / "data"), "prepared": root / "prepared"}
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_model_dir, workspace):
+    recipe = load_recipe()
+    out = workspace["root"] / "run"
+    output, trainer = run_recipe(recipe, recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=2))
+    assert output == str(out)
+    return {"recipe": recipe, "out": out, "trainer": trainer}
+
+
+def test_every_lora_weight_changes_and_nothing_else(first_run, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    trainer = first_run["trainer"]
+    assert trainer.state.global_step == 2 and trainer.steps_run == 2
+    final = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    assert final.keys() == trainer.initial.keys()
+    lora = lora_only(final)
+    assert len(lora) == 2 * 7 * 2 and all(".language_model.layers." in n for n in lora)
+    for name, after in lora.items():
+        before = trainer.initial[name]
+        assert (after != before).all(), f"{name}: {(after == before).sum().item()} of {after.numel()} values unchanged"
+    # nothing else moved, and it still is the base model on disk
+    base = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    checked = 0
+    for name, after in final.items():
+        if name in lora:
+            continue
+        assert torch.equal(after, trainer.initial[name]), name
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = "model.language_model.embed_tokens.weight" if key == "lm_head.weight" else key  # tied
+        assert torch.equal(after, base[key]), name
+        checked += 1
+    assert checked == len(base)
+
+
+def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, tiny_model_dir, processor):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.prepared import load_prepared
+
+    out = first_run["out"]
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (16, 32, 0.05)
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    trained = {n.replace(".default.", "."): p for n, p in lora_only(dict(first_run["trainer"].model.named_parameters())).items()}
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[n], trained[n].detach()) for n in saved)
+
+    reloaded = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(tiny_model_dir), str(out)).eval()
+    model = first_run["trainer"].model.eval()
+    dataset, _ = load_prepared(out.parent / "prepared")
+    examples = [dataset[0], dataset[1]]
+    for padding_free in (False, True):
+        collator = EOGymCollator(
+            processor, data_root=str(out.parent / "data"), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free
+        )
+        batch = collator(examples)
+        assert "pixel_values" in batch
+        # padding positions are nobody's prediction (and differ between attention kernels): compare real tokens
+        real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+        with torch.no_grad():
+            want = model(**batch, use_cache=False).logits[real]
+            got = reloaded(**batch, use_cache=False).logits[real]
+        assert got.shape == (int(real.sum()), 151936)
+        assert (got - want).abs().max().item() < 1e-5
+    with torch.no_grad(), reloaded.disable_adapter():
+        base = reloaded(**batch, use_cache=False).logits[real]
+    assert (got - base).abs().max().item() > 1e-4  # the adapter is what makes them equal
+
+
+def test_run_info_is_written_next_to_the_adapter(first_run, workspace, tiny_model_dir):
+    out = first_run["out"]
+    info = json.loads((out / "eogym_run.json").read_text())
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        assert info["git_sha"] in (head, head + "-dirty")
+    except (OSError, subprocess.CalledProcessError):
+        assert info["git_sha"] == "unknown"
+    config = info["config"]
+    assert config["script"]["max_pixels"] == MAX_PIXELS and config["script"]["dataset_path"] == str(workspace["data"])
+    assert config["training"]["max_steps"] == 2 and config["training"]["num_train_epochs"] == 3  # from the YAML
+    assert config["training"]["per_device_train_batch_size"] == 2 and config["training"]["seed"] == 42
+    assert config["model"]["lora_r"] == 16 and config["model"]["model_name_or_path"] == str(tiny_model_dir)
+    stats = json.loads((workspace["prepared"] / "stats.json").read_text())
+    file_hash = hashlib.sha256(workspace["data"].read_bytes()).hexdigest()
+    assert info["data"] == {
+        "content_hash": stats["content_hash"],
+        "inputs": {str(workspace["data"]): file_hash},
+        "samples": N_ROWS,
+        "rows_in": N_ROWS,
+        "rows_dropped": 0,
+    }
+    import peft
+    import transformers
+    import trl
+
+    assert info["versions"]["torch"] == torch.__version__.split("+")[0]
+    assert info["versions"]["transformers"] == transformers.__version__
+    assert info["versions"]["trl"] == trl.__version__ and info["versions"]["peft"] == peft.__version__
+    assert info["processor"] == {"size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS}, "patch_size": 16, "merge_size": 2}
+    # the processor saved beside the adapter carries the same pixel cap
+    saved = json.loads((out / "processor_config.json").read_text())
+    assert saved["image_processor"]["size"] == {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS}
+
+
+def test_training_logs_token_accuracy_and_evaluates(first_run):
+    history = json.loads((first_run["out"] / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    train = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval_loss" in h]
+    assert [h["step"] for h in train] == [1, 2]
+    assert all(0.0 <= h["token_accuracy"] <= 1.0 and h["loss"] > 0 for h in train)
+    assert [h["step"] for h in evals] == [2]
+    assert 0.0 <= evals[0]["eval_token_accuracy"] <= 1.0
+
+
+def test_resume_continues_from_the_last_checkpoint(first_run, tiny_model_dir, workspace):
+    from safetensors.torch import load_file
+
+    out = workspace["root"] / "resumed"
+    shutil.copytree(first_run["out"], out)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    argv = recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=3) + ["--resume_from_checkpoint", "true"]
+    _, trainer = run_recipe(first_run["recipe"], argv)
+
+    assert trainer.resumed_from == str(out / "checkpoint-2")
+    assert trainer.state.global_step == 3 and trainer.steps_run == 1
+    # the one step it ran started from checkpoint-2's adapter weights, not from a fresh LoRA
+    saved = load_file(str(out / "checkpoint-2" / "adapter_model.safetensors"))
+    first = {n.replace(".default.", "."): p for n, p in trainer.first_step_lora.items()}
+    assert first.keys() == saved.keys()
+    assert all(torch.equal(first[n], saved[n]) for n in saved)
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    before = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert state["log_history"][: len(before)] == before  # steps 1-2 come from checkpoint-2
+    assert [h["step"] for h in state["log_history"][len(before) :] if "loss" in h] == [3]
+
+
+def test_resume_without_a_checkpoint_is_an_error(first_run, tmp_path):
+    recipe = first_run["recipe"]
+    cpu = ["--use_cpu", "true", "--output_dir", str(tmp_path)]
+    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "true"])
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        recipe.resume_checkpoint(training_args)
+    _, training_args, _ = recipe.parse_args(cpu)
+    assert recipe.resume_checkpoint(training_args) is None
+    (tmp_path / "checkpoint-7").mkdir()
+    (tmp_path / "checkpoint-12").mkdir()
+    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "last"])
+    assert recipe.resume_checkpoint(training_args) == str(tmp_path / "checkpoint-12")
+    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", str(tmp_path / "checkpoint-7")])
+    assert recipe.resume_checkpoint(training_args) == str(tmp_path / "checkpoint-7")
