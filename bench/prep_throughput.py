@@ -3,14 +3,18 @@
 One command::
 
     python bench/prep_throughput.py                      # 400 rows, --num-proc 1 and os.cpu_count()
+    python bench/prep_throughput.py --breakdown          # + CPU time per stage (template, tokeniser, ...)
     python bench/prep_throughput.py --rows 2000 --num-proc 1 4 8 16 --json out.json
 
 It (a) writes a deterministic, scaled-up EO-Gym-shaped sample (row images up to 4000x4000 px, tool
 results naming ``image_cache/...png`` crops, 5-15 tool schemas a row, mostly the OpenAI ``tool_calls``
 dialect, some Qwen/Hermes ``<tool_call>`` text), (b) writes the tiny offline model folder (only its
-processor matters here), (c) times ``prepare_files`` wall-clock for each ``--num-proc`` value, worker
-start-up included, and (d) prints a table and writes JSON with rows/s, rows/s per core and the
-projected time for the 7,642-row train split on 16 cores, plus machine info.
+processor matters here), (c) times ``prepare_files`` wall-clock and CPU for each ``--num-proc`` value,
+worker start-up included, noting when each chunk of results arrives, and (d) prints a table and writes
+JSON with rows/s, rows/s per core (overall, and steady: after the first round of chunks), rows per CPU
+second, and the projected time for the 7,642-row train split on 16 cores (time to the first result +
+7,642 / (16 x steady rows/s per core)), plus machine info. A fresh-interpreter probe times what each
+spawned worker pays before its first row. ``bench/README.md`` describes every figure.
 
 Images are written fast: a handful of distinct files (a small noise tile upscaled) are written once and
 hard-linked (copied where links fail) under many hashed names. Data prep reads only image headers, so
@@ -258,13 +262,56 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def time_prepare(jsonl: Path, model_dir: Path, cfg, num_proc: int) -> tuple[float, float, list]:
-    """``(wall_s, cpu_s, results)`` of one ``prepare_files`` call, worker start-up included."""
+def time_prepare(jsonl: Path, model_dir: Path, cfg, num_proc: int) -> tuple[float, float, list, list]:
+    """``(wall_s, cpu_s, results, marks)`` of one ``prepare_files`` call, worker start-up included.
+
+    ``marks`` are ``(seconds since the start, rows)`` for each chunk of results as it arrived, caught
+    by standing in for the progress bar that ``prepare_files`` updates per chunk (empty if it has none).
+    """
+    import tqdm.auto
+
     from eogym_sft.prepare import prepare_files
 
-    c0, t0 = _cpu_seconds(), time.perf_counter()
-    results = prepare_files([str(jsonl)], str(model_dir), cfg, num_proc=num_proc, progress=False)
-    return time.perf_counter() - t0, _cpu_seconds() - c0, results
+    marks: list[tuple[float, int]] = []
+
+    class ProgressClock:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def update(self, n=1):
+            marks.append((time.perf_counter() - t0, n))
+
+        def close(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    real_tqdm = tqdm.auto.tqdm
+    tqdm.auto.tqdm = ProgressClock
+    try:
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        results = prepare_files([str(jsonl)], str(model_dir), cfg, num_proc=num_proc, progress=True)
+        wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    finally:
+        tqdm.auto.tqdm = real_tqdm
+    return wall, cpu, results, marks
+
+
+def steady_state(marks: list[tuple[float, int]], num_proc: int) -> tuple[float | None, float | None]:
+    """``(first_result_s, rows_per_s)``: when the first chunk of results came back (worker start-up
+    plus one chunk), and the rate after the first round of ``num_proc`` chunks (start-up excluded)."""
+    if not marks:
+        return None, None
+    if len(marks) < 2:
+        return marks[0][0], None
+    i0 = min(num_proc, len(marks) - 1) - 1
+    span = marks[-1][0] - marks[i0][0]
+    rows = sum(n for _, n in marks[i0 + 1 :])
+    return marks[0][0], (rows / span if span > 0 else None)
 
 
 WORKER_START_PROBE = """
@@ -356,7 +403,9 @@ def breakdown(jsonl: Path, model_dir: Path, cfg) -> dict:
             owner = getattr(owner, part, None)
         if owner is not None and callable(getattr(owner, name, None)):
             patch(owner, name, timers.wrap(getattr(owner, name), category))
-    if callable(getattr(encoding, "_tokenizer", None)):
+    if callable(getattr(encoding, "_ids_and_starts", None)):  # the tokeniser call inside encode_conversation
+        patch(encoding, "_ids_and_starts", timers.wrap(encoding._ids_and_starts, TOKENISE))
+    elif callable(getattr(encoding, "_tokenizer", None)):
         get_tokenizer = encoding._tokenizer
 
         class TimedTokenizer:
@@ -416,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--json", default=None, help="where to write the JSON result (default: ./prep_throughput.json, or <workdir>/prep_throughput.json)")
-    parser.add_argument("--no-startup", action="store_true", help="skip the start-up probes (a fresh interpreter, and each pool on a 1-row file)")
+    parser.add_argument("--no-startup", action="store_true", help="skip the worker start-up probe (a fresh interpreter that imports and loads what a worker does)")
     parser.add_argument("--breakdown", action="store_true", help="also run num_proc=1 with per-stage timers and print where the time goes")
     args = parser.parse_args(argv)
 
@@ -441,8 +490,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"tiny model: {model_dir} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
         cfg = PrepConfig(data_root=str(data_root), max_tokens=args.max_tokens)
-        one_row = workdir / "one_row.jsonl"
-        one_row.write_bytes(jsonl.read_bytes().split(b"\n", 1)[0] + b"\n")
         machine = machine_info()  # before the runs: the load average is other work on the machine
         probe = None if args.no_startup else worker_start_probe(model_dir)
         if probe:
@@ -450,18 +497,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         runs, reference_hash = [], None
         for n in num_procs:
-            startup = None
-            if not args.no_startup:
-                startup, _, _ = time_prepare(one_row, model_dir, cfg, n)  # pool spawn + processor load per worker
-            wall, cpu, results = time_prepare(jsonl, model_dir, cfg, n)
+            wall, cpu, results, marks = time_prepare(jsonl, model_dir, cfg, n)
             samples = [s for r in results for s in r.samples]
             status = {k: sum(r.status == k for r in results) for k in ("kept", "split", "dropped")}
             digest = hashlib.sha256("".join(json.dumps(s, sort_keys=True) for s in samples).encode()).hexdigest()[:16]
             reference_hash = reference_hash or digest
             rate = len(results) / wall
-            steady = len(results) / (wall - startup) if startup is not None and wall > startup else None
+            first, steady = steady_state(marks, n)
             per_core, per_core_steady = rate / n, (steady / n if steady else None)
-            projected = (startup or 0.0) + TRAIN_ROWS / ((per_core_steady or per_core) * TARGET_CORES)
+            projected = (first or 0.0) + TRAIN_ROWS / ((per_core_steady or per_core) * TARGET_CORES)
             runs.append({
                 "num_proc": n,
                 "rows": len(results),
@@ -469,10 +513,10 @@ def main(argv: list[str] | None = None) -> dict:
                 **{f"rows_{k}": v for k, v in status.items()},
                 "wall_s": round(wall, 3),
                 "cpu_s": round(cpu, 3),
-                "startup_s": None if startup is None else round(startup, 3),
+                "first_result_s": None if first is None else round(first, 3),
                 "rows_per_s": round(rate, 3),
                 "rows_per_s_per_core": round(per_core, 3),
-                "rows_per_s_per_core_excl_startup": None if per_core_steady is None else round(per_core_steady, 3),
+                "rows_per_s_per_core_steady": None if per_core_steady is None else round(per_core_steady, 3),
                 "rows_per_cpu_s": round(len(results) / cpu, 3) if cpu > 0 else None,
                 "projected_s_7642_rows_16_cores": round(projected, 1),
                 "meets_target": projected < TARGET_SECONDS,
@@ -514,12 +558,12 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     head = (f"{m['cpu_model']} | {m['cpu_count']} CPUs ({m['usable_cpus']} usable, load avg {m['load_avg_1m']}) | "
             f"Python {m['python']} | transformers {m['transformers']} | {m['date']}")
-    cols = ["num_proc", "rows", "samples", "wall_s", "cpu_s", "startup_s", "rows/s", "rows/s/core", "excl. startup",
-            "rows/CPU-s", "7642@16c (s)"]
+    cols = ["num_proc", "rows", "samples", "wall_s", "cpu_s", "1st result s", "rows/s", "rows/s/core",
+            "steady rows/s/core", "rows/CPU-s", "7642@16c (s)"]
     lines = [head, f"target: {result['target']}", " | ".join(cols), " | ".join("-" * len(c) for c in cols)]
     for r in result["runs"]:
-        vals = [r["num_proc"], r["rows"], r["samples"], r["wall_s"], r["cpu_s"], r["startup_s"], r["rows_per_s"],
-                r["rows_per_s_per_core"], r["rows_per_s_per_core_excl_startup"], r["rows_per_cpu_s"],
+        vals = [r["num_proc"], r["rows"], r["samples"], r["wall_s"], r["cpu_s"], r["first_result_s"], r["rows_per_s"],
+                r["rows_per_s_per_core"], r["rows_per_s_per_core_steady"], r["rows_per_cpu_s"],
                 r["projected_s_7642_rows_16_cores"]]
         lines.append(" | ".join(f"{'-' if v is None else v:>{len(c)}}" for v, c in zip(vals, cols)))
     return "\n".join(lines)

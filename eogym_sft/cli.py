@@ -57,9 +57,18 @@ def run_tiny(args: argparse.Namespace) -> None:
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> None:
-    from .validate import add_validate_args as add
-
-    add(parser)
+    parser.add_argument("--model", required=True, help="base model: hub id or local folder")
+    parser.add_argument("--adapter", help="PEFT adapter folder (omit to score the base model alone)")
+    parser.add_argument("--data", required=True, help="prepared folder, or EO-Gym JSONL (prepared on the way in)")
+    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
+    parser.add_argument("--output", required=True, help="report.json to write")
+    parser.add_argument("--with-base", action="store_true", help="also score the base model, as a second column")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--max-pixels", type=int, default=1003520)
+    parser.add_argument("--min-pixels", type=int, default=65536)
+    parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
+    parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def run_validate(args: argparse.Namespace) -> dict:

@@ -15,6 +15,7 @@ count once the image is loaded.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,17 +49,114 @@ def _tokenizer(processor):
 def _ids_and_starts(tok, text: str) -> tuple[list[int], list[int]]:
     """Token ids of ``text`` (no special tokens added) and the character where each token starts.
 
-    The same as ``tok(text, add_special_tokens=False, return_offsets_mapping=True)``; for a
+    The same as ``tok(text, add_special_tokens=False, return_offsets_mapping=True)``. For a
     transformers fast tokenizer whose Rust backend is in the state that call sets (no truncation, no
-    padding, special tokens kept whole) the backend is called directly, on this thread, without the
-    batch wrapping and conversion around it.
+    padding, special tokens kept whole) the backend is called directly, on this thread, and one message
+    at a time (see :class:`_Pieces`), so that pieces seen before (a split window's turns, a system
+    prompt and tools block shared by many rows) are not tokenised again.
     """
     backend = _direct_backend(tok)
-    if backend is not None:
-        enc = backend.encode(text, add_special_tokens=False)
-        return enc.ids, [start for start, _ in enc.offsets]
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+    if backend is None:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [start for start, _ in enc["offset_mapping"]]
+    pieces = _Pieces.of(backend)
+    if pieces is None:
+        return _encode_whole(backend, text)
+    return pieces.encode(text)
+
+
+def _encode_whole(backend, text: str) -> tuple[list[int], list[int]]:
+    enc = backend.encode(text, add_special_tokens=False)
+    return enc.ids, [start for start, _ in enc.offsets]
+
+
+class _Pieces:
+    """Tokenise a rendered conversation piece by piece, cutting before each ``<|im_start|>``.
+
+    A Hugging Face tokenizer first splits its input at added tokens that match the raw text
+    (``normalized=False``), then normalises, pre-tokenises and tokenises every stretch between them
+    on its own. Cutting the text right before such a token therefore changes nothing, as long as no
+    other added token can match across the cut (checked on the vocabulary) and the token does not
+    absorb the whitespace beside it (``lstrip``/``rstrip``/``single_word`` off). The first
+    ``SELF_CHECKS`` texts of each tokenizer are also tokenised whole and compared; any difference
+    turns piecewise tokenisation off for that tokenizer.
+    """
+
+    MARK = "<|im_start|>"
+    CACHE_SIZE = 2048
+    SELF_CHECKS = 8
+    _by_backend: dict[int, tuple[object, "_Pieces | None"]] = {}
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.cache: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
+        self.checks_left = self.SELF_CHECKS
+
+    @classmethod
+    def of(cls, backend) -> "_Pieces | None":
+        entry = cls._by_backend.get(id(backend))
+        if entry is None or entry[0] is not backend:
+            if len(cls._by_backend) >= 16:
+                cls._by_backend.clear()
+            entry = (backend, cls(backend) if cls._cuttable(backend) else None)
+            cls._by_backend[id(backend)] = entry
+        return entry[1]
+
+    @classmethod
+    def _cuttable(cls, backend) -> bool:
+        try:
+            added = list(backend.get_added_tokens_decoder().values())
+        except Exception:  # noqa: BLE001 - an older or unusual backend: tokenise whole texts
+            return False
+        mark = [t for t in added if t.content == cls.MARK]
+        if len(mark) != 1 or mark[0].normalized or mark[0].lstrip or mark[0].rstrip or mark[0].single_word:
+            return False
+        m = cls.MARK
+        for token in added:
+            c = token.content
+            if c == m:
+                continue
+            if m in c or any(c.endswith(m[:k]) for k in range(1, min(len(c), len(m)) + 1)):
+                return False  # could match across the cut
+        return True
+
+    def encode(self, text: str) -> tuple[list[int], list[int]]:
+        cuts = [0]
+        at = text.find(self.MARK, 1)
+        while at != -1:
+            cuts.append(at)
+            at = text.find(self.MARK, at + 1)
+        if len(cuts) == 1:
+            return _encode_whole(self.backend, text)
+        cuts.append(len(text))
+        ids: list[int] = []
+        starts: list[int] = []
+        cache = self.cache
+        for a, b in zip(cuts, cuts[1:]):
+            piece = text[a:b]
+            hit = cache.get(piece)
+            if hit is None:
+                hit = cache[piece] = _encode_whole(self.backend, piece)
+                while len(cache) > self.CACHE_SIZE:
+                    try:
+                        cache.popitem(last=False)
+                    except KeyError:  # emptied meanwhile by another thread
+                        break
+            else:
+                try:
+                    cache.move_to_end(piece)
+                except KeyError:  # evicted meanwhile by another thread
+                    pass
+            ids += hit[0]
+            starts += [s + a for s in hit[1]] if a else hit[1]
+        if self.checks_left > 0:
+            self.checks_left -= 1
+            whole = _encode_whole(self.backend, text)
+            if whole != (ids, starts):
+                self.checks_left = 0
+                _Pieces._by_backend[id(self.backend)] = (self.backend, None)
+                return whole
+        return ids, starts
 
 
 def _direct_backend(tok):

@@ -45,13 +45,21 @@ class EOGymSFTTrainer(SFTTrainer):
         # As in Trainer: num_items_in_batch counts every rank's tokens and DDP averages the gradients.
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
-        self._record(mode, logits.detach(), picked, valid, inputs)
+        self._record(mode, logits.detach(), picked, valid, inputs, keep)
         return (loss, outputs) if return_outputs else loss
 
     @torch.no_grad()
-    def _record(self, mode, logits, picked, valid, inputs) -> None:
-        correct = ((logits.argmax(-1) == picked) & valid).sum()
-        counts = self.accelerator.gather_for_metrics(torch.stack([correct, valid.sum()])[None]).sum(0).cpu()
+    def _record(self, mode, logits, picked, valid, inputs, keep) -> None:
+        right = (logits.argmax(-1) == picked) & valid
+        sample, n_samples = _sample_index(inputs, keep, picked.shape)
+        flat = sample.flatten()
+        per_sample = torch.zeros(n_samples, 2, dtype=torch.long, device=flat.device)
+        per_sample[:, 0].index_add_(0, flat, right.flatten().long())
+        per_sample[:, 1].index_add_(0, flat, valid.flatten().long())
+        # One row per sample, so that on the last batch gather_for_metrics drops exactly the samples accelerate
+        # repeated to even out the ranks (a row per rank would drop whole ranks, or count the repeats).
+        per_sample = self.accelerator.pad_across_processes(per_sample, dim=0)
+        counts = self.accelerator.gather_for_metrics(per_sample).sum(0).cpu()
         self._token_counts[mode] += counts
         step_accuracy = (counts[0] / counts[1]).item() if counts[1] > 0 else 0.0
         self._metrics[mode]["mean_token_accuracy"].append(step_accuracy)
@@ -60,7 +68,7 @@ class EOGymSFTTrainer(SFTTrainer):
                 local = inputs["attention_mask"].sum()
             else:
                 local = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-            self._total_train_tokens += self.accelerator.gather_for_metrics(local[None]).sum().item()
+            self._total_train_tokens += self.accelerator.gather(local[None]).sum().item()  # repeats are trained on too
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -75,3 +83,12 @@ class EOGymSFTTrainer(SFTTrainer):
         if total:
             logs[("eval_" if mode == "eval" else "") + "token_accuracy"] = correct / total
         super().log(logs, start_time)
+
+
+def _sample_index(inputs, keep: torch.Tensor, shape) -> tuple[torch.Tensor, int]:
+    """The sample (within the batch) of every kept position: its row, or its segment of a packed row."""
+    position_ids = inputs.get("position_ids")
+    if "attention_mask" not in inputs and position_ids is not None and position_ids.dim() == 3 and shape[0] == 1:
+        segment = (position_ids[0, 0] == 0).long().cumsum(0) - 1  # a packed sample starts at text position 0
+        return segment[keep][None], int(segment[-1]) + 1
+    return torch.arange(shape[0], device=keep.device)[:, None].expand(shape), shape[0]

@@ -67,6 +67,9 @@ def score_dataset(model, collator, dataset, batch_size: int = 4, device: str | t
     ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset."""
     from tqdm.auto import tqdm
 
+    if collator.padding_free:
+        raise ValueError("score_dataset needs a padded collator (padding_free=False): it groups scores by batch row")
+
     rank, world = 0, 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -104,21 +107,6 @@ def format_report(report: dict) -> str:
             cells += f"{r['loss']:>16.4f}{r['token_accuracy']:>14.4f}"
         lines.append(f"{group[:44]:<44}{cells}{row['tokens']:>10}")
     return "\n".join(lines)
-
-
-def add_validate_args(parser) -> None:
-    parser.add_argument("--model", required=True, help="base model: hub id or local folder")
-    parser.add_argument("--adapter", help="PEFT adapter folder (omit to score the base model alone)")
-    parser.add_argument("--data", required=True, help="prepared folder, or EO-Gym JSONL (prepared on the way in)")
-    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
-    parser.add_argument("--output", required=True, help="report.json to write")
-    parser.add_argument("--with-base", action="store_true", help="also score the base model, as a second column")
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--max-pixels", type=int, default=1003520)
-    parser.add_argument("--min-pixels", type=int, default=65536)
-    parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def run_validate(args) -> dict:

@@ -50,7 +50,8 @@ def main(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args
         script_args.data_root, training_args.max_length or 8192, script_args.max_pixels, script_args.min_pixels,
         script_args.overlong, script_args.tool_images,
     )
-    workdir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
+    script_args.prepared_dir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
+    workdir = script_args.prepared_dir
     with training_args.main_process_first(desc="data prep"):
         dataset, data_stats = load_or_prepare(
             script_args.dataset_path, model_args.model_name_or_path, processor, prep, workdir, script_args.prep_num_proc

@@ -46,12 +46,19 @@ def _examples():
 
     def ex(question, answer, images=()):
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}], "images": list(images)}
+        return {
+            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
+            "images": list(images),
+        }
 
     return [
         ex("How many ships are in the harbour?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30))]),
         ex("Flooded?", "No.\nFinal Answer: no"),
-        ex("Compare the two scenes.", "The second is greener.", [Image.new("RGB", (32, 96), "green"), Image.new("RGB", (64, 32), "blue")]),
+        ex(
+            "Compare the two scenes.",
+            "The second is greener.",
+            [Image.new("RGB", (32, 96), "green"), Image.new("RGB", (64, 32), "blue")],
+        ),
     ]
 
 

@@ -23,11 +23,18 @@ TOOL = {
     "function": {
         "name": "crop",
         "description": "Crop an image.",
-        "parameters": {"type": "object", "properties": {"aoi": {"type": "array", "items": {"type": "number"}}}, "required": ["aoi"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"aoi": {"type": "array", "items": {"type": "number"}}},
+            "required": ["aoi"],
+        },
     },
 }
 TOOL_RESULT = '{"path": "image_cache/crops/c1.png"}'
-ANSWER_1 = 'I crop the harbour.\n<tool_call>\n{"name": "crop", "arguments": {"aoi": [0.1, 0.2, 0.5, 0.6]}}\n</tool_call><|im_end|>'
+ANSWER_1 = (
+    "I crop the harbour.\n"
+    '<tool_call>\n{"name": "crop", "arguments": {"aoi": [0.1, 0.2, 0.5, 0.6]}}\n</tool_call><|im_end|>'
+)
 ANSWER_2 = "I count the hulls.\nFinal Answer: 3<|im_end|>"
 
 
@@ -40,11 +47,16 @@ def tool_use_messages() -> list[dict]:
     """system, user with an image, assistant tool call, tool result with an image, final answer (TRL shape)."""
     return [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many ships are in the harbour?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "How many ships are in the harbour?"}],
+        },
         {
             "role": "assistant",
             "content": "I crop the harbour.",
-            "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {"aoi": [0.1, 0.2, 0.5, 0.6]}}}],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "crop", "arguments": {"aoi": [0.1, 0.2, 0.5, 0.6]}}}
+            ],
         },
         {"role": "tool", "content": [{"type": "text", "text": TOOL_RESULT}, {"type": "image"}]},
         {"role": "assistant", "content": "I count the hulls.\nFinal Answer: 3"},
@@ -59,7 +71,10 @@ def tool_use_example() -> dict:
 def short_example(n: int, images: list) -> dict:
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Where is the port? " * n}]
     return {
-        "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Final Answer: " + "north " * n}],
+        "messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": "Final Answer: " + "north " * n},
+        ],
         "images": images,
     }
 
@@ -114,7 +129,8 @@ def expected_layout(tokenizer, image_tokens: list[int]) -> tuple[torch.Tensor, t
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
         + json.dumps(TOOL)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        "<tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
     segments = [  # (kind, text): context, trained, or an image's placeholder run
         ("context", "<|im_start|>system\n" + SYSTEM + tools_block + "<|im_end|>\n<|im_start|>user\n<|vision_start|>"),
@@ -189,8 +205,11 @@ def test_padding_free_labels_match_padded(collator, packing_collator):
 def test_first_token_of_each_packed_sample_is_not_trained(processor):
     # prepared-shaped samples trained from their very first token: packing must not predict a sample's
     # first token from the previous sample's last one
-    examples = [{"input_ids": [11, 12, 13], "assistant_masks": [1, 1, 1]}, {"input_ids": [14, 15], "assistant_masks": [1, 1]},
-                {"input_ids": [16, 17, 18, 19], "assistant_masks": [1, 0, 1, 1]}]
+    examples = [
+        {"input_ids": [11, 12, 13], "assistant_masks": [1, 1, 1]},
+        {"input_ids": [14, 15], "assistant_masks": [1, 1]},
+        {"input_ids": [16, 17, 18, 19], "assistant_masks": [1, 0, 1, 1]},
+    ]
     packed = EOGymCollator(processor, padding_free=True)(examples)
     assert torch.equal(packed["labels"], torch.tensor([[-100, 12, 13, -100, 15, -100, -100, 18, 19]]))
     assert torch.equal(packed["input_ids"], torch.tensor([[11, 12, 13, 14, 15, 16, 17, 18, 19]]))
@@ -226,7 +245,10 @@ def test_position_ids_equal_get_rope_index(collator, packing_collator, tiny_mode
     examples = three_examples()
     padded = collator(examples)
     expected, _ = tiny_model.model.get_rope_index(
-        padded["input_ids"], padded["mm_token_type_ids"], padded["image_grid_thw"], attention_mask=padded["attention_mask"]
+        padded["input_ids"],
+        padded["mm_token_type_ids"],
+        padded["image_grid_thw"],
+        attention_mask=padded["attention_mask"],
     )
     assert torch.equal(padded["position_ids"][1:], expected)
     lengths = padded["attention_mask"].sum(1)
@@ -237,7 +259,9 @@ def test_position_ids_equal_get_rope_index(collator, packing_collator, tiny_mode
     start = 0
     for example, n in zip(examples, lengths.tolist()):
         alone = collator([example])
-        want, _ = tiny_model.model.get_rope_index(alone["input_ids"], alone["mm_token_type_ids"], alone.get("image_grid_thw"))
+        want, _ = tiny_model.model.get_rope_index(
+            alone["input_ids"], alone["mm_token_type_ids"], alone.get("image_grid_thw")
+        )
         assert torch.equal(packed["position_ids"][1:, :, start : start + n], want)
         assert packed["position_ids"][0, 0, start : start + n].tolist() == list(range(n))
         start += n
@@ -246,20 +270,24 @@ def test_position_ids_equal_get_rope_index(collator, packing_collator, tiny_mode
 # ---- padded and padding-free give the same loss -----------------------------------------------
 
 
-def test_padded_and_padding_free_give_the_same_loss(collator, packing_collator, sharp_model):
+@pytest.mark.parametrize("which", ["tiny_model", "sharp_model"])
+def test_padded_and_padding_free_give_the_same_loss(collator, packing_collator, request, which):
+    model = request.getfixturevalue(which)
     examples = three_examples()
     padded, packed = collator(examples), packing_collator(examples)
     with torch.no_grad():
-        loss_padded = sharp_model(**padded, use_cache=False).loss
-        loss_packed = sharp_model(**packed, use_cache=False).loss
+        loss_padded = model(**padded, use_cache=False).loss
+        loss_packed = model(**packed, use_cache=False).loss
+    assert abs(loss_padded.item() - loss_packed.item()) < 1e-5
+    # the padded loss is the token mean over the very same supervised tokens
+    assert int((padded["labels"][:, 1:] != -100).sum()) == int((packed["labels"][:, 1:] != -100).sum())
+    if which == "sharp_model":
         # the check is sensitive: positions that do not restart per sample let tokens attend across samples
         leaky = dict(packed, position_ids=packed["position_ids"].clone())
         leaky["position_ids"][0, 0] = torch.arange(packed["input_ids"].shape[1])
-        loss_leaky = sharp_model(**leaky, use_cache=False).loss
-    assert abs(loss_padded.item() - loss_packed.item()) < 1e-5
-    assert abs(loss_leaky.item() - loss_packed.item()) > 1e-3
-    # and the padded loss is the token mean over the very same supervised tokens
-    assert int((padded["labels"][:, 1:] != -100).sum()) == int((packed["labels"][:, 1:] != -100).sum())
+        with torch.no_grad():
+            loss_leaky = model(**leaky, use_cache=False).loss
+        assert abs(loss_leaky.item() - loss_packed.item()) > 1e-3
 
 
 # ---- TRL-shaped and prepared inputs ------------------------------------------------------------------
@@ -287,7 +315,13 @@ def test_trl_shaped_examples_match_prepared_samples(processor, tmp_path):
             {
                 "role": "assistant",
                 "content": "I crop the harbour.",
-                "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "crop", "arguments": json.dumps({"aoi": [0.1, 0.2, 0.5, 0.6]})}}],
+                "tool_calls": [
+                    {
+                        "id": "c0",
+                        "type": "function",
+                        "function": {"name": "crop", "arguments": json.dumps({"aoi": [0.1, 0.2, 0.5, 0.6]})},
+                    }
+                ],
             },
             {"role": "tool", "tool_call_id": "c0", "content": TOOL_RESULT},
             {"role": "assistant", "content": "I count the hulls.\nFinal Answer: 3"},
@@ -316,7 +350,16 @@ def test_trl_shaped_examples_match_prepared_samples(processor, tmp_path):
 
 
 def test_trl_example_without_tools_or_images(collator, processor):
-    batch = collator([{"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, {"role": "assistant", "content": "Hello."}]}])
+    batch = collator(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                    {"role": "assistant", "content": "Hello."},
+                ]
+            }
+        ]
+    )
     assert "pixel_values" not in batch and "image_grid_thw" not in batch
     text = processor.tokenizer.decode(batch["input_ids"][0])
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n"
@@ -338,7 +381,9 @@ def test_image_count_mismatch_names_the_sample(collator):
 
 def test_over_max_length_is_an_error_that_points_to_data_prep(processor):
     collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_length=64)
-    length = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)([tool_use_example()])["input_ids"].shape[1]
+    length = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)([tool_use_example()])[
+        "input_ids"
+    ].shape[1]
     assert length > 64
     with pytest.raises(ValueError, match=rf"long-1: {length} tokens is over max_length=64.*eogym-sft prepare"):
         collator([dict(tool_use_example(), id="long-1")])
@@ -350,12 +395,21 @@ def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, tmp_p
     from eogym_sft.prepare import PrepConfig, prepare_line
 
     scene = _save(tmp_path, "EO_GYM_DATA/s1/big.png", _image(128, 128, 4))
-    row = {"id": "big-1", "images": [scene], "messages": [{"role": "user", "content": "<image>Ships?"}, {"role": "assistant", "content": "Final Answer: 2"}]}
+    row = {
+        "id": "big-1",
+        "images": [scene],
+        "messages": [
+            {"role": "user", "content": "<image>Ships?"},
+            {"role": "assistant", "content": "Final Answer: 2"},
+        ],
+    }
     cfg = PrepConfig(str(tmp_path), 8192, MAX_PIXELS, MIN_PIXELS)
     (sample,) = prepare_line(processor, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
     assert sample["image_hw"] == [[128, 128]]
     same = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     assert same([sample])["image_grid_thw"].tolist() == [[1, 8, 8]]
     smaller_cap = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=4096)
-    with pytest.raises(ValueError, match=r"big-1#w0: images resize to \[\[64, 64\]\] but data prep planned \[\[128, 128\]\]"):
+    with pytest.raises(
+        ValueError, match=r"big-1#w0: images resize to \[\[64, 64\]\] but data prep planned \[\[128, 128\]\]"
+    ):
         smaller_cap([sample])

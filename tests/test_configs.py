@@ -3,6 +3,7 @@ the published EO-Gym-4B settings, with or without ``--config``; the accelerate c
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -45,7 +46,15 @@ def published(script, training, model) -> None:
     assert training.max_steps == -1 and training.resume_from_checkpoint is None
     assert model.use_peft is True
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
-    assert list(model.lora_target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert list(model.lora_target_modules) == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
     assert script.max_pixels == 1003520 and script.min_pixels == 65536
     assert 0 < script.eval_fraction < 1 and script.overlong == "split"
 
@@ -82,12 +91,17 @@ def test_no_config_reads_the_same_yaml(recipe):
     explicit = recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU])
     published(*default)
     for a, b in zip(default, explicit):
-        assert vars(a) == vars(b)
+        as_dict = (lambda x: x.to_dict()) if hasattr(a, "to_dict") else dataclasses.asdict
+        assert as_dict(a) == as_dict(b)
 
 
 def test_flags_override_the_yaml(recipe):
-    script, training, model = recipe.parse_args([*CPU, "--learning_rate", "3e-4", "--lora_r", "8", "--max_pixels", "4096", "--max_steps", "5"])
-    assert training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
+    script, training, model = recipe.parse_args(
+        [*CPU, "--learning_rate", "3e-4", "--lora_r", "8", "--max_pixels", "4096", "--max_steps", "5"]
+    )
+    assert (
+        training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
+    )
     assert training.gradient_accumulation_steps == 16  # the rest still comes from the file
 
 
@@ -96,7 +110,12 @@ def test_bad_eval_fraction_is_refused(recipe):
         recipe.parse_args([*CPU, "--eval_fraction", "1.0"])
 
 
-EXPECTED_DISTRIBUTED = {"deepspeed_zero2": ("DEEPSPEED", 2), "deepspeed_zero3": ("DEEPSPEED", 3), "ddp": ("MULTI_GPU", None), "multi_gpu": ("MULTI_GPU", None)}
+EXPECTED_DISTRIBUTED = {
+    "deepspeed_zero2": ("DEEPSPEED", 2),
+    "deepspeed_zero3": ("DEEPSPEED", 3),
+    "ddp": ("MULTI_GPU", None),
+    "multi_gpu": ("MULTI_GPU", None),
+}
 
 
 @pytest.mark.skipif(not ACCELERATE, reason="no accelerate configs under recipes/accelerate/")

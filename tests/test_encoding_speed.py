@@ -242,3 +242,34 @@ def test_tokeniser_in_another_state_goes_through_its_own_call(processor, traces)
         assert outcome(encode_conversation, processor, trace.messages, trace.tools) == expected
     finally:
         backend.no_truncation()
+
+
+def test_piecewise_tokenisation_equals_whole_texts(processor, traces, monkeypatch):
+    """Texts are tokenised message by message with a cache; ids and offsets equal the whole-text ones."""
+    backend = processor.tokenizer._tokenizer
+    pieces = encoding._Pieces.of(backend)
+    assert pieces is not None  # the Qwen3 tokenizer can be cut before <|im_start|>
+    monkeypatch.setattr(encoding._Pieces, "CACHE_SIZE", 5)  # evictions too
+    texts = [encoding.render(processor, t.messages, t.tools) for t in traces[:12]]
+    texts += [texts[0], "no marker at all", "<|im_start|>only one", "a<|im_start|><|im_start|>b<|im_end|>\n<|im_start|>"]
+    texts += ["<|im_start|>user\nquoted <|im_start|> and <|im_end|> inside a message<|im_end|>\n" * 2]
+    for text in texts + texts[::-1]:
+        whole = backend.encode(text, add_special_tokens=False)
+        assert pieces.encode(text) == (whole.ids, [s for s, _ in whole.offsets])
+    assert encoding._Pieces.of(backend) is pieces  # the self-checks passed: still on
+
+
+def test_piecewise_tokenisation_refuses_tokens_that_could_match_across_the_cut():
+    from types import SimpleNamespace
+
+    def fake(*tokens):
+        added = {i: SimpleNamespace(content=c, normalized=False, lstrip=False, rstrip=False, single_word=False, **kw)
+                 for i, (c, kw) in enumerate(tokens)}
+        return SimpleNamespace(get_added_tokens_decoder=lambda: added)
+
+    ok = ("<|im_start|>", {})
+    assert encoding._Pieces._cuttable(fake(ok, ("<|im_end|>", {}), ("<tool_call>", {})))
+    assert not encoding._Pieces._cuttable(fake(("<|im_end|>", {})))  # no marker token
+    assert not encoding._Pieces._cuttable(fake(("<|im_start|>", {"lstrip": True})))  # eats the whitespace before it
+    assert not encoding._Pieces._cuttable(fake(ok, ("\n<|im_start|>", {})))  # contains the marker
+    assert not encoding._Pieces._cuttable(fake(ok, ("end<|", {})))  # overlaps its start

@@ -73,7 +73,12 @@ def _rank_worker(rank: int, port: int, out_dir: str) -> None:
         local = token_accuracy_counts(logits, labels)
         total = sum_across_ranks(local)
         merged = _merge_ranks({"overall": [0.5 * (rank + 1), int(local[0]), int(local[1])]})
-        result = {"local": local.tolist(), "total": total.tolist(), "accuracy": accuracy(total), "merged": dict(merged)}
+        result = {
+            "local": local.tolist(),
+            "total": total.tolist(),
+            "accuracy": accuracy(total),
+            "merged": dict(merged),
+        }
         with open(f"{out_dir}/rank{rank}.json", "w") as fh:
             json.dump(result, fh)
     finally:
@@ -116,10 +121,17 @@ def test_token_classes_of_rendered_assistant_turns(processor):
     from eogym_sft.encoding import encode_conversation
     from eogym_sft.metrics import token_classes
 
-    tool = {"type": "function", "function": {"name": "crop", "description": "Crop.", "parameters": {"type": "object", "properties": {}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "crop", "description": "Crop.", "parameters": {"type": "object", "properties": {}}},
+    }
     messages = [
         {"role": "user", "content": "How many ships?"},
-        {"role": "assistant", "content": "I will crop the pier.", "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}}]},
+        {
+            "role": "assistant",
+            "content": "I will crop the pier.",
+            "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}}],
+        },
         {"role": "tool", "content": "done"},
         {"role": "assistant", "content": "I count the hulls.\nFinal Answer: 3 ships"},
     ]
@@ -189,8 +201,14 @@ def test_token_classes_by_hand_ids():
 
     classes = token_classes(ids, trained, Tok())
     expected = (
-        [None] + ["free_text"] * 3 + ["tool_call"] * 4 + ["end_of_turn"] + [None, None]
-        + ["free_text"] + ["final_answer"] * len(final) + ["free_text", "free_text", "end_of_turn"]
+        [None]
+        + ["free_text"] * 3
+        + ["tool_call"] * 4
+        + ["end_of_turn"]
+        + [None, None]
+        + ["free_text"]
+        + ["final_answer"] * len(final)
+        + ["free_text", "free_text", "end_of_turn"]
     )
     assert classes == expected
 
@@ -232,7 +250,13 @@ def _examples():
         }
 
     return [
-        ex("How many ships?", "I see boats.\nFinal Answer: 3", "Counting", "count", [Image.new("RGB", (64, 32), "red")]),
+        ex(
+            "How many ships?",
+            "I see boats.\nFinal Answer: 3",
+            "Counting",
+            "count",
+            [Image.new("RGB", (64, 32), "red")],
+        ),
         ex("Is it flooded?", "Final Answer: yes", "Change", None),
         ex("Which land cover dominates the scene?", "Forest.\nFinal Answer: forest", "Counting", "classify"),
     ]
@@ -274,7 +298,12 @@ def test_score_dataset_matches_full_logits(processor, biased_model):
         assert got["tokens"] == n, group
         assert got["token_accuracy"] == correct / n, group
         assert abs(got["loss"] - loss / n) < 1e-5, group
-    assert set(report) >= {"EO_task/Change", "question_type/unknown", "token_class/final_answer", "token_class/free_text"}
+    assert set(report) >= {
+        "EO_task/Change",
+        "question_type/unknown",
+        "token_class/final_answer",
+        "token_class/free_text",
+    }
     assert list(report)[0] == "overall"
     assert sum(report[g]["tokens"] for g in report if g.startswith("token_class/")) == report["overall"]["tokens"]
     assert sum(report[g]["tokens"] for g in report if g.startswith("EO_task/")) == report["overall"]["tokens"]

@@ -122,7 +122,9 @@ def test_target_regex_on_the_4b_architecture():
     """The module names of the real Qwen3-VL-4B (built on the meta device: no memory, no weights)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    config = Qwen3VLConfig.from_dict(json.loads((REPO / "recipes" / "configs" / "qwen3_vl_4b_instruct.json").read_text()))
+    config = Qwen3VLConfig.from_dict(
+        json.loads((REPO / "recipes" / "configs" / "qwen3_vl_4b_instruct.json").read_text())
+    )
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
     names = [n for n, _ in model.named_modules()]

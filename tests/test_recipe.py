@@ -57,12 +57,24 @@ def write_rows(root: Path) -> Path:
             crop = _save_image(root, f"image_cache/crops/c{i}.png", 48, 32, 100 + i)
             args = json.dumps({"image_url": scene, "aoi": [0, 0, 0.5, 0.5]})
             messages += [
-                {"role": "assistant", "content": "I crop the port.", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "crop", "arguments": args}}]},
+                {
+                    "role": "assistant",
+                    "content": "I crop the port.",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "crop", "arguments": args}}],
+                },
                 {"role": "tool", "tool_call_id": "c", "content": json.dumps({"cropped_path": crop})},
             ]
         messages.append({"role": "assistant", "content": f"I count {i} hulls.\nFinal Answer: {i}"})
-        rows.append({"id": f"train_{i:07d}_tiny", "images": [scene], "tools": [TOOL], "messages": messages,
-                     "EO_task": "Object Counting", "question_type": "count"})
+        rows.append(
+            {
+                "id": f"train_{i:07d}_tiny",
+                "images": [scene],
+                "tools": [TOOL],
+                "messages": messages,
+                "EO_task": "Object Counting",
+                "question_type": "count",
+            }
+        )
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -71,33 +83,60 @@ def write_rows(root: Path) -> Path:
 def recipe_args(model_dir: Path, data: Path, output: Path, prepared: Path, steps: int) -> list[str]:
     """The published recipe shrunk to a CPU run; everything not named here comes from eo_gym_4b.yaml."""
     return [
-        "--model_name_or_path", str(model_dir),
-        "--dtype", "float32",
-        "--dataset_path", str(data),
-        "--data_root", str(data.parent),
-        "--output_dir", str(output),
-        "--prepared_dir", str(prepared),
-        "--min_pixels", str(MIN_PIXELS),
-        "--max_pixels", str(MAX_PIXELS),
-        "--eval_fraction", "0.3",
-        "--max_steps", str(steps),
-        "--per_device_train_batch_size", "2",
-        "--per_device_eval_batch_size", "2",
-        "--gradient_accumulation_steps", "1",
-        "--learning_rate", "1e-2",
-        "--lr_scheduler_type", "constant",
-        "--weight_decay", "0",  # every change to a weight then comes from its gradient
-        "--eval_steps", "2",
-        "--save_steps", "1",
-        "--logging_steps", "1",
-        "--use_cpu", "true",
-        "--bf16", "false",
-        "--optim", "adamw_torch",
-        "--gradient_checkpointing", "false",
-        "--dataloader_num_workers", "0",
-        "--dataloader_persistent_workers", "false",
-        "--dataloader_pin_memory", "false",
-        "--prep_num_proc", "1",
+        "--model_name_or_path",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--dataset_path",
+        str(data),
+        "--data_root",
+        str(data.parent),
+        "--output_dir",
+        str(output),
+        "--prepared_dir",
+        str(prepared),
+        "--min_pixels",
+        str(MIN_PIXELS),
+        "--max_pixels",
+        str(MAX_PIXELS),
+        "--eval_fraction",
+        "0.3",
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "2",
+        "--per_device_eval_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "1",
+        "--learning_rate",
+        "1e-2",
+        "--lr_scheduler_type",
+        "constant",
+        "--weight_decay",
+        "0",  # every change to a weight then comes from its gradient
+        "--eval_steps",
+        "2",
+        "--save_steps",
+        "1",
+        "--logging_steps",
+        "1",
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+        "--optim",
+        "adamw_torch",
+        "--gradient_checkpointing",
+        "false",
+        "--dataloader_num_workers",
+        "0",
+        "--dataloader_persistent_workers",
+        "false",
+        "--dataloader_pin_memory",
+        "false",
+        "--prep_num_proc",
+        "1",
     ]
 
 
@@ -108,9 +147,12 @@ def lora_only(params: dict) -> dict:
 def run_recipe(recipe, argv: list[str]):
     """``main(*parse_args(argv))`` with a trainer that records what the checks need."""
 
+    made = []
+
     class RecordingTrainer(recipe.EOGymSFTTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            made.append(self)
             self.initial = {n: p.detach().clone() for n, p in self.model.named_parameters()}
             self.first_step_lora = None
             self.steps_run = 0
@@ -122,19 +164,14 @@ def run_recipe(recipe, argv: list[str]):
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             if self.first_step_lora is None:
-                self.first_step_lora = {n: p.detach().clone() for n, p in lora_only(dict(self.model.named_parameters())).items()}
+                self.first_step_lora = {
+                    n: p.detach().clone() for n, p in lora_only(dict(self.model.named_parameters())).items()
+                }
             self.steps_run += 1
             return super().training_step(model, inputs, num_items_in_batch)
 
-    made = []
-
-    class Factory(RecordingTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
     original = recipe.EOGymSFTTrainer
-    recipe.EOGymSFTTrainer = Factory
+    recipe.EOGymSFTTrainer = RecordingTrainer
     try:
         output = recipe.main(*recipe.parse_args(argv))
     finally:
@@ -153,7 +190,9 @@ def workspace(tmp_path_factory):
 def first_run(tiny_model_dir, workspace):
     recipe = load_recipe()
     out = workspace["root"] / "run"
-    output, trainer = run_recipe(recipe, recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=2))
+    output, trainer = run_recipe(
+        recipe, recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=2)
+    )
     assert output == str(out)
     return {"recipe": recipe, "out": out, "trainer": trainer}
 
@@ -197,7 +236,10 @@ def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, ti
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (16, 32, 0.05)
     saved = load_file(str(out / "adapter_model.safetensors"))
-    trained = {n.replace(".default.", "."): p for n, p in lora_only(dict(first_run["trainer"].model.named_parameters())).items()}
+    trained = {
+        n.replace(".default.", "."): p
+        for n, p in lora_only(dict(first_run["trainer"].model.named_parameters())).items()
+    }
     assert saved.keys() == trained.keys()
     assert all(torch.equal(saved[n], trained[n].detach()) for n in saved)
 
@@ -207,12 +249,20 @@ def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, ti
     examples = [dataset[0], dataset[1]]
     for padding_free in (False, True):
         collator = EOGymCollator(
-            processor, data_root=str(out.parent / "data"), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free
+            processor,
+            data_root=str(out.parent / "data"),
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            padding_free=padding_free,
         )
         batch = collator(examples)
         assert "pixel_values" in batch
         # padding positions are nobody's prediction (and differ between attention kernels): compare real tokens
-        real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+        real = (
+            batch["attention_mask"].bool()
+            if "attention_mask" in batch
+            else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+        )
         with torch.no_grad():
             want = model(**batch, use_cache=False).logits[real]
             got = reloaded(**batch, use_cache=False).logits[real]
@@ -227,7 +277,9 @@ def test_run_info_is_written_next_to_the_adapter(first_run, workspace, tiny_mode
     out = first_run["out"]
     info = json.loads((out / "eogym_run.json").read_text())
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert info["git_sha"] in (head, head + "-dirty")
     except (OSError, subprocess.CalledProcessError):
         assert info["git_sha"] == "unknown"
@@ -252,7 +304,11 @@ def test_run_info_is_written_next_to_the_adapter(first_run, workspace, tiny_mode
     assert info["versions"]["torch"] == torch.__version__.split("+")[0]
     assert info["versions"]["transformers"] == transformers.__version__
     assert info["versions"]["trl"] == trl.__version__ and info["versions"]["peft"] == peft.__version__
-    assert info["processor"] == {"size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS}, "patch_size": 16, "merge_size": 2}
+    assert info["processor"] == {
+        "size": {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS},
+        "patch_size": 16,
+        "merge_size": 2,
+    }
     # the processor saved beside the adapter carries the same pixel cap
     saved = json.loads((out / "processor_config.json").read_text())
     assert saved["image_processor"]["size"] == {"longest_edge": MAX_PIXELS, "shortest_edge": MIN_PIXELS}
@@ -274,7 +330,10 @@ def test_resume_continues_from_the_last_checkpoint(first_run, tiny_model_dir, wo
     out = workspace["root"] / "resumed"
     shutil.copytree(first_run["out"], out)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    argv = recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=3) + ["--resume_from_checkpoint", "true"]
+    argv = recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=3) + [
+        "--resume_from_checkpoint",
+        "true",
+    ]
     _, trainer = run_recipe(first_run["recipe"], argv)
 
     assert trainer.resumed_from == str(out / "checkpoint-2")

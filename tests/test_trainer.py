@@ -18,18 +18,29 @@ def _examples():
 
     def ex(question, answer, images=()):
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}], "images": list(images)}
+        return {
+            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
+            "images": list(images),
+        }
 
     tool_use = {  # a tool call and a tool result with an image (no tools block: it would add 150 context tokens)
         "messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Ships?"}]},
-            {"role": "assistant", "content": "Crop.", "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}]},
+            {
+                "role": "assistant",
+                "content": "Crop.",
+                "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}],
+            },
             {"role": "tool", "content": [{"type": "text", "text": "ok"}, {"type": "image"}]},
             {"role": "assistant", "content": "Final Answer: 2"},
         ],
         "images": [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (32, 64), "blue")],
     }
-    return [tool_use, ex("Flooded?", "Final Answer: no"), ex("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
+    return [
+        tool_use,
+        ex("Flooded?", "Final Answer: no"),
+        ex("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +83,9 @@ def trainer(processor, tmp_path_factory):
     from datasets import Dataset
 
     train = Dataset.from_list([{"messages": json.dumps(ex["messages"])} for ex in _examples()[1:]])  # needed, unused
-    trainer = EOGymSFTTrainer(model=model, args=args, data_collator=collator, train_dataset=train, processing_class=processor)
+    trainer = EOGymSFTTrainer(
+        model=model, args=args, data_collator=collator, train_dataset=train, processing_class=processor
+    )
     trainer.model.eval()  # no LoRA dropout: the two losses see the same network
     return trainer
 
@@ -133,3 +146,31 @@ def test_logged_token_accuracy_is_token_weighted(trainer, processor):
     assert logs["eval_token_accuracy"] == totals[0].item() / totals[1].item()
     assert logs["eval_mean_token_accuracy"] == pytest.approx(sum(step_accuracies) / 2)
     assert "eval" not in trainer._token_counts  # counted once per logging window
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor, padding_free):
+    """On the last batch accelerate repeats samples to even out the ranks and reports how many are real
+    (``remainder``); the accuracy counts keep exactly those, one row per sample, in padded and packed batches."""
+    from eogym_sft.collator import EOGymCollator
+
+    class LastBatch:  # what accelerate's gradient state reads from the active dataloader
+        end_of_dataloader = True
+        remainder = 1  # one real sample, the others repeated
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    examples = _examples()
+    alone = collator(examples[:1])
+    with torch.no_grad():
+        first_only = token_accuracy_counts(trainer.model(**alone, use_cache=False).logits, alone["labels"])
+    last_batch = LastBatch()
+    state = trainer.accelerator.gradient_state
+    trainer._token_counts.clear()
+    state._add_dataloader(last_batch)
+    try:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, collator(examples))
+    finally:
+        state._remove_dataloader(last_batch)
+    assert trainer._token_counts["eval"].tolist() == first_only.tolist()
+    assert first_only[1] > 0
