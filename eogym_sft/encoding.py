@@ -11,6 +11,14 @@ template for which these are not prefixes of the full text is refused rather tha
 
 Token ids here carry one ``<|image_pad|>`` per image; the collator expands each to the image's token
 count once the image is loaded.
+
+Speed (``bench/prep_throughput.py``; the results are those of the plain algorithm above, which
+``tests/test_encoding_speed.py`` keeps as its reference): the full text comes from
+``processor.apply_chat_template`` once; the prefixes come from the same compiled template fed one
+converted copy of the conversation, with ``tojson`` memoised per conversation (:class:`_PrefixRenderer`,
+checked against the full text on every conversation); and the text is tokenised by the Rust backend one
+message at a time with a cache of pieces (:class:`_Pieces`). Anything these shortcuts do not cover goes
+through the public calls.
 """
 
 from __future__ import annotations

@@ -263,8 +263,8 @@ def test_piecewise_tokenisation_refuses_tokens_that_could_match_across_the_cut()
     from types import SimpleNamespace
 
     def fake(*tokens):
-        added = {i: SimpleNamespace(content=c, normalized=False, lstrip=False, rstrip=False, single_word=False, **kw)
-                 for i, (c, kw) in enumerate(tokens)}
+        flags = dict(normalized=False, lstrip=False, rstrip=False, single_word=False)
+        added = {i: SimpleNamespace(content=c, **{**flags, **kw}) for i, (c, kw) in enumerate(tokens)}
         return SimpleNamespace(get_added_tokens_decoder=lambda: added)
 
     ok = ("<|im_start|>", {})
