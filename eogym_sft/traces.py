@@ -306,6 +306,9 @@ def normalize_row(row: dict, attach_tool_images: bool = True) -> Trace:
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
         raise TraceError("no_assistant_turn", "messages", "the trace has no assistant turn to train on")
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if not any(m["role"] == "user" for m in messages[:first]):
+        raise TraceError("assistant_before_user", f"messages[{first}]", "an assistant turn comes before any user turn")
     meta = {k: "" if row.get(k) is None else str(row.get(k)) for k in ("EO_task", "question_type", "data_source", "gt_answer")}
     return Trace(
         id=str(row["id"]),

@@ -328,6 +328,11 @@ ERRORS = {
     "unknown_role": (_set(("messages", 3, "role"), "observer"), "unknown_role", "messages[3].role"),
     "role_missing": (lambda r: r["messages"][3].pop("role") and r, "unknown_role", "messages[3].role"),
     "misplaced_system": (_set(("messages", 3, "role"), "system"), "misplaced_system", "messages[3].role"),
+    "assistant_before_user": (
+        lambda r: {**r, "messages": [r["messages"][0], r["messages"][2], *r["messages"][1:2], *r["messages"][3:]]},
+        "assistant_before_user",
+        "messages[1]",
+    ),
     "arguments_bad_json": (
         _set(("messages", 2, "tool_calls", 0, "function", "arguments"), '{"image_url": "a.jpg", "aoi": [0.1'),
         "invalid_tool_arguments",
