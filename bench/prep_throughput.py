@@ -347,8 +347,6 @@ BREAKDOWN_TARGETS = [
     ("eogym_sft.prepare", "_image_layout", "image headers + resize arithmetic"),
     ("eogym_sft.prepare", "encode_conversation", "encode: offsets, masks (rest)"),
     ("eogym_sft.encoding", "render", "template: render() = processor.apply_chat_template"),
-    ("eogym_sft.encoding", "_PrefixRenderer.__init__", "template: prefixes (setup + check)"),
-    ("eogym_sft.encoding", "_PrefixRenderer.__call__", "template: prefixes"),
     ("eogym_sft.prepare", "_check_window_render", "window re-check (rest)"),
     ("eogym_sft.prepare", "trace_samples", "samples: windows, costs, JSON dumps"),
     ("eogym_sft.prepare", "prepare_line", "prepare_line (rest)"),
