@@ -11,7 +11,6 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
-from pathlib import Path
 
 from .encoding import Encoded, encode_conversation
 from .images import ImageError, image_size, resolve_image_path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import IGNORE_INDEX, TOKEN_CLASSES, token_classes
+from .metrics import IGNORE_INDEX, token_classes
 
 GROUP_FIELDS = ("EO_task", "question_type")
 
