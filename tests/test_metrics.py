@@ -307,3 +307,11 @@ def test_score_dataset_matches_full_logits(processor, biased_model):
     assert list(report)[0] == "overall"
     assert sum(report[g]["tokens"] for g in report if g.startswith("token_class/")) == report["overall"]["tokens"]
     assert sum(report[g]["tokens"] for g in report if g.startswith("EO_task/")) == report["overall"]["tokens"]
+
+
+def test_score_dataset_refuses_a_padding_free_collator(processor, biased_model):
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.validate import score_dataset
+
+    with pytest.raises(ValueError, match="padded collator"):
+        score_dataset(biased_model, EOGymCollator(processor, padding_free=True), _examples())

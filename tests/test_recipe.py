@@ -288,6 +288,7 @@ def test_run_info_is_written_next_to_the_adapter(first_run, workspace, tiny_mode
     assert config["training"]["max_steps"] == 2 and config["training"]["num_train_epochs"] == 3  # from the YAML
     assert config["training"]["per_device_train_batch_size"] == 2 and config["training"]["seed"] == 42
     assert config["model"]["lora_r"] == 16 and config["model"]["model_name_or_path"] == str(tiny_model_dir)
+    assert config["script"]["prepared_dir"] == str(workspace["prepared"])
     stats = json.loads((workspace["prepared"] / "stats.json").read_text())
     file_hash = hashlib.sha256(workspace["data"].read_bytes()).hexdigest()
     assert info["data"] == {
