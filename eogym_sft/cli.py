@@ -31,9 +31,10 @@ def run_prepare(args: argparse.Namespace) -> dict:
     for path in args.input:
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
-    results = prepare_files(args.input, args.model, cfg, num_proc=args.num_proc)
+    processor = load_processor(args.model, cfg.max_pixels, cfg.min_pixels)
+    results = prepare_files(args.input, args.model, cfg, num_proc=args.num_proc, processor=processor)
     settings = dict(vars(cfg), model=args.model, inputs=[str(p) for p in args.input])
-    settings["processor_fingerprint"] = processor_fingerprint(load_processor(args.model, cfg.max_pixels, cfg.min_pixels))
+    settings["processor_fingerprint"] = processor_fingerprint(processor)
     stats = write_prepared(args.output, results, settings)
     print(format_summary(stats))
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")

@@ -32,7 +32,7 @@ def load_or_prepare(path: str, model: str, processor, cfg: PrepConfig, workdir: 
     cached = Path(workdir) / "stats.json"
     if cached.is_file() and json.loads(cached.read_text()).get("settings") == settings:
         return load_prepared(workdir)
-    results = prepare_files(files, model, cfg, num_proc=num_proc)
+    results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
     stats = write_prepared(workdir, results, settings)
     print(format_summary(stats))
     return load_prepared(workdir)

@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
-from .encoding import Encoded, encode_conversation
+from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, image_size, resolve_image_path
 from .traces import Trace, TraceError, normalize_row
 
@@ -186,8 +186,8 @@ def _window_sample(trace: Trace, enc: Encoded, hws, image_pos: list[int], window
 
 def _check_window_render(processor, sample: dict, tools: list[dict]) -> None:
     """A window's token slices must be exactly what the template renders for its messages."""
-    again = encode_conversation(processor, sample["messages"], tools)
-    if again.input_ids != sample["input_ids"]:
+    text = render(processor, sample["messages"], tools)
+    if processor.tokenizer(text, add_special_tokens=False)["input_ids"] != sample["input_ids"]:
         raise TraceError("template_mismatch", "messages", "a split window does not re-render to the same tokens")
 
 
@@ -289,14 +289,23 @@ def _count_lines(files: list[str]) -> int:
     return sum(sum(1 for _ in read_lines(f)) for f in files)
 
 
-def prepare_files(files: list[str], model: str, cfg: PrepConfig, num_proc: int = 1, progress: bool = True) -> list[LineResult]:
-    """Run :func:`prepare_line` over every line of ``files``, in order, on ``num_proc`` processes."""
+def prepare_files(
+    files: list[str], model: str, cfg: PrepConfig, num_proc: int = 1, progress: bool = True, processor=None
+) -> list[LineResult]:
+    """Run :func:`prepare_line` over every line of ``files``, in order, on ``num_proc`` processes.
+
+    Worker processes load ``model``'s processor themselves; in-process (``num_proc=1``) a ``processor``
+    already loaded with ``cfg``'s pixel cap is used as given.
+    """
     from tqdm.auto import tqdm
 
     bar = tqdm(total=_count_lines(files), unit="row", desc="prepare", disable=not progress)
     results: list[LineResult] = []
     if num_proc <= 1:
-        _init_worker(model, cfg)
+        if processor is None:
+            _init_worker(model, cfg)
+        else:
+            _WORKER.update(processor=processor, cfg=cfg)
         chunk_results = map(_prepare_chunk, _chunks(files, 16))
     else:
         import multiprocessing as mp
