@@ -3,6 +3,7 @@
 # (2 GPUs for the scaling stages). Wheels the image lacks are installed from .whl/ (see bench/README.md).
 #   bash bench/h200_session.sh setup        # install, versions, GPU tests
 #   bash bench/h200_session.sh train_bench  # plain TRL vs the recipe, feature by feature, 1 GPU
+#   bash bench/h200_session.sh train_bench_1; bash bench/h200_session.sh train_bench_2   # the same in two calls
 #   bash bench/h200_session.sh prep_bench   # data prep on 16 cores
 #   bash bench/h200_session.sh recipe       # the recipe on the 4B architecture, ZeRO-2 bf16, 1 then 2 GPUs
 #   bash bench/h200_session.sh scaling      # the recipe's speed on 2 GPUs, DDP and ZeRO-2
@@ -14,6 +15,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cfg=recipes/configs/qwen3_vl_4b_instruct.json
 model=/tmp/qwen3vl4b-random
 data=/tmp/eo_synth
+bench="--rows 160 --steps 6 --warmup 2 --grad-accum 2 --workdir /tmp/bt"
 
 make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
 make_data() { [ -f $data/train.jsonl ] || python -c "import sys; sys.path.insert(0, 'bench'); from prep_throughput import generate_sample; generate_sample('$data', rows=${1:-240}, seed=0)"; }
@@ -26,7 +28,13 @@ setup)
   python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_collator.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench)
-  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py --rows 160 --steps 8 --warmup 2 --workdir /tmp/bt --json $OUT/train_1gpu.json
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --json $OUT/train_1gpu.json
+  ;;
+train_bench_1)
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms A,B,B-b1,B-b1-GC,B-GC --json $OUT/train_1gpu_part1.json
+  ;;
+train_bench_2)
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms B,B-nocompile,B-fixedcount,A,B-dropout0,B-padded --parity-samples 0 --json $OUT/train_1gpu_part2.json
   ;;
 prep_bench)
   python bench/prep_throughput.py --rows 1600 --num-proc 1 16 --json $OUT/prep.json
@@ -41,9 +49,9 @@ recipe)
   cp /tmp/run_1gpu/eogym_run.json $OUT/eogym_run_1gpu.json; ls /tmp/run_1gpu /tmp/run_2gpu
   ;;
 scaling)
-  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B,B-noGC-b2 --workdir /tmp/bt --json $OUT/scale_1gpu.json
-  accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B --workdir /tmp/bt --json $OUT/scale_ddp.json
-  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --arms B --workdir /tmp/bt --json $OUT/scale_zero2.json
+  CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms B --json $OUT/scale_1gpu.json
+  accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 bench/train_throughput.py $bench --arms B --json $OUT/scale_ddp.json
+  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 bench/train_throughput.py $bench --arms B --json $OUT/scale_zero2.json
   ;;
 eval_bench)
   make_model; make_data 240

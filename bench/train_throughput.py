@@ -1,16 +1,17 @@
 """Training throughput on one GPU: plain TRL against this library's recipe, feature by feature, one run.
 
-    python bench/train_throughput.py --rows 160 --steps 10 --warmup 3 --json bench_train.json
+    python bench/train_throughput.py --rows 160 --steps 6 --warmup 2 --grad-accum 2 --json bench_train.json
 
 Model: the Qwen3-VL-4B architecture (``recipes/configs/qwen3_vl_4b_instruct.json``) with random bf16
 weights (speed does not depend on their values), built once and shared by every arm. Data: the
 EO-Gym-shaped sample of ``bench/prep_throughput.py`` (row images up to 4000x4000 px, crops in tool
 results), prepared by the library's own data prep (8,192-token budget, 1,003,520-px cap).
 
-Arms (all LoRA r16/alpha32 on the 7 language-model projections, bf16, 4 samples per step):
+Arms (all LoRA r16/alpha32 on the 7 language-model projections, bf16):
   A        plain TRL ``SFTTrainer`` with its own vision collator and defaults (gradient checkpointing,
-           padded batches, SDPA, every non-pad token trained, dataloader_num_workers=0, dropout 0.05)
-  B        the recipe as shipped (``recipes/eo_gym_4b.yaml``)
+           padded batches of 4, SDPA, every non-pad token trained, dataloader_num_workers=0, dropout 0.05)
+  B        the recipe as shipped, read from ``recipes/eo_gym_4b.yaml`` (per-device batch x --grad-accum
+           micro-batches a step; with the YAML's 2, the same 4 samples a step as A)
   B-...    B with one feature switched (see ARMS)
 
 Per arm: real (non-pad) tokens/s wall-clock including data loading, supervised tokens/s, peak
@@ -30,25 +31,43 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the recipe sets it, for every arm
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # bf16 dense, measured on an H200 (shared/research/performance.md)
 
-SHIPPED = {"pack": True, "attn": "eogym_varlen", "head": "supervised", "gc": True, "workers": 4, "dropout": 0.05, "batch": 4, "compile": False}
+RECIPE = yaml.safe_load((REPO / "recipes/eo_gym_4b.yaml").read_text())
+# B is the recipe as shipped, read from its YAML; the bench only shortens a step to --grad-accum micro-batches.
+SHIPPED = {
+    "pack": RECIPE["pack_batch"],
+    "attn": RECIPE["attn_implementation"],
+    "head": "supervised",
+    "gc": RECIPE["gradient_checkpointing"],
+    "compile": RECIPE["compile_layers"],
+    "rebalance": RECIPE["train_sampling_strategy"] == "batch_rebalance",
+    "workers": RECIPE["dataloader_num_workers"],
+    "dropout": RECIPE["lora_dropout"],
+    "batch": RECIPE["per_device_train_batch_size"],
+}
 ARMS = {
     "A": None,
     "B": {},
+    "B-b1": {"batch": 1},  # one sample (at most 8,192 tokens) a micro-batch: the 80 GB setting
+    "B-b1-GC": {"batch": 1, "gc": True},  # the 24 GB setting
+    "B-GC": {"gc": True},
+    "B-nocompile": {"compile": False},
+    "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
     "B-sdpa": {"attn": "sdpa"},
     "B-fullhead": {"head": "full"},
     "B-trlhead": {"head": "trl"},
+    "B-dropout0": {"dropout": 0.0},
     "B-workers0": {"workers": 0},
-    "B-noGC": {"gc": False},
-    "B-noGC-b2": {"gc": False, "batch": 2},
-    "B-noGC-b2-compile": {"gc": False, "batch": 2, "compile": True},
 }
 
 
@@ -169,11 +188,11 @@ def _full_logits_trainer():
     return FullLogitsTrainer
 
 
-def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: int):
+def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: int, grad_accum: int):
     from trl import SFTConfig, SFTTrainer
 
     from eogym_sft.collator import EOGymCollator
-    from eogym_sft.modeling import apply_lora
+    from eogym_sft.modeling import apply_lora, compile_language_layers
     from eogym_sft.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
@@ -197,11 +216,12 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:
-        for layer in model.get_base_model().model.language_model.layers:
-            layer.compile()
+        compile_language_layers(model)
     args = SFTConfig(
-        per_device_train_batch_size=s["batch"], gradient_checkpointing=s["gc"], dataloader_num_workers=s["workers"],
-        dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0, dataset_kwargs={"skip_prepare_dataset": True},
+        per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, gradient_checkpointing=s["gc"],
+        dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
+        dataset_kwargs={"skip_prepare_dataset": True}, optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
+        train_sampling_strategy="batch_rebalance" if s["rebalance"] else "random", length_column_name="n_tokens",
         **common,
     )
     collator = EOGymCollator(processor, data_root=str(root), padding_free=s["pack"])
@@ -209,32 +229,46 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
 
 
-def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int) -> dict:
-    from peft import PeftModel
+def _uncompile(model) -> None:
+    """Arms share the base model: drop what ``Module.compile`` set on its layers for one arm."""
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    torch._dynamo.reset()
 
+
+def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int, grad_accum: int) -> dict:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup)
+    micro = 1 if arm == "A" else grad_accum
+    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup, micro)
     timer = StepTimer()
     trainer.add_callback(timer)
     counted = Counted(trainer, 2)
     t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        _restore(base, trainer.model)
+        del trainer
     first_step = timer.ends[0] - t0
     b, e = timer.begins[warmup:], timer.ends[warmup:]
     wall = e[-1] - b[0]
     gaps = sum(b[i + 1] - e[i] for i in range(len(b) - 1))
     world = int(_all_ranks_sum(1))
     # Token and FLOP counts are summed over every GPU; figures below are per GPU.
-    real = _all_ranks_sum(sum(counted.real[warmup:])) / world
-    sup = _all_ranks_sum(sum(counted.supervised[warmup:])) / world
-    local_flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(warmup, len(counted.real)))
+    skip = warmup * micro  # Counted sees micro-batches, the timer optimizer steps
+    real = _all_ranks_sum(sum(counted.real[skip:])) / world
+    sup = _all_ranks_sum(sum(counted.supervised[skip:])) / world
+    local_flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(skip, len(counted.real)))
     flops = _all_ranks_sum(local_flops) / world
     result = {
         "arm": arm,
         "settings": "TRL defaults" if arm == "A" else dict(SHIPPED, **ARMS[arm]),
         "timed_steps": len(b),
+        "micro_batches_per_step": micro,
+        "max_micro_batch_tokens": max(counted.real[skip:]),
         "gpus": world,
         "real_tokens_per_s": real / wall,
         "supervised_tokens_per_s": sup / wall,
@@ -246,14 +280,23 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "time_to_first_step_s": first_step,
         "dataloader_wait_fraction": gaps / wall,
     }
-    model = trainer.model
-    del trainer
+    return result
+
+
+def _restore(base, model) -> None:
+    """Arms share the base model: undo what an arm switched on for itself, whether it ran or failed."""
+    from peft import PeftModel
+
     if isinstance(model, PeftModel):
         model.unload()
-    # Arms share the base: undo what an arm switched on for itself.
     base.gradient_checkpointing_disable()
     base.disable_input_require_grads()
-    return result
+    _uncompile(base)
+    if DEVICE == "cuda":
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def build_base(config_path: Path, workdir: Path):
@@ -276,26 +319,35 @@ def build_base(config_path: Path, workdir: Path):
 
 
 @torch.no_grad()
-def loss_parity(base, dataset, root, processor) -> dict:
+def loss_parity(base, dataset, root, processor, n_samples: int = 4) -> dict:
     """The same 4 samples: padded + SDPA + full logits (the plain path) against packed + varlen + the
-    supervised-only head (the shipped path). Equal up to bf16 rounding."""
+    supervised-only head (the shipped path), eager and with the decoder layers compiled by Inductor.
+    Equal up to bf16 rounding."""
     from eogym_sft.collator import EOGymCollator
     from eogym_sft.metrics import IGNORE_INDEX
+    from eogym_sft.modeling import compile_language_layers
 
-    examples = [dataset[i] for i in range(4)]
+    examples = [dataset[i] for i in range(n_samples)]
     out = {}
-    for name, attn, pack in (("padded_sdpa_full_logits", "sdpa", False), ("packed_varlen_supervised_head", "eogym_varlen", True)):
+    paths = (("padded_sdpa_full_logits", "sdpa", False), ("packed_varlen_supervised_head", "eogym_varlen", True),
+             ("packed_varlen_supervised_head_compiled", "eogym_varlen", True))
+    for name, attn, pack in paths:
         base.set_attn_implementation({"text_config": attn, "vision_config": "sdpa"})
+        if name.endswith("compiled"):
+            compile_language_layers(base)
         batch = {k: v.to(DEVICE) for k, v in EOGymCollator(processor, data_root=str(root), padding_free=pack)(examples).items()}
         if pack:
             labels = batch.pop("labels")
             keep = (labels[:, 1:] != IGNORE_INDEX).any(0).nonzero().flatten()
             logits = base(**batch, use_cache=False, logits_to_keep=keep).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:][:, keep], ignore_index=IGNORE_INDEX)
+            loss = torch.nn.functional.cross_entropy(logits[0], labels[0, 1:][keep], ignore_index=IGNORE_INDEX)
         else:
             loss = base(**batch, use_cache=False).loss
         out[name] = loss.item()
-    out["abs_diff"] = abs(out["padded_sdpa_full_logits"] - out["packed_varlen_supervised_head"])
+    _uncompile(base)
+    reference = out["padded_sdpa_full_logits"]
+    out["abs_diff"] = abs(reference - out["packed_varlen_supervised_head"])
+    out["abs_diff_compiled"] = abs(reference - out["packed_varlen_supervised_head_compiled"])
     return out
 
 
@@ -313,6 +365,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=160)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--parity-samples", type=int, default=4, help="samples in the loss-parity batch (0: skip)")
+    parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches a step for the B arms (the recipe has 32)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
@@ -326,13 +380,15 @@ def main(argv=None) -> dict:
     with state.main_process_first():
         base, cfg, model_dir = build_base(Path(args.config), workdir)
         dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir)
-    parity = loss_parity(base, dataset, root, processor) if state.num_processes == 1 else None
+    parity = None
+    if state.num_processes == 1 and args.parity_samples:
+        parity = loss_parity(base, dataset, root, processor, args.parity_samples)
     if state.is_main_process:
         print("loss parity:", json.dumps(parity), flush=True)
     results = []
     for arm in args.arms.split(","):
         try:
-            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup))
+            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum))
         except Exception as err:  # a failing arm is reported, not hidden, and the others still run
             traceback.print_exc()
             results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})

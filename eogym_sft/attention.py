@@ -52,6 +52,9 @@ def _varlen_reference(q, k, v, cu, scale):
     return out
 
 
+# Finding the boundaries is data-dependent (a host sync and an int length), so under regional
+# torch.compile this function runs eagerly between the compiled halves of each decoder layer.
+@torch.compiler.disable
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``."""
     position_ids = kwargs.get("position_ids")

@@ -27,6 +27,10 @@ class EOGymScriptArguments:
         default=False,
         metadata={"help": "padding-free: pack each batch into one row with per-sample mRoPE position ids (TRL's own padding_free refuses image data)"},
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; ~20 s to compile at the first steps)"},
+    )
 
     def __post_init__(self):
         if not 0 <= self.eval_fraction < 1:

@@ -52,6 +52,7 @@ def recipe_overrides(model_dir: Path, output_dir: Path, steps: int, learning_rat
         "--dataloader_persistent_workers", "false",
         "--prep_num_proc", "1",
         "--pack_batch", "true",
+        "--compile_layers", "false",
     ]
 
 

@@ -7,7 +7,10 @@ DeepSpeed hooks still run. The loss is the same token-mean cross-entropy as the 
 
 It also logs ``token_accuracy``: correct over total supervised tokens summed across the logging
 window (or the whole evaluation set) and across ranks, next to TRL's step-averaged
-``mean_token_accuracy``.
+``mean_token_accuracy``. Training counts stay on the GPU until a log, so no step waits on the host.
+
+With ``train_sampling_strategy="batch_rebalance"`` the micro-batches are built to a token budget
+(:class:`~eogym_sft.sampler.TokenBalancedSampler`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
 from .metrics import IGNORE_INDEX
+from .sampler import TokenBalancedSampler
 
 
 class EOGymSFTTrainer(SFTTrainer):
@@ -26,6 +31,16 @@ class EOGymSFTTrainer(SFTTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._token_counts = defaultdict(lambda: torch.zeros(2, dtype=torch.long))
+        self._train_steps: list[torch.Tensor] = []  # per micro-batch [correct, supervised, tokens], on device
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        if isinstance(sampler, BatchRebalanceSampler):
+            sampler = TokenBalancedSampler(
+                sampler.lengths, sampler.effective_batch_size, sampler.dp_size, sampler.grad_accum,
+                seed=self.args.seed, rank=sampler.rank, drop_last=sampler.drop_last,
+            )
+        return sampler
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
@@ -36,22 +51,26 @@ class EOGymSFTTrainer(SFTTrainer):
         outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
         logits = outputs.logits.float()
         picked = targets[:, keep]
+        # Flat [positions, vocab]: softmax over a transposed (strided) vocab dim is several times slower.
         per_token = torch.nn.functional.cross_entropy(
-            logits.transpose(1, 2), picked, ignore_index=IGNORE_INDEX, reduction="none"
-        )
+            logits.flatten(0, 1), picked.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(picked.shape)
         valid = picked != IGNORE_INDEX
         denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
         loss = per_token.sum() / torch.as_tensor(denominator, device=per_token.device).clamp(min=1)
         # As in Trainer: num_items_in_batch counts every rank's tokens and DDP averages the gradients.
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
-        self._record(mode, logits.detach(), picked, valid, inputs, keep)
+        with torch.no_grad():
+            right = (logits.argmax(-1) == picked) & valid
+            if mode == "train":
+                self._train_steps.append(torch.stack([right.sum(), valid.sum(), _real_tokens(inputs)]))
+            else:
+                self._record_eval(right, valid, inputs, keep)
         return (loss, outputs) if return_outputs else loss
 
-    @torch.no_grad()
-    def _record(self, mode, logits, picked, valid, inputs, keep) -> None:
-        right = (logits.argmax(-1) == picked) & valid
-        sample, n_samples = _sample_index(inputs, keep, picked.shape)
+    def _record_eval(self, right, valid, inputs, keep) -> None:
+        sample, n_samples = _sample_index(inputs, keep, right.shape)
         flat = sample.flatten()
         per_sample = torch.zeros(n_samples, 2, dtype=torch.long, device=flat.device)
         per_sample[:, 0].index_add_(0, flat, right.flatten().long())
@@ -60,16 +79,20 @@ class EOGymSFTTrainer(SFTTrainer):
         # repeated to even out the ranks (a row per rank would drop whole ranks, or count the repeats).
         per_sample = self.accelerator.pad_across_processes(per_sample, dim=0)
         counts = self.accelerator.gather_for_metrics(per_sample).sum(0).cpu()
-        self._token_counts[mode] += counts
+        self._token_counts["eval"] += counts
         step_accuracy = (counts[0] / counts[1]).item() if counts[1] > 0 else 0.0
-        self._metrics[mode]["mean_token_accuracy"].append(step_accuracy)
-        if mode == "train":
-            if "attention_mask" in inputs:
-                local = inputs["attention_mask"].sum()
-            else:
-                local = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-            self._total_train_tokens += self.accelerator.gather(local[None]).sum().item()  # repeats are trained on too
-            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        self._metrics["eval"]["mean_token_accuracy"].append(step_accuracy)
+
+    def _flush_train_counts(self) -> None:
+        """Sum the window's micro-batch counts across ranks (one host sync a log) into TRL's metrics."""
+        if not self._train_steps:
+            return
+        steps = self.accelerator.reduce(torch.stack(self._train_steps), reduction="sum").cpu()
+        self._train_steps = []
+        self._token_counts["train"] += steps[:, :2].sum(0)
+        self._metrics["train"]["mean_token_accuracy"].extend((steps[:, 0] / steps[:, 1].clamp(min=1)).tolist())
+        self._total_train_tokens += int(steps[:, 2].sum())  # samples repeated to even out ranks are trained on too
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -79,10 +102,18 @@ class EOGymSFTTrainer(SFTTrainer):
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            self._flush_train_counts()
         correct, total = self._token_counts.pop(mode, torch.zeros(2, dtype=torch.long)).tolist()
         if total:
             logs[("eval_" if mode == "eval" else "") + "token_accuracy"] = correct / total
         super().log(logs, start_time)
+
+
+def _real_tokens(inputs) -> torch.Tensor:
+    if "attention_mask" in inputs:
+        return inputs["attention_mask"].sum()
+    return torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
 
 
 def _sample_index(inputs, keep: torch.Tensor, shape) -> tuple[torch.Tensor, int]:

@@ -8,8 +8,14 @@ e.g. ``--dataset_path EO-Gym/train.jsonl --data_root EO-Gym --output_dir runs/mi
 """
 
 import logging
+import os
 import sys
 from pathlib import Path
+
+# Micro-batch shapes change every step; without expandable segments the CUDA caching allocator
+# fragments and reserves far more than it allocates (139 GiB reserved for 91 GiB allocated, measured).
+# Set before torch starts CUDA; a value the user exported wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, SFTConfig, TrlParser
@@ -17,7 +23,7 @@ from trl import ModelConfig, SFTConfig, TrlParser
 from eogym_sft.collator import EOGymCollator
 from eogym_sft.config import EOGymScriptArguments
 from eogym_sft.data import load_or_prepare, split_by_trace
-from eogym_sft.modeling import apply_lora, load_base_model
+from eogym_sft.modeling import apply_lora, compile_language_layers, load_base_model
 from eogym_sft.prepare import PrepConfig
 from eogym_sft.processor import load_processor
 from eogym_sft.run_info import write_run_info
@@ -68,6 +74,8 @@ def main(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    if script_args.compile_layers:
+        logger.info("compiled %d decoder layers", compile_language_layers(model))
 
     ################
     # Training

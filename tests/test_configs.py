@@ -32,8 +32,11 @@ def published(script, training, model) -> None:
     assert model.model_name_or_path == "Qwen/Qwen3-VL-4B-Instruct"
     assert model.dtype == "bfloat16" and not getattr(model, "trust_remote_code", False)
     assert training.num_train_epochs == 3
-    assert training.per_device_train_batch_size == 4
-    assert training.gradient_accumulation_steps == 16
+    # 4 x 16 = 64 samples a step as published, dealt into 32 token-balanced micro-batches: the same
+    # samples and token-mean loss each step (tests/test_trainer.py checks the split changes nothing)
+    assert training.per_device_train_batch_size * training.gradient_accumulation_steps == 4 * 16
+    assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (2, 32)
+    assert training.train_sampling_strategy == "batch_rebalance" and training.length_column_name == "n_tokens"
     assert training.learning_rate == 1e-4
     assert str(training.lr_scheduler_type) in ("cosine", "SchedulerType.COSINE")
     assert training.weight_decay == 0.1
@@ -102,7 +105,7 @@ def test_flags_override_the_yaml(recipe):
     assert (
         training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
     )
-    assert training.gradient_accumulation_steps == 16  # the rest still comes from the file
+    assert training.gradient_accumulation_steps == 32  # the rest still comes from the file
 
 
 def test_bad_eval_fraction_is_refused(recipe):

@@ -144,3 +144,71 @@ def test_load_base_model(tiny_model_dir):
     import inspect
 
     assert inspect.signature(load_base_model).parameters["trust_remote_code"].default is False
+
+
+def _packed_batch(processor):
+    from PIL import Image
+
+    from eogym_sft.collator import EOGymCollator
+
+    def example(question, answer, images=()):
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}], "images": list(images)}
+
+    examples = [example("Flooded?", "Final Answer: no"), example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
+    return EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)(examples)
+
+
+def _loss_and_grads(processor, compiled: bool):
+    from eogym_sft.attention import register_varlen_attention
+    from eogym_sft.modeling import compile_language_layers
+    from eogym_sft.tiny import build_tiny_model
+
+    register_varlen_attention()
+    model = build_tiny_model(seed=3)
+    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    model = apply_lora(model, dropout=0.0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a non-zero adapter, so the LoRA path is part of the comparison
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    if compiled:
+        # aot_eager: Dynamo's capture and AOTAutograd's joint graph as on the GPU, without Inductor's
+        # C++ compile time on CPU. Inductor's numerics are checked on the 4B architecture by bench/.
+        assert compile_language_layers(model, backend="aot_eager") == 2
+    loss = model(**_packed_batch(processor), use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradients(processor):
+    eager_loss, eager_grads = _loss_and_grads(processor, compiled=False)
+    compiled_loss, compiled_grads = _loss_and_grads(processor, compiled=True)
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6)
+    assert eager_grads.keys() == compiled_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_language_layers_needs_decoder_layers():
+    from eogym_sft.modeling import compile_language_layers
+
+    with pytest.raises(ValueError, match="language_model.layers"):
+        compile_language_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_vision_tower_runs_without_autograd(processor):
+    """The frozen tower builds no graph even with input gradients on (gradient checkpointing): nothing
+    of it is stored for, or recomputed in, the backward pass."""
+    from eogym_sft.tiny import build_tiny_model
+
+    model = apply_lora(build_tiny_model(seed=3))
+    model.enable_input_require_grads()
+    seen = []
+    model.get_base_model().model.visual.register_forward_hook(lambda module, args, out: seen.append(out))
+    model.train()
+    loss = model(**_packed_batch(processor), use_cache=False).loss
+    assert loss.requires_grad and len(seen) == 1
+    outputs = [t for t in torch.utils._pytree.tree_leaves(seen[0]) if isinstance(t, torch.Tensor)]
+    assert outputs and not any(t.requires_grad for t in outputs)

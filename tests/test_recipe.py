@@ -137,6 +137,8 @@ def recipe_args(model_dir: Path, data: Path, output: Path, prepared: Path, steps
         "false",
         "--prep_num_proc",
         "1",
+        "--compile_layers",
+        "false",
     ]
 
 
