@@ -1,9 +1,9 @@
 """Micro-batches built to a token budget, with the published number of samples per optimizer step.
 
 A fixed count of samples per micro-batch makes its token count (and so its activation memory and
-step time) vary with the samples drawn: four samples of the bench's EO-Gym-shaped data reach 27k tokens. Here each
-optimizer step draws its ``batch x grad_accum x ranks`` samples as usual, then deals them into the
-step's micro-batches longest first, each to the cheapest so far. Every micro-batch then carries about
+step time) vary with the samples drawn: four samples of the bench's EO-Gym-shaped data reach 27k
+tokens. Here each optimizer step draws its ``batch x grad_accum x ranks`` samples as usual, then deals
+them into the step's micro-batches longest first, each to the cheapest so far. Every micro-batch then carries about
 the step's mean token count, whatever the mix, and every rank about the same work. The step's
 samples and its token-mean loss are unchanged: only their grouping into micro-batches differs.
 """
