@@ -29,7 +29,7 @@ class EOGymScriptArguments:
     )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; ~20 s to compile at the first steps)"},
+        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
     )
 
     def __post_init__(self):

@@ -70,7 +70,7 @@ def check_trainable(model) -> dict:
 def compile_language_layers(model, **compile_kwargs) -> int:
     """Regional ``torch.compile``: each language-model decoder layer in place, the rest eager.
 
-    The 36 layers share one compiled graph, so compiling costs seconds rather than minutes, and the
+    The 36 layers share one compiled graph, so it is compiled once rather than 36 times, and the
     modules stay where DDP, DeepSpeed, PEFT and gradient checkpointing expect them. It fuses LoRA's
     and the norms' small memory-bound kernels, which is where an eager LoRA step spends much of its time.
     The vision tower runs once per image without gradients; compiling it would gain little.

@@ -14,8 +14,8 @@ import heapq
 
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 
-# Attention's per-token cost grows with the sample's length; at Qwen3-VL-4B's shape an 8k-token
-# sample's attention costs about 0.4x its matmuls, which is 5e-5 per token of length.
+# Attention's per-token cost grows with the sample's length; by FLOP count at Qwen3-VL-4B's shape an
+# 8k-token sample's attention is about 0.4x its matmuls, which is 5e-5 per token of length.
 ATTENTION_COST_PER_TOKEN = 5e-5
 
 

@@ -8,19 +8,11 @@ import math
 import pytest
 import torch
 
+from helpers import chat_example, sharpen
+
 from eogym_sft.attention import _boundaries, _varlen_reference
 
 MIN_PIXELS, MAX_PIXELS = 1024, 16384
-
-
-def _sharpen(model, seed: int):
-    """Larger random weights, so that a token attending outside its sample moves the loss visibly."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +20,7 @@ def sharp_model_dir(tmp_path_factory):
     from eogym_sft.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("sharp_tiny")
-    _sharpen(build_tiny_model(seed=3), seed=3).save_pretrained(path)
+    sharpen(build_tiny_model(seed=3), seed=3).save_pretrained(path)
     return path
 
 
@@ -44,17 +36,10 @@ def models(sharp_model_dir):
 def _examples():
     from PIL import Image
 
-    def ex(question, answer, images=()):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {
-            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
-            "images": list(images),
-        }
-
     return [
-        ex("How many ships are in the harbour?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30))]),
-        ex("Flooded?", "No.\nFinal Answer: no"),
-        ex(
+        chat_example("How many ships are in the harbour?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30))]),
+        chat_example("Flooded?", "No.\nFinal Answer: no"),
+        chat_example(
             "Compare the two scenes.",
             "The second is greener.",
             [Image.new("RGB", (32, 96), "green"), Image.new("RGB", (64, 32), "blue")],

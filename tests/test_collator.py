@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import sharpen
 from PIL import Image
 
 from eogym_sft.collator import EOGymCollator, mrope_position_ids
@@ -109,14 +110,7 @@ def sharp_model():
     attending across samples changes the loss by much more than the tolerance (checked below)."""
     from eogym_sft.tiny import build_tiny_model
 
-    model = build_tiny_model(seed=1).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    model.config.use_cache = False
-    return model
+    return sharpen(build_tiny_model(seed=1), seed=1)
 
 
 # ---- exact labels --------------------------------------------------------------------------------

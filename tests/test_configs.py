@@ -89,6 +89,29 @@ def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
     published(*recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU]))
 
 
+def test_eo_gym_4b_yaml_ships_the_speed_path(recipe):
+    script, training, model = recipe.parse_args(list(CPU))
+    assert script.pack_batch and script.compile_layers and model.attn_implementation == "eogym_varlen"
+    assert training.gradient_checkpointing is False and training.dataloader_num_workers == 4
+
+
+def test_recipe_turns_on_expandable_segments_unless_the_user_set_the_allocator():
+    """Set before torch starts CUDA, so it must happen when the recipe script is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    load = (
+        "import importlib.util, os; spec = importlib.util.spec_from_file_location('r', 'recipes/eo_gym_4b.py'); "
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    for preset, expected in ((None, "expandable_segments:True"), ("max_split_size_mb:64", "max_split_size_mb:64")):
+        run_env = env if preset is None else dict(env, PYTORCH_CUDA_ALLOC_CONF=preset)
+        out = subprocess.run([sys.executable, "-c", load], cwd=REPO, env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip().splitlines()[-1] == expected
+
+
 def test_no_config_reads_the_same_yaml(recipe):
     default = recipe.parse_args(list(CPU))
     explicit = recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU])

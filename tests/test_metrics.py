@@ -10,6 +10,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import chat_example, lean_towards_im_end, sharpen
 
 from eogym_sft.metrics import accuracy, sum_across_ranks, token_accuracy_counts
 
@@ -222,32 +223,14 @@ def biased_model():
     predictions are right and most are not, so accuracy is neither 0 nor 1."""
     from eogym_sft.tiny import build_tiny_model
 
-    model = build_tiny_model(seed=2).eval()
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-        head = torch.nn.Linear(16, model.lm_head.out_features, bias=True)
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[151645] = 8.0  # <|im_end|>
-    model.lm_head = head
-    model.config.use_cache = False
-    return model
+    return lean_towards_im_end(sharpen(build_tiny_model(seed=2), seed=2))
 
 
 def _examples():
     from PIL import Image
 
     def ex(question, answer, task, qtype, images=()):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {
-            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
-            "images": list(images),
-            "EO_task": task,
-            "question_type": qtype,
-        }
+        return chat_example(question, answer, images, EO_task=task, question_type=qtype)
 
     return [
         ex(

@@ -147,19 +147,18 @@ def test_load_base_model(tiny_model_dir):
 
 
 def _packed_batch(processor):
+    from helpers import chat_example
     from PIL import Image
 
     from eogym_sft.collator import EOGymCollator
 
-    def example(question, answer, images=()):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}], "images": list(images)}
-
-    examples = [example("Flooded?", "Final Answer: no"), example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
+    examples = [chat_example("Flooded?", "Final Answer: no"), chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
     return EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)(examples)
 
 
 def _loss_and_grads(processor, compiled: bool):
+    from helpers import perturb_lora_b
+
     from eogym_sft.attention import register_varlen_attention
     from eogym_sft.modeling import compile_language_layers
     from eogym_sft.tiny import build_tiny_model
@@ -167,12 +166,7 @@ def _loss_and_grads(processor, compiled: bool):
     register_varlen_attention()
     model = build_tiny_model(seed=3)
     model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
-    model = apply_lora(model, dropout=0.0)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # a non-zero adapter, so the LoRA path is part of the comparison
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=3)
     if compiled:
         # aot_eager: Dynamo's capture and AOTAutograd's joint graph as on the GPU, without Inductor's
         # C++ compile time on CPU. Inductor's numerics are checked on the 4B architecture by bench/.

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import chat_example, lean_towards_im_end, perturb_lora_b, sharpen
 
 from eogym_sft.metrics import token_accuracy_counts
 
@@ -15,13 +16,6 @@ MIN_PIXELS, MAX_PIXELS = 1024, 16384
 
 def _examples():
     from PIL import Image
-
-    def ex(question, answer, images=()):
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        return {
-            "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": answer}],
-            "images": list(images),
-        }
 
     tool_use = {  # a tool call and a tool result with an image (no tools block: it would add 150 context tokens)
         "messages": [
@@ -38,8 +32,8 @@ def _examples():
     }
     return [
         tool_use,
-        ex("Flooded?", "Final Answer: no"),
-        ex("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")]),
+        chat_example("Flooded?", "Final Answer: no"),
+        chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")]),
     ]
 
 
@@ -52,24 +46,8 @@ def trainer(processor, tmp_path_factory):
     from eogym_sft.tiny import build_tiny_model
     from eogym_sft.trainer import EOGymSFTTrainer
 
-    model = build_tiny_model(seed=4)
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():  # larger weights: a loss far from log(vocab), and some right predictions
-        for param in model.parameters():
-            if param.ndim >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-        # an LM head that leans towards <|im_end|>: some predictions are right, most are not
-        head = torch.nn.Linear(16, model.lm_head.out_features, bias=True)
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[151645] = 8.0
-        model.lm_head = head
-    model.config.use_cache = False
-    model = apply_lora(model)
-    with torch.no_grad():  # a non-zero adapter, so that the LoRA path is part of the comparison
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    # a loss far from log(vocab), and some right predictions (most wrong)
+    model = perturb_lora_b(apply_lora(lean_towards_im_end(sharpen(build_tiny_model(seed=4), seed=4))), seed=4)
     args = SFTConfig(
         output_dir=str(tmp_path_factory.mktemp("trainer")),
         use_cpu=True,
