@@ -17,7 +17,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pixels", type=int, default=1003520, help="pixel cap per image (980 tokens on Qwen3-VL)")
     parser.add_argument("--min-pixels", type=int, default=65536, help="pixel floor per image (Qwen3-VL's default)")
     parser.add_argument("--overlong", choices=("split", "drop"), default="split", help="what to do with traces over the budget")
-    parser.add_argument("--tool-images", choices=("attach", "text"), default="attach", help="attach images that tool results name, or keep them as text")
+    parser.add_argument(
+        "--tool-images", default="produced", help="which tool-result images the model sees: produced|attach|text[,TOOL=MODE...] (docs/data.md)"
+    )
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
 

@@ -21,7 +21,10 @@ class EOGymScriptArguments:
     max_pixels: int = field(default=1003520, metadata={"help": "pixel cap per image: 980 visual tokens on Qwen3-VL"})
     min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
     overlong: str = field(default="split", metadata={"help": "over-long traces: split (at assistant turns) or drop"})
-    tool_images: str = field(default="attach", metadata={"help": "images named in tool results: attach, or keep as text"})
+    tool_images: str = field(
+        default="produced",
+        metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
+    )
     prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes"})
     pack_batch: bool = field(
         default=False,

@@ -35,6 +35,7 @@ from .scoring import (
     parse_output,
     score_output,
 )
+from .tool_images import ToolImageRule
 from .traces import Trace, TraceError, count_images, normalize_row
 
 GROUP_FIELDS = ("EO_task", "question_type")
@@ -73,7 +74,7 @@ class EvalConfig:
     max_prompt_tokens: int = 8192
     max_pixels: int = 1003520
     min_pixels: int = 65536
-    tool_images: str = "attach"
+    tool_images: str = "produced"
     judge: str | None = None  # "module:function"
     seed: int = 0
     device: str = "auto"
@@ -89,8 +90,7 @@ class EvalConfig:
             raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
         if self.num_tolerance < 0:
             raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
-        if self.tool_images not in ("attach", "text"):
-            raise ValueError(f"tool_images must be 'attach' or 'text', got {self.tool_images!r}")
+        ToolImageRule.parse(self.tool_images)  # raises ValueError on a bad spec
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if not self.include_base and not self.adapters:
@@ -141,7 +141,7 @@ def read_traces(cfg: EvalConfig) -> tuple[list[tuple[str, Trace]], list[dict]]:
                     raise TraceError("blank_line", "<line>", "empty line")
                 row = _decode_line(raw)
                 row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
-                trace = normalize_row(row, attach_tool_images=cfg.tool_images == "attach")
+                trace = normalize_row(row, cfg.tool_images)
                 if trace.id in seen:
                     raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
             except TraceError as err:
@@ -739,7 +739,7 @@ def add_evaluate_args(parser) -> None:
     )
     add("--max-pixels", type=int, default=1003520, help="pixel cap per image, as in data prep")
     add("--min-pixels", type=int, default=65536, help="pixel floor per image, as in data prep")
-    add("--tool-images", choices=("attach", "text"), default="attach", help="as in data prep")
+    add("--tool-images", default="produced", help="which tool-result images the model sees, as in data prep")
     add(
         "--judge",
         default=None,

@@ -14,10 +14,10 @@ from dataclasses import field as dataclass_field
 
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, image_size, resolve_image_path
+from .tool_images import ToolImageRule
 from .traces import Trace, TraceError, normalize_row
 
 OVERLONG_MODES = ("split", "drop")
-TOOL_IMAGE_MODES = ("attach", "text")
 
 
 @dataclass
@@ -29,14 +29,13 @@ class PrepConfig:
     max_pixels: int = 1003520
     min_pixels: int = 65536
     overlong: str = "split"
-    tool_images: str = "attach"
+    tool_images: str = "produced"  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
     strict: bool = False
 
     def __post_init__(self):
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f"overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}")
-        if self.tool_images not in TOOL_IMAGE_MODES:
-            raise ValueError(f"tool_images must be one of {TOOL_IMAGE_MODES}, got {self.tool_images!r}")
+        ToolImageRule.parse(self.tool_images)  # raises ValueError on a bad spec
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
 
@@ -53,9 +52,10 @@ class LineResult:
     field: str | None = None
     detail: str | None = None
     samples: list[dict] = dataclass_field(default_factory=list)
+    tool_images: dict[str, int] = dataclass_field(default_factory=dict)  # images attached per tool name
 
     def manifest_entry(self) -> dict:
-        entry = {k: v for k, v in asdict(self).items() if k != "samples"}
+        entry = {k: v for k, v in asdict(self).items() if k not in ("samples", "tool_images")}
         entry["sample_ids"] = [s["sample_id"] for s in self.samples]
         return entry
 
@@ -235,14 +235,14 @@ def prepare_line(processor, cfg: PrepConfig, file: str, line: int, raw: bytes) -
     try:
         row = _decode_line(raw)
         row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
-        trace = normalize_row(row, attach_tool_images=cfg.tool_images == "attach")
+        trace = normalize_row(row, cfg.tool_images)
         hws = _image_layout(trace, cfg, image_factor(processor))
         status, samples = trace_samples(processor, trace, hws, cfg)
     except TraceError as err:
         return _dropped(cfg, file, line, row_id, err)
     for sample in samples:
         sample.update(source_file=file, source_line=line)
-    return LineResult(file, line, row_id, status, samples=samples)
+    return LineResult(file, line, row_id, status, samples=samples, tool_images=trace.tool_images)
 
 
 def _dropped(cfg: PrepConfig, file: str, line: int, row_id, err: TraceError) -> LineResult:

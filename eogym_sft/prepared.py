@@ -71,6 +71,7 @@ def compute_stats(results, samples: list[dict]) -> dict:
         "token_histogram": {f"{k}-{k + HISTOGRAM_BIN - 1}": v for k, v in sorted(hist.items())},
         "max_tokens_seen": max((s["n_tokens"] for s in samples), default=0),
         "images_per_sample": {str(k): v for k, v in sorted(Counter(len(s["images"]) for s in samples).items())},
+        "tool_images_attached": dict(sorted(sum((Counter(r.tool_images) for r in results if r.status != "dropped"), Counter()).items())),
         "content_hash": content_hash(samples),
     }
 
@@ -86,6 +87,8 @@ def format_summary(stats: dict) -> str:
         lines.append(f"  dropped {count:6d}  {reason}")
     lines.append("token histogram: " + ", ".join(f"{k}: {v}" for k, v in stats["token_histogram"].items()))
     lines.append("images per sample: " + ", ".join(f"{k}: {v}" for k, v in stats["images_per_sample"].items()))
+    attached = stats.get("tool_images_attached", {})
+    lines.append("tool images attached: " + (", ".join(f"{k}: {v}" for k, v in attached.items()) or "none"))
     lines.append(f"content hash {stats['content_hash']}")
     return "\n".join(lines)
 

@@ -17,16 +17,13 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from .tool_images import ToolImageRule
+
 ROLES = ("system", "user", "assistant", "tool", "function")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".bmp")
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
 IMAGE_TAG = "<image>"
-# Tool results name their outputs with the dataset's portable prefixes; an absolute prefix in front
-# of them (a tool server's cache dir) is ignored, and `..` is rejected later by the path check.
-TOOL_IMAGE_PATH_RE = re.compile(
-    r"(?:EO_GYM_DATA|image_cache)/[^\s\"'<>,;()\[\]{}]+?\.(?:jpe?g|png|tiff?|webp|bmp)\b", re.IGNORECASE
-)
 
 
 class TraceError(ValueError):
@@ -49,6 +46,10 @@ class Trace:
     tools: list[dict]
     meta: dict = field(default_factory=dict)
     trimmed_messages: int = 0
+    # One entry per tool turn, in order: the call it answers, {"name": str | None, "arguments": dict | None}
+    # (paired by tool_call_id, else by position after the assistant turn that made the calls).
+    tool_results: list[dict] = field(default_factory=list)
+    tool_images: dict[str, int] = field(default_factory=dict)  # images attached to tool turns, per tool name
 
 
 def strip_none(value):
@@ -172,10 +173,22 @@ def _expand_image_tags(parts: list[dict]) -> list[dict]:
     return out
 
 
-def _attach_tool_images(parts: list[dict]) -> list[dict]:
-    """Append an image part for every image path a tool result's text names (the text stays)."""
-    paths = [m.group(0) for p in parts if p["type"] == "text" for m in TOOL_IMAGE_PATH_RE.finditer(p["text"])]
-    return parts + [{"type": "image", "path": path} for path in dict.fromkeys(paths)]
+def _attach_tool_images(parts: list[dict], call: dict, rule: ToolImageRule) -> list[dict]:
+    """Append an image part for each path the rule attaches from a tool result's text (the text stays)."""
+    text = "".join(p["text"] for p in parts if p["type"] == "text")
+    return parts + [{"type": "image", "path": path} for path in rule.images(call["name"], text)]
+
+
+def _answered_call(msg: dict, pending: list[dict], by_id: dict) -> dict:
+    """The call a tool result answers: by ``tool_call_id``, else the oldest unanswered call; a ``name``
+    on the result wins over the call's own."""
+    call = by_id.get(msg.get("tool_call_id"))
+    if call in pending:
+        pending.remove(call)
+    elif call is None and pending:
+        call = pending.pop(0)
+    name = msg.get("name") if isinstance(msg.get("name"), str) and msg.get("name") else None
+    return {"name": name or (call and call["name"]), "arguments": call and call["arguments"]}
 
 
 def _split_tool_responses(text: str, where: str) -> list[str] | None:
@@ -213,11 +226,12 @@ def _assistant_message(msg: dict, where: str) -> dict:
     return out
 
 
-def _messages(raw_messages, attach_tool_images: bool) -> list[dict]:
-    """Canonical messages whose image parts still carry a path (None = next row image)."""
+def _messages(raw_messages, rule: ToolImageRule) -> tuple[list[dict], list[dict]]:
+    """Canonical messages whose image parts still carry a path (None = next row image), and the call
+    each tool turn answers."""
     if not isinstance(raw_messages, list) or not raw_messages:
         raise TraceError("bad_field_type", "messages", "messages must be a non-empty list")
-    out = []
+    out, answered, pending, by_id = [], [], [], {}
     for i, msg in enumerate(raw_messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -227,6 +241,9 @@ def _messages(raw_messages, attach_tool_images: bool) -> list[dict]:
             raise TraceError("unknown_role", f"{where}.role", f"role {role!r} is not one of {', '.join(ROLES)}")
         if role == "assistant":
             out.append(_assistant_message(msg, where))
+            pending = [c["function"] for c in out[-1].get("tool_calls", [])]
+            raw_ids = [c.get("id") if isinstance(c, dict) else None for c in msg.get("tool_calls") or []]
+            by_id = {cid: call for cid, call in zip(raw_ids, pending) if isinstance(cid, str)}
             continue
         raw_parts = _text_parts(msg.get("content"), f"{where}.content")
         parts = _expand_image_tags(raw_parts)
@@ -244,14 +261,16 @@ def _messages(raw_messages, attach_tool_images: bool) -> list[dict]:
             if any(p["type"] == "image" for p in raw_parts):
                 raise TraceError("mixed_tool_response", f"{where}.content", "images beside <tool_response> blocks")
             for block in blocks:
+                answered.append(_answered_call({}, pending, by_id))
                 tool_parts = _expand_image_tags([{"type": "text", "text": block}])
-                out.append({"role": "tool", "content": _attach_tool_images(tool_parts) if attach_tool_images else tool_parts})
+                out.append({"role": "tool", "content": _attach_tool_images(tool_parts, answered[-1], rule)})
             continue
         if role in ("tool", "function"):
-            out.append({"role": "tool", "content": _attach_tool_images(parts) if attach_tool_images else parts})
+            answered.append(_answered_call(msg, pending, by_id))
+            out.append({"role": "tool", "content": _attach_tool_images(parts, answered[-1], rule)})
         else:
             out.append({"role": "user", "content": parts})
-    return out
+    return out, answered
 
 
 def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
@@ -286,10 +305,11 @@ def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
     return ordered
 
 
-def normalize_row(row: dict, attach_tool_images: bool = True) -> Trace:
+def normalize_row(row: dict, tool_images: str | ToolImageRule = "produced") -> Trace:
     """Turn one parsed EO-Gym JSONL row into a canonical :class:`Trace`.
 
-    Raises :class:`TraceError` with a stable reason code and the field at fault.
+    ``tool_images`` says which image paths named in tool results become image parts
+    (:mod:`eogym_sft.tool_images`). Raises :class:`TraceError` with a stable reason code and the field at fault.
     """
     if not isinstance(row, dict):
         raise TraceError("not_an_object", "<row>", f"a row must be a JSON object, got {type(row).__name__}")
@@ -301,7 +321,9 @@ def normalize_row(row: dict, attach_tool_images: bool = True) -> Trace:
     row_images = row.get("images") or []
     if not isinstance(row_images, list) or not all(isinstance(p, str) and p for p in row_images):
         raise TraceError("bad_field_type", "images", "images must be a list of path strings")
-    messages = _messages(row["messages"], attach_tool_images)
+    rule = ToolImageRule.parse(tool_images)
+    messages, answered = _messages(row["messages"], rule)
+    tool_images = _images_per_tool(messages, answered)
     images = _bind_images(messages, row_images)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
     if last is None:
@@ -317,7 +339,25 @@ def normalize_row(row: dict, attach_tool_images: bool = True) -> Trace:
         tools=normalize_tools(row.get("tools")),
         meta=meta,
         trimmed_messages=len(messages) - last - 1,
+        tool_results=answered[: sum(1 for m in messages[: last + 1] if m["role"] == "tool")],
+        tool_images=tool_images,
     )
+
+
+def _images_per_tool(messages: list[dict], answered: list[dict]) -> dict[str, int]:
+    """Images that name a file in tool turns (attached by the rule or given as parts), per tool name.
+
+    Called before binding, while placeholders still have no path; trailing tool turns are cut later,
+    so only turns up to the last assistant turn count."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    tool_turns = [m for m in messages[: last + 1] if m["role"] == "tool"]
+    counts: dict[str, int] = {}
+    for msg, call in zip(tool_turns, answered):
+        n = sum(1 for p in msg["content"] if p["type"] == "image" and p["path"] is not None)
+        if n:
+            name = call["name"] or "<unknown>"
+            counts[name] = counts.get(name, 0) + n
+    return counts
 
 
 def _images_before(messages: list[dict], end: int) -> int:

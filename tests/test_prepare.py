@@ -474,8 +474,10 @@ def sample_2048(processor, sample_dir):
 
 def test_sample_at_2048_splits_the_long_rows(processor, sample_dir, sample_2048, runs_of):
     stats = compute_stats(sample_2048, [s for r in sample_2048 for s in r.samples])
-    assert (stats["rows_in"], stats["rows_kept"], stats["rows_split"], stats["rows_dropped"]) == (44, 33, 7, 4)
+    assert (stats["rows_in"], stats["rows_kept"], stats["rows_split"], stats["rows_dropped"]) == (44, 35, 5, 4)
     assert stats["max_tokens_seen"] <= 2048
+    # crops and index previews are attached; the frames get_optical_image_list lists stay text
+    assert stats["tool_images_attached"] == {"compute_index": 4, "crop_optical_or_sar_image": 57}
     lines = (sample_dir / "eogym_sample.jsonl").read_bytes().splitlines()
     for res in sample_2048:
         if res.status == "split":
@@ -486,8 +488,18 @@ def test_written_stats_equal_the_returned_ones(sample_2048, tmp_path):
     stats = write_prepared(tmp_path / "split", sample_2048, {"max_tokens": 2048})
     dataset, saved = load_prepared(tmp_path / "split")
     assert saved == stats  # JSON keeps no int keys: the returned stats must not have any either
-    assert stats["windows_per_split_row"] == {"2": 5, "4": 2}
-    assert len(dataset) == stats["samples_out"] == 33 + 5 * 2 + 2 * 4
+    assert stats["windows_per_split_row"] == {"2": 3, "4": 2}
+    assert len(dataset) == stats["samples_out"] == 35 + 3 * 2 + 2 * 4
+
+
+def test_attaching_listed_frames_too_splits_more_sample_rows(processor, sample_dir):
+    results = _run_lines(processor, sample_dir, max_tokens=2048, tool_images="attach")
+    stats = compute_stats(results, [s for r in results for s in r.samples])
+    assert (stats["rows_kept"], stats["rows_split"], stats["windows_per_split_row"]) == (33, 7, {"2": 5, "4": 2})
+    assert stats["tool_images_attached"] == {"compute_index": 4, "crop_optical_or_sar_image": 57, "get_optical_image_list": 12}
+    # a per-tool override: attach every listed frame of the listing tool only
+    same = _run_lines(processor, sample_dir, max_tokens=2048, tool_images="produced,get_optical_image_list=attach")
+    assert [r.tool_images for r in same] == [r.tool_images for r in results]
 
 
 def test_a_run_that_drops_every_row_still_writes_its_manifest(sample_2048, tmp_path):

@@ -191,7 +191,7 @@ def test_null_content_on_tool_call_turns_becomes_empty_text():
 
 
 def test_tool_images_as_text_keeps_paths_in_the_text_only():
-    trace = normalize_row(_row(_openai(True)), attach_tool_images=False)
+    trace = normalize_row(_row(_openai(True)), tool_images="text")
     assert trace.messages[3] == {"role": "tool", "content": [{"type": "text", "text": R1}]}
     assert trace.messages[6] == {"role": "tool", "content": [{"type": "text", "text": R3}]}
     assert trace.images == [IMG]
@@ -213,13 +213,19 @@ def test_tool_image_paths_behind_an_absolute_prefix_attach_by_their_portable_par
         {"role": "function", "name": "crop_optical_or_sar_image", "content": text},
         {"role": "assistant", "content": FINAL},
     ]
-    trace = normalize_row(_row(messages, images=()))
+    trace = normalize_row(_row(messages, images=()), tool_images="attach")
     # each named image once, in order of appearance; the .nc mask stays text
     assert trace.messages[3] == {
         "role": "tool",
         "content": [{"type": "text", "text": text}, {"type": "image"}, {"type": "image"}],
     }
     assert trace.images == [CROP1, "EO_GYM_DATA/ab/cd.TIF"]
+    assert trace.tool_images == {"crop_optical_or_sar_image": 2}
+    # the default attaches what the tool produced (the crop), and keeps the listed dataset tile as text
+    trace = normalize_row(_row(messages, images=()))
+    assert trace.messages[3] == {"role": "tool", "content": [{"type": "text", "text": text}, {"type": "image"}]}
+    assert trace.images == [CROP1]
+    assert trace.tool_images == {"crop_optical_or_sar_image": 1}
 
 
 def test_legacy_function_call_and_function_role():
