@@ -104,12 +104,34 @@ def run_demo(args: argparse.Namespace) -> dict:
     return run(args)
 
 
+def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/ (crops are written under it)")
+    parser.add_argument("--tools", default="crop", help="backends to chain, first that answers wins: crop,replay,http")
+    parser.add_argument("--row", nargs=2, metavar=("FILE.jsonl", "ID"), help="take the tool schemas and the replay trace from this row")
+    parser.add_argument("--http-url", help="tool server URL for the http backend (shape: docs/environment.md)")
+    parser.add_argument("--tool-images", default="produced", help="which result images are attached, as in data prep")
+    parser.add_argument("name", help="tool name, e.g. crop_optical_or_sar_image")
+    parser.add_argument("arguments", help='arguments as JSON, e.g. \'{"image_url": "EO_GYM_DATA/..", "aoi": [0.25, 0.25, 0.75, 0.75]}\'')
+
+
+def run_tool_call(args: argparse.Namespace) -> None:
+    from .environment import find_row, single_call
+
+    row = find_row(*args.row) if args.row else None
+    backends = tuple(b.strip() for b in args.tools.split(",") if b.strip())
+    result = single_call(args.data_root, args.name, args.arguments, backends, row, http=args.http_url, attach=args.tool_images)
+    print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    if not result.ok:
+        raise SystemExit(1)
+
+
 COMMANDS = {
     "demo": (add_demo_args, run_demo, "prepare the bundled sample, train a tiny Qwen3-VL a few steps on CPU, validate"),
     "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
     "tiny-model": (add_tiny_args, run_tiny, "write a random-weight Qwen3-VL (tiny by default) with a real offline processor"),
     "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
     "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
+    "tool-call": (add_tool_call_args, run_tool_call, "run one EO-Gym tool call by hand and print its result as JSON"),
 }
 
 
