@@ -16,9 +16,11 @@ second, and the projected time for the 7,642-row train split on 16 cores (time t
 7,642 / (16 x steady rows/s per core)), plus machine info. A fresh-interpreter probe times what each
 spawned worker pays before its first row. ``bench/README.md`` describes every figure.
 
-Images are written fast: a handful of distinct files (a small noise tile upscaled) are written once and
-hard-linked (copied where links fail) under many hashed names. Data prep reads only image headers, so
-what matters is the header sizes and that every row names its own files.
+Images are written fast: a handful of distinct files (a small noise tile upscaled, with pixel-level
+grain so that JPEG and PNG bodies are as dense as imagery's) are written once and hard-linked (copied
+where links fail) under many hashed names. Data prep checks each distinct path once (its header for the
+size, its whole body for truncation), so every row naming its own files costs what real data costs,
+except for disk reads: the linked files share the page cache.
 """
 
 from __future__ import annotations
@@ -107,6 +109,15 @@ def _digest(*parts) -> str:
     return hashlib.sha1("/".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
+def _grain(img, rng):
+    """Pixel-level noise (sigma 12) on a smooth image: a body as dense to decode as imagery's."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.asarray(img, dtype=np.int16) + rng.normal(0, 12, (img.height, img.width, 1)).astype(np.int16)
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB")
+
+
 def _write_pool(pool: Path) -> tuple[list[Path], list[Path]]:
     """The distinct image files (noise tiles upscaled), written once."""
     import numpy as np
@@ -119,14 +130,14 @@ def _write_pool(pool: Path) -> tuple[list[Path], list[Path]]:
         path = pool / f"row_{k}_{w}x{h}.{'jpg' if fmt == 'JPEG' else 'png'}"
         if not path.exists():
             tile = Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8), "RGB")
-            img = tile.resize((w, h), Image.Resampling.BILINEAR)
+            img = _grain(tile.resize((w, h), Image.Resampling.BILINEAR), rng)
             img.save(path, fmt, **({"quality": 85} if fmt == "JPEG" else {"compress_level": 1}))
         rows.append(path)
     for k, (w, h) in enumerate(CROP_SHAPES):
         path = pool / f"crop_{k}_{w}x{h}.png"
         if not path.exists():
             tile = Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8), "RGB")
-            tile.resize((w, h), Image.Resampling.BILINEAR).save(path, "PNG", compress_level=1)
+            _grain(tile.resize((w, h), Image.Resampling.BILINEAR), rng).save(path, "PNG", compress_level=1)
         crops.append(path)
     return rows, crops
 

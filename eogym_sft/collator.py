@@ -13,7 +13,7 @@ import torch
 from transformers import ProcessorMixin
 
 from .encoding import encode_conversation
-from .images import load_rgb, resolve_image_path, to_rgb8
+from .images import ImageError, load_rgb, resolve_image_path, to_rgb8
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int, merge_size: int) -> torch.Tensor:
@@ -67,10 +67,16 @@ class EOGymCollator:
         padding_free (`bool`, *optional*, defaults to `False`): pack the batch into one row, with
             per-sample position ids instead of an attention mask.
         pad_to_multiple_of (`int`, *optional*): pad the padded batch's length to a multiple of this.
+        skip_bad_images (`bool`, *optional*, defaults to `False`): an example whose image cannot be used
+            (missing, undecodable, or resized otherwise than data prep planned: the file changed after prep)
+            is left out of the batch instead of raising, and listed in the batch's ``skipped_samples``.
+            A batch whose every example is skipped holds one untrained padding token, so that every
+            rank still runs its step. Pop ``skipped_samples`` before calling the model.
 
     Returns a dict with ``input_ids``, ``labels``, ``position_ids`` (``[4, batch, length]``),
-    ``pixel_values`` and ``image_grid_thw`` (when there are images), ``attention_mask`` (padded mode) and
-    ``mm_token_type_ids`` (when the processor produces them).
+    ``pixel_values`` and ``image_grid_thw`` (when there are images), ``attention_mask`` (padded mode),
+    ``mm_token_type_ids`` (when the processor produces them) and, with ``skip_bad_images``,
+    ``skipped_samples``: ``[{"index", "sample_id", "file", "reason", "detail"}]``.
 
     Example:
 
@@ -100,6 +106,7 @@ class EOGymCollator:
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
     ignore_index: int = -100
+    skip_bad_images: bool = False
 
     def __post_init__(self):
         tokenizer = self.processor.tokenizer
@@ -109,13 +116,28 @@ class EOGymCollator:
         self.with_token_types = "mm_token_type_ids" in self.processor.model_input_names
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        rows = [self._encode(example, k) for k, example in enumerate(examples)]
-        batch = self._pack(rows) if self.padding_free else self._pad(rows)
+        rows, skipped = [], []
+        for k, example in enumerate(examples):
+            try:
+                rows.append(self._encode(example, k))
+            except ImageError as err:
+                if not self.skip_bad_images:
+                    raise
+                skipped.append({"index": k, "sample_id": self._name(example, k), "file": err.path, "reason": err.reason, "detail": err.detail})
+        batch = self._pack(rows or [self._empty_row()]) if self.padding_free else self._pad(rows or [self._empty_row()])
         grids = [r["image_grid_thw"] for r in rows if r["image_grid_thw"] is not None]
         if grids:
             batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows if r["pixel_values"] is not None])
             batch["image_grid_thw"] = torch.cat(grids)
+        if self.skip_bad_images:
+            batch["skipped_samples"] = skipped
         return batch
+
+    def _empty_row(self) -> dict:
+        """One padding token with no label: a forward and backward that change nothing."""
+        ids = torch.tensor([self.pad_token_id])
+        positions = torch.zeros(4, 1, dtype=torch.long)
+        return {"input_ids": ids, "labels": torch.tensor([self.ignore_index]), "position_ids": positions, "pixel_values": None, "image_grid_thw": None}
 
     def _name(self, example: dict, k: int) -> str:
         return str(example.get("sample_id") or example.get("id") or f"example {k} of the batch")
@@ -131,15 +153,18 @@ class EOGymCollator:
         enc = encode_conversation(self.processor, messages, tools)
         return enc.input_ids, enc.assistant_mask
 
-    def _load_image(self, image):
+    def _load_image(self, image, name: str):
         if not isinstance(image, str):
             return to_rgb8(image)
-        return load_rgb(resolve_image_path(image, self.data_root) if self.data_root else image)
+        try:
+            return load_rgb(resolve_image_path(image, self.data_root) if self.data_root else image)
+        except ImageError as err:
+            raise ImageError(err.reason, err.path, f"{err.detail} (sample {name})") from None
 
     def _encode(self, example: dict, k: int) -> dict:
         name = self._name(example, k)
         ids, mask = self._token_layout(example)
-        images = [self._load_image(im) for im in example.get("images") or []]
+        images = [self._load_image(im, name) for im in example.get("images") or []]
         n_pads = sum(1 for t in ids if t == self.image_token_id)
         if n_pads != len(images):
             raise ValueError(f"{name}: {n_pads} image placeholders in the text but {len(images)} images")
@@ -179,9 +204,12 @@ class EOGymCollator:
         patch = self.processor.image_processor.patch_size
         got = [[h * patch, w * patch] for _, h, w in grid.tolist()]
         if got != [list(hw) for hw in expected]:
-            raise ValueError(
+            # ImageError (a ValueError): with skip_bad_images, an image file changed since prep is skipped.
+            raise ImageError(
+                "image_changed",
+                ", ".join(map(str, example.get("images") or [])),
                 f"{name}: images resize to {got} but data prep planned {list(map(list, expected))}; "
-                "prepare and train with the same max_pixels/min_pixels"
+                "prepare and train with the same max_pixels/min_pixels, on the same files",
             )
 
     def _expand(self, ids: list[int], mask: list[int], counts: list[int]) -> tuple[list[int], list[int]]:

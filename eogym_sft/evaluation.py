@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .encoding import render
+from .guards import adapter_base, check_adapter_base, refuse_nonempty_output
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .prepare import _decode_line, image_factor, image_token_count, read_lines, resized_hw
 from .scoring import (
@@ -80,6 +81,7 @@ class EvalConfig:
     device: str = "auto"
     dtype: str = "auto"
     overwrite: bool = False
+    allow_other_base: bool = False  # use adapters whose adapter_config.json names another base
 
     def __post_init__(self):
         if min(self.samples, self.batch_size, self.max_new_tokens, self.max_prompt_tokens) < 1:
@@ -286,10 +288,8 @@ def parse_arms(cfg: EvalConfig) -> list[Arm]:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = Path(spec.rstrip("/")).name, spec
-        config = Path(path) / "adapter_config.json"
-        if not config.is_file():
-            raise FileNotFoundError(f"--adapter {spec}: no adapter_config.json in {path}")
-        arms.append(Arm(name, path, f"arm{k}", json.loads(config.read_text()).get("base_model_name_or_path")))
+        check_adapter_base(path, cfg.model, cfg.allow_other_base)
+        arms.append(Arm(name, path, f"arm{k}", adapter_base(path)))
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}: name adapters with NAME=DIR")
@@ -655,8 +655,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     from .processor import load_processor
 
     out = Path(cfg.output)
-    if (out / "results.jsonl").exists() and not cfg.overwrite:
-        raise FileExistsError(f"{out}/results.jsonl exists: pick another --output or pass --overwrite")
+    refuse_nonempty_output(out, cfg.overwrite, "eogym-sft evaluate")
     judge = load_judge(cfg.judge) if cfg.judge else None
     arms = parse_arms(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
@@ -754,7 +753,8 @@ def add_evaluate_args(parser) -> None:
         choices=("auto", "bfloat16", "float16", "float32"),
         help="auto = bf16 on GPU, fp32 on CPU",
     )
-    add("--overwrite", action="store_true", help="replace the results of an earlier run in --output")
+    add("--overwrite", action="store_true", help="write into a non-empty --output (files of an earlier run are replaced)")
+    add("--allow-other-base", action="store_true", help="use adapters trained on a base of another name (the same weights renamed)")
     add("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -788,6 +788,7 @@ def run_evaluate(args) -> dict:
             device=args.device,
             dtype=args.dtype,
             overwrite=args.overwrite,
+            allow_other_base=args.allow_other_base,
         )
     except ValueError as err:
         raise SystemExit(f"eogym-sft evaluate: {err}") from None

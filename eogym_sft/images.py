@@ -4,6 +4,8 @@ Rules (documented in ``docs/data.md``):
 
 * paths are relative to the data root; absolute paths and paths that leave the root are rejected;
 * sizes come from the file header, without decoding pixels;
+* data prep also checks that the whole file decodes (:func:`checked_image_size`), so that a file with a
+  good header and a cut or corrupt body is dropped as ``corrupt_image`` before training;
 * a header above ``MAX_SOURCE_PIXELS`` is refused before decoding (decompression bombs);
 * decoding gives 8-bit RGB: 16-bit and float images are stretched linearly from their own min..max
   to 0..255; palette, grayscale and CMYK go through Pillow's ``convert("RGB")``; images with alpha
@@ -13,6 +15,7 @@ Rules (documented in ``docs/data.md``):
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -62,6 +65,38 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
         raise ImageError("image_too_large", str(path), f"{width}x{height} exceeds {MAX_SOURCE_PIXELS} pixels")
     if width < 1 or height < 1:
         raise ImageError("corrupt_image", str(path), f"empty image {width}x{height}")
+    return width, height
+
+
+def checked_image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` of a file whose whole body has been checked to decode, as training will decode it.
+
+    Each distinct file (path, size, modification time) is checked once per process: rows and their
+    windows name the same scenes and crops many times.
+    """
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        raise ImageError("missing_image", str(path), "no such file") from None
+    return _checked_size(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _checked_size(path: str, size: int, mtime_ns: int) -> tuple[int, int]:
+    width, height = image_size(path)
+    try:
+        with Image.open(path) as img:
+            if img.format == "PNG":
+                img.verify()  # every chunk's CRC through IEND, without inflating the pixels
+            else:
+                if img.format == "JPEG":
+                    # DCT scaling: the whole entropy-coded stream is still walked (a cut body fails), at
+                    # a fraction of the inverse-DCT and colour work of a full decode.
+                    img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+                img.seek(0)
+                img.load()
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ImageError("corrupt_image", path, f"the file does not decode to the end ({err})") from None
     return width, height
 
 

@@ -1,8 +1,8 @@
 """EO-Gym JSONL rows -> Qwen3-VL training samples, with a manifest line for every input line.
 
-:func:`prepare_line` turns one input line into a manifest entry and zero or more samples; it reads
-image headers but never decodes pixels. :func:`prepare_files` runs it over files in parallel and
-:func:`write_prepared` saves the dataset, ``manifest.jsonl`` and ``stats.json``.
+:func:`prepare_line` turns one input line into a manifest entry and zero or more samples; it takes
+image sizes from headers and checks that every image file decodes to its end (once per distinct
+file). :func:`prepare_files` runs it over files in parallel and :func:`write_prepared` saves the dataset, ``manifest.jsonl`` and ``stats.json``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
 from .encoding import Encoded, encode_conversation, render
-from .images import ImageError, image_size, resolve_image_path
+from .images import ImageError, checked_image_size, resolve_image_path
 from .tool_images import ToolImageRule
 from .traces import Trace, TraceError, normalize_row
 
@@ -107,7 +107,7 @@ def _image_layout(trace: Trace, cfg: PrepConfig, factor: int) -> list[tuple[int,
     out = []
     for k, rel in enumerate(trace.images):
         try:
-            width, height = image_size(resolve_image_path(rel, cfg.data_root))
+            width, height = checked_image_size(resolve_image_path(rel, cfg.data_root))
             out.append(resized_hw(width, height, factor, cfg.min_pixels, cfg.max_pixels))
         except ImageError as err:
             raise TraceError(err.reason, f"image {k} ({rel})", err.detail) from None

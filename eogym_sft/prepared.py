@@ -38,8 +38,8 @@ def features():
     )
 
 
-def content_hash(samples: list[dict]) -> str:
-    """sha256 of the samples, in order: equal inputs and settings give an equal hash."""
+def content_hash(samples) -> str:
+    """sha256 of the samples (an iterable of dicts), in order: equal inputs and settings give an equal hash."""
     digest = hashlib.sha256()
     for sample in samples:
         digest.update(json.dumps(sample, sort_keys=True, ensure_ascii=False).encode())
@@ -113,11 +113,30 @@ def write_prepared(output: str | Path, results, settings: dict) -> dict:
     return stats
 
 
+def dataset_rows(dataset, batch_size: int = 256):
+    """The rows of a ``datasets.Dataset`` as plain dicts, read a batch at a time (faster than row by row)."""
+    for batch in dataset.iter(batch_size=batch_size):
+        names = list(batch)
+        for values in zip(*batch.values()):
+            yield dict(zip(names, values))
+
+
 def load_prepared(folder: str | Path):
-    """The prepared ``datasets.Dataset`` and its ``stats.json``."""
+    """The prepared ``datasets.Dataset`` and its ``stats.json``, after checking that the dataset still
+    has the content hash that ``stats.json`` recorded (a swapped or edited data file is refused)."""
     from datasets import load_from_disk
 
     folder = Path(folder)
     if not (folder / "dataset").is_dir() or not (folder / "stats.json").is_file():
         raise FileNotFoundError(f"{folder} is not a prepared folder (no dataset/ or stats.json): run `eogym-sft prepare`")
-    return load_from_disk(str(folder / "dataset")), json.loads((folder / "stats.json").read_text())
+    dataset, stats = load_from_disk(str(folder / "dataset")), json.loads((folder / "stats.json").read_text())
+    expected = stats.get("content_hash")
+    if expected is None:
+        raise ValueError(f"{folder}/stats.json has no content_hash: prepare the folder again with `eogym-sft prepare`")
+    found = content_hash(dataset_rows(dataset))
+    if found != expected:
+        raise ValueError(
+            f"{folder}/dataset does not match {folder}/stats.json: content hash {found}, stats.json records {expected}; "
+            "the data was changed after prep: prepare it again"
+        )
+    return dataset, stats

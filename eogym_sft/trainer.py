@@ -11,11 +11,19 @@ window (or the whole evaluation set) and across ranks, next to TRL's step-averag
 
 With ``train_sampling_strategy="batch_rebalance"`` the micro-batches are built to a token budget
 (:class:`~eogym_sft.sampler.TokenBalancedSampler`).
+
+Samples that the collator skipped (``EOGymCollator(skip_bad_images=True)``: an image file that changed
+after prep) are logged as a warning by sample id and file when they happen, counted in the logs
+(``skipped_samples``, ``eval_skipped_samples``: checkpointed with the log history, so a resumed run
+keeps the count) and listed in ``<output_dir>/skipped_samples.jsonl``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
@@ -23,6 +31,9 @@ from trl import SFTTrainer
 
 from .metrics import IGNORE_INDEX
 from .sampler import TokenBalancedSampler
+
+logger = logging.getLogger(__name__)
+SKIPPED_FILE = "skipped_samples.jsonl"
 
 
 class EOGymSFTTrainer(SFTTrainer):
@@ -32,6 +43,7 @@ class EOGymSFTTrainer(SFTTrainer):
         super().__init__(*args, **kwargs)
         self._token_counts = defaultdict(lambda: torch.zeros(2, dtype=torch.long))
         self._train_steps: list[torch.Tensor] = []  # per micro-batch [correct, supervised, tokens], on device
+        self._skipped: list[dict] = []  # this rank's skipped samples since the last log
 
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)
@@ -45,6 +57,7 @@ class EOGymSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         inputs = dict(inputs)
+        self._note_skipped(inputs.pop("skipped_samples", None) or [], mode)
         labels = inputs.pop("labels")
         targets = labels[:, 1:]
         keep = (targets != IGNORE_INDEX).any(0).nonzero().flatten()
@@ -68,6 +81,24 @@ class EOGymSFTTrainer(SFTTrainer):
             else:
                 self._record_eval(right, valid, inputs, keep)
         return (loss, outputs) if return_outputs else loss
+
+    def _note_skipped(self, records: list[dict], mode: str) -> None:
+        for record in records:
+            logger.warning("skipped sample %s (%s): %s: %s", record["sample_id"], record["reason"], record["file"], record["detail"])
+            self._skipped.append({**record, "mode": mode, "step": self.state.global_step})
+
+    def _flush_skipped(self, mode: str) -> int:
+        """Gather every rank's skipped samples of ``mode``; the main process appends them to the run's list."""
+        from accelerate.utils import gather_object
+
+        mine = [r for r in self._skipped if r["mode"] == mode]
+        self._skipped = [r for r in self._skipped if r["mode"] != mode]
+        everyone = gather_object(mine) if self.accelerator.num_processes > 1 else mine
+        if everyone and self.accelerator.is_main_process:
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(self.args.output_dir) / SKIPPED_FILE, "a") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in everyone)
+        return len(everyone)
 
     def _record_eval(self, right, valid, inputs, keep) -> None:
         sample, n_samples = _sample_index(inputs, keep, right.shape)
@@ -105,9 +136,21 @@ class EOGymSFTTrainer(SFTTrainer):
         if mode == "train":
             self._flush_train_counts()
         correct, total = self._token_counts.pop(mode, torch.zeros(2, dtype=torch.long)).tolist()
+        prefix = "eval_" if mode == "eval" else ""
         if total:
-            logs[("eval_" if mode == "eval" else "") + "token_accuracy"] = correct / total
+            logs[prefix + "token_accuracy"] = correct / total
+        skipped = self._flush_skipped(mode)
+        if skipped:
+            logs[prefix + "skipped_samples"] = skipped
         super().log(logs, start_time)
+
+
+def skipped_counts(log_history: list[dict]) -> dict:
+    """Samples skipped over a run, from its (checkpointed) log history: ``{"train": n, "eval": n}``."""
+    return {
+        "train": sum(h.get("skipped_samples", 0) for h in log_history),
+        "eval": sum(h.get("eval_skipped_samples", 0) for h in log_history),
+    }
 
 
 def _real_tokens(inputs) -> torch.Tensor:

@@ -62,9 +62,14 @@ def _merge_ranks(totals: dict) -> dict:
     return merged
 
 
-def score_dataset(model, collator, dataset, batch_size: int = 4, device: str | torch.device = "cpu", progress: bool = True) -> dict:
+def score_dataset(
+    model, collator, dataset, batch_size: int = 4, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None
+) -> dict:
     """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
-    ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset."""
+    ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset.
+
+    With a collator that skips bad images (``skip_bad_images=True``), the samples it skipped are
+    appended to ``skipped`` (this rank's) and left out of every figure."""
     from tqdm.auto import tqdm
 
     if collator.padding_free:
@@ -79,6 +84,12 @@ def score_dataset(model, collator, dataset, batch_size: int = 4, device: str | t
     for start in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress):
         examples = [dataset[i] for i in indices[start : start + batch_size]]
         batch = collator(examples)
+        left_out = batch.pop("skipped_samples", [])
+        if skipped is not None:
+            skipped.extend(left_out)
+        examples = [ex for k, ex in enumerate(examples) if k not in {r["index"] for r in left_out}]
+        if not examples:
+            continue
         keys = [[f"{f}/{ex.get(f) or 'unknown'}" for f in GROUP_FIELDS] for ex in examples]
         classes = [
             token_classes(batch["input_ids"][b].tolist(), (batch["labels"][b] != IGNORE_INDEX).tolist(), tokenizer)
@@ -128,16 +139,24 @@ def run_validate(args) -> dict:
 
         model = PeftModel.from_pretrained(model, args.adapter)
     model.to(device).eval()
-    collator = EOGymCollator(processor, data_root=args.data_root, max_pixels=args.max_pixels, min_pixels=args.min_pixels, max_length=args.max_tokens)
-    models = {}
+    collator = EOGymCollator(
+        processor, data_root=args.data_root, max_pixels=args.max_pixels, min_pixels=args.min_pixels, max_length=args.max_tokens,
+        skip_bad_images=True,
+    )
+    models, skipped = {}, []
     name = "adapter" if args.adapter else "base"
-    models[name] = score_dataset(model, collator, dataset, args.batch_size, device)
+    models[name] = score_dataset(model, collator, dataset, args.batch_size, device, skipped=skipped)
     if args.adapter and args.with_base:
         with model.disable_adapter():
             models["base"] = score_dataset(model, collator, dataset, args.batch_size, device)
-    report = {"model": args.model, "adapter": args.adapter, "data": args.data, "samples": len(dataset), "models": models}
+    report = {
+        "model": args.model, "adapter": args.adapter, "data": args.data, "samples": len(dataset),
+        "samples_skipped": len(skipped), "skipped": skipped, "models": models,
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     print(format_report(report))
+    for record in skipped:
+        print(f"skipped sample {record['sample_id']} ({record['reason']}): {record['file']}")
     print(f"token accuracy ({name}): {models[name]['overall']['token_accuracy']:.4f}  report: {args.output}")
     return report

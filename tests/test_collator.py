@@ -407,3 +407,48 @@ def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, tmp_p
         ValueError, match=r"big-1#w0: images resize to \[\[64, 64\]\] but data prep planned \[\[128, 128\]\]"
     ):
         smaller_cap([sample])
+
+
+# ---- images that fail after data prep ---------------------------------------------------------------
+
+
+def _prepared_with_images(processor, root: Path) -> list[dict]:
+    """Three prepared samples, each with its own 64x64 scene."""
+    from eogym_sft.prepare import PrepConfig, prepare_line
+
+    samples = []
+    for i in range(3):
+        scene = _save(root, f"EO_GYM_DATA/s{i}/scene.png", _image(64, 64, i))
+        row = {"id": f"scene-{i}", "images": [scene], "messages": [{"role": "user", "content": "<image>Ships?"}, {"role": "assistant", "content": f"Final Answer: {i}"}]}
+        cfg = PrepConfig(str(root), 8192, MAX_PIXELS, MIN_PIXELS)
+        samples += prepare_line(processor, cfg, "rows.jsonl", i + 1, json.dumps(row).encode()).samples
+    return samples
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor, tmp_path, padding_free):
+    from eogym_sft.images import ImageError
+
+    samples = _prepared_with_images(processor, tmp_path)
+    strict = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    skipping = EOGymCollator(
+        processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free, skip_bad_images=True
+    )
+    want = strict([samples[1]])
+    cut = tmp_path / "EO_GYM_DATA/s0/scene.png"
+    cut.write_bytes(cut.read_bytes()[:200])  # cut short after prep
+    _save(tmp_path, "EO_GYM_DATA/s2/scene.png", _image(128, 64, 2))  # replaced by a larger image after prep
+    with pytest.raises(ImageError, match=r"corrupt_image: .*s0/scene.png: .*\(sample scene-0#w0\)"):
+        strict(samples)
+    got = skipping(samples)
+    assert [(r["index"], r["sample_id"], r["reason"]) for r in got.pop("skipped_samples")] == [
+        (0, "scene-0#w0", "corrupt_image"),
+        (2, "scene-2#w0", "image_changed"),
+    ]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # every sample skipped: one untrained padding token, so that the step still runs on every rank
+    empty = skipping([samples[0], samples[2]])
+    assert len(empty.pop("skipped_samples")) == 2
+    pad = processor.tokenizer.pad_token_id
+    assert empty["input_ids"].tolist() == [[pad]] and empty["labels"].tolist() == [[-100]]
+    assert empty["position_ids"].tolist() == [[[0]]] * 4 and "pixel_values" not in empty

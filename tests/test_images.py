@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from eogym_sft import images
-from eogym_sft.images import ImageError, image_size, load_rgb, resolve_image_path, to_rgb8
+from eogym_sft.images import ImageError, checked_image_size, image_size, load_rgb, resolve_image_path, to_rgb8
 
 
 def _reason(fn, *args):
@@ -115,6 +115,37 @@ def test_a_truncated_body_passes_the_header_but_not_decoding(tmp_path):
     (tmp_path / "t.jpg").write_bytes(data[: len(data) // 2])
     assert image_size(tmp_path / "t.jpg") == (96, 64)
     assert _reason(load_rgb, tmp_path / "t.jpg") == "corrupt_image"
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "TIFF"])
+@pytest.mark.parametrize("keep", [0.5, -12])  # half the file; all but its last bytes (JPEG EOI, PNG IEND)
+def test_data_prep_check_refuses_a_cut_body_that_passes_the_header(tmp_path, fmt, keep):
+    path = tmp_path / f"t.{fmt.lower()}"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(path, fmt)
+    assert checked_image_size(path) == (96, 64)
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)] if keep > 0 else data[:keep])
+    assert image_size(path) == (96, 64)  # the header alone looks fine
+    assert _reason(checked_image_size, path) == "corrupt_image"  # a changed file is checked again
+
+
+def test_data_prep_check_decodes_each_distinct_file_once(tmp_path, monkeypatch):
+    path = tmp_path / "x.png"
+    Image.new("RGB", (40, 30)).save(path)
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    assert [checked_image_size(path) for _ in range(3)] == [(40, 30)] * 3
+    assert len(opened) == 2  # header + body, once
+    Image.new("RGB", (41, 30)).save(path)  # rewritten: new size and mtime
+    assert checked_image_size(path) == (41, 30)
+    assert len(opened) == 4
+    assert _reason(checked_image_size, tmp_path / "gone.png") == "missing_image"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the pixel data: its chunk's CRC no longer matches
+    (tmp_path / "flipped.png").write_bytes(bytes(data))
+    assert image_size(tmp_path / "flipped.png") == (41, 30)
+    assert _reason(checked_image_size, tmp_path / "flipped.png") == "corrupt_image"
 
 
 # ---- decoding ------------------------------------------------------------------------------------

@@ -298,3 +298,18 @@ def test_score_dataset_refuses_a_padding_free_collator(processor, biased_model):
 
     with pytest.raises(ValueError, match="padded collator"):
         score_dataset(biased_model, EOGymCollator(processor, padding_free=True), _examples())
+
+
+def test_score_dataset_leaves_out_a_sample_whose_image_fails(processor, biased_model):
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.validate import score_dataset
+
+    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=4096, skip_bad_images=True)
+    broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
+    examples = _examples()
+    want = score_dataset(biased_model, collator, examples, batch_size=2, progress=False)
+    skipped = []
+    # the broken sample alone in a batch, and beside good samples
+    got = score_dataset(biased_model, collator, [broken, *examples, broken], batch_size=2, progress=False, skipped=skipped)
+    assert got == want
+    assert [(r["sample_id"], r["file"], r["reason"]) for r in skipped] == [("gone-1#w0", "gone/scene.png", "missing_image")] * 2

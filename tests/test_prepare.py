@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -211,6 +212,10 @@ def _drop_cases(row_factory, root):
     """(input, config, reason, field, id) for every way a line is dropped."""
     (root / "EO_GYM_DATA/bad").mkdir(parents=True)
     (root / "EO_GYM_DATA/bad/garbage.jpg").write_bytes(b"not a jpeg")
+    scene = (root / "EO_GYM_DATA/aaaa0000/scene.jpg").read_bytes()
+    (root / "EO_GYM_DATA/bad/cut.jpg").write_bytes(scene[: len(scene) // 2])  # the header is fine, the body cut
+    crop = (root / "image_cache/crops/c2.png").read_bytes()
+    (root / "image_cache/crops/cut.png").write_bytes(crop[:-200])
     Image.new("RGB", (10050, 50)).save(root / "EO_GYM_DATA/bad/strip.png")
     rid = "train_0000000_aaaaaaaaaaaa"
     row = row_factory()
@@ -290,6 +295,20 @@ def _drop_cases(row_factory, root):
             "image 0 (EO_GYM_DATA/bad/garbage.jpg)",
             rid,
         ),
+        "truncated_image": (
+            _with(row_factory, images=["EO_GYM_DATA/bad/cut.jpg"]),
+            {},
+            "corrupt_image",
+            "image 0 (EO_GYM_DATA/bad/cut.jpg)",
+            rid,
+        ),
+        "truncated_tool_image": (
+            row_factory(crops=["image_cache/crops/c1.png", "image_cache/crops/cut.png"]),
+            {},
+            "corrupt_image",
+            "image 2 (image_cache/crops/cut.png)",
+            rid,
+        ),
         "image_too_large": (
             _with(row_factory, images=[_bigger_header(root)]),
             {},
@@ -330,6 +349,8 @@ DROP_CASES = [
     "missing_image",
     "missing_tool_image",
     "corrupt_image",
+    "truncated_image",
+    "truncated_tool_image",
     "image_too_large",
     "image_aspect_ratio",
     "overlong",
@@ -500,6 +521,20 @@ def test_attaching_listed_frames_too_splits_more_sample_rows(processor, sample_d
     # a per-tool override: attach every listed frame of the listing tool only
     same = _run_lines(processor, sample_dir, max_tokens=2048, tool_images="produced,get_optical_image_list=attach")
     assert [r.tool_images for r in same] == [r.tool_images for r in results]
+
+
+def test_a_prepared_folder_whose_data_changed_is_refused(sample_2048, tmp_path):
+    from datasets import load_from_disk
+
+    stats = write_prepared(tmp_path / "p", sample_2048, {"max_tokens": 2048})
+    dataset = load_from_disk(str(tmp_path / "p" / "dataset"))
+    # another prep's data file in its place: one sample's ids edited
+    edited = dataset.map(lambda row, i: {"input_ids": row["input_ids"][:-1] if i == 3 else row["input_ids"]}, with_indices=True)
+    edited.save_to_disk(str(tmp_path / "edited"))
+    shutil.rmtree(tmp_path / "p" / "dataset")
+    shutil.copytree(tmp_path / "edited", tmp_path / "p" / "dataset")
+    with pytest.raises(ValueError, match=rf"p/dataset does not match .*p/stats.json: content hash [0-9a-f]{{64}}, stats.json records {stats['content_hash']}"):
+        load_prepared(tmp_path / "p")
 
 
 def test_a_run_that_drops_every_row_still_writes_its_manifest(sample_2048, tmp_path):

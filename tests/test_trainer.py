@@ -237,3 +237,33 @@ def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer,
     for w, d in zip(whole, dealt):
         torch.testing.assert_close(d, w, atol=1e-6, rtol=1e-4)
     assert any(w.abs().sum() > 0 for w in whole)
+
+
+def test_skipped_samples_are_logged_counted_and_listed(trainer, processor, caplog):
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.trainer import SKIPPED_FILE, skipped_counts
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, skip_bad_images=True)
+    bad = dict(chat_example("Ships?", "Final Answer: 1", ["gone/scene.png"]), sample_id="scene-9#w0")
+    batch = collator([bad])  # every sample skipped: a step that trains nothing, but runs
+    assert batch["skipped_samples"][0]["sample_id"] == "scene-9#w0"
+    trainer.model.train()
+    try:
+        with caplog.at_level("WARNING", logger="eogym_sft.trainer"):
+            loss = trainer.compute_loss(trainer.model, batch)
+    finally:
+        trainer.model.eval()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=False)
+    assert loss.item() == 0.0 and all(g.abs().sum() == 0 for g in grads)
+    assert "skipped sample scene-9#w0 (missing_image): gone/scene.png" in caplog.text
+    logs = {"loss": 0.0}
+    trainer.model.train()
+    try:
+        trainer.log(logs)
+    finally:
+        trainer.model.eval()
+    assert logs["skipped_samples"] == 1
+    (listed,) = [json.loads(line) for line in open(f"{trainer.args.output_dir}/{SKIPPED_FILE}")]
+    assert (listed["sample_id"], listed["file"], listed["reason"], listed["mode"]) == ("scene-9#w0", "gone/scene.png", "missing_image", "train")
+    assert skipped_counts(trainer.state.log_history[-1:]) == {"train": 1, "eval": 0}

@@ -1,0 +1,76 @@
+"""What every command checks before it writes or loads: one policy for outputs, one for adapters.
+
+* Outputs: a command refuses to write into a non-empty output (folder, or an existing file) unless the
+  user passes ``--overwrite``; nothing is replaced silently.
+* Adapters: an adapter is used only on the base model it was trained on. ``adapter_config.json``
+  records that base (``base_model_name_or_path``) as the trainer was given it: a hub id, or a local
+  folder (absolute, or relative to where training ran). See :func:`same_base`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# A local copy of a hub snapshot: .../models--ORG--NAME/snapshots/REVISION
+HUB_CACHE_RE = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
+
+
+def refuse_nonempty_output(path: str | Path, overwrite: bool, command: str) -> None:
+    """Raise ``FileExistsError`` if ``path`` is an existing file or a non-empty folder and not ``overwrite``."""
+    path = Path(path)
+    taken = path.is_file() or (path.is_dir() and any(path.iterdir()))
+    if taken and not overwrite:
+        raise FileExistsError(f"{command}: {path} exists and is not empty: pick another output or pass --overwrite")
+
+
+def model_key(name_or_path: str) -> str:
+    """What identifies a base model: a hub id ``org/name`` (also for a folder of the hub cache), else the
+    resolved local folder."""
+    text = str(name_or_path).rstrip("/")
+    cached = HUB_CACHE_RE.search(text)
+    if cached:
+        return f"{cached['org']}/{cached['name']}"
+    if Path(text).is_dir():
+        return str(Path(text).resolve())
+    return text
+
+
+def same_base(trained_on: str, model: str) -> bool:
+    """Whether ``model`` is the base ``trained_on`` names.
+
+    The same hub id or the same folder (after resolving, and reading hub-cache snapshots as their hub
+    id) match; two different hub ids do not. A folder named like a hub id's model (``/models/Qwen3-VL-4B-Instruct`` for
+    ``Qwen/Qwen3-VL-4B-Instruct``) and two paths with the same last component (a relative path recorded
+    where training ran) match too: the name is all that identifies a copy moved between machines.
+    """
+    a, b = model_key(trained_on), model_key(model)
+    if a == b:
+        return True
+    if _looks_like_hub_id(a) and _looks_like_hub_id(b):
+        return False  # two hub ids: another organisation's model of the same name is another model
+    return Path(a).name.lower() == Path(b).name.lower()
+
+
+def _looks_like_hub_id(key: str) -> bool:
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", key) is not None and not Path(key).exists()
+
+
+def adapter_base(adapter_dir: str | Path) -> str | None:
+    """The base model an adapter was trained on, from its ``adapter_config.json``."""
+    config = Path(adapter_dir) / "adapter_config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
+    return json.loads(config.read_text()).get("base_model_name_or_path")
+
+
+def check_adapter_base(adapter_dir: str | Path, model: str, allow_other_base: bool = False) -> None:
+    """Refuse an adapter trained on another base than ``model``, naming both."""
+    trained_on = adapter_base(adapter_dir)
+    if not trained_on or allow_other_base or same_base(trained_on, model):  # unrecorded (built in memory): nothing to check
+        return
+    raise ValueError(
+        f"adapter {adapter_dir} was trained on {trained_on!r} but --model is {model!r}: pass the base it was "
+        "trained on (or --allow-other-base if they are the same weights under another name)"
+    )
