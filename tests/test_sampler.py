@@ -58,3 +58,17 @@ def test_ranks_get_the_same_work_slot_by_slot():
     for a, b in zip(*per_rank):
         cost_a, cost_b = (sum(sample_cost(lengths[i]) for i in micro) for micro in (a, b))
         assert abs(cost_a - cost_b) < 0.2 * max(cost_a, cost_b)
+
+
+def test_64_samples_a_step_on_any_world_size():
+    from eogym_sft.sampler import accumulation_steps
+
+    # (per-device micro-batch, GPUs) as docs/training.md lists them: 1 GPU, 8 GPUs, 2 nodes x 8, 80 GB GPUs
+    cases = {(2, 1): 32, (2, 2): 16, (2, 8): 4, (2, 16): 2, (1, 1): 64, (1, 8): 8, (1, 16): 4, (4, 16): 1}
+    for (per_device, world), accum in cases.items():
+        assert accumulation_steps(64, per_device, world) == accum
+        assert per_device * world * accum == 64
+    with pytest.raises(ValueError, match=r"64 samples a step do not split over 3 ranks x 2 samples"):
+        accumulation_steps(64, 2, 3)
+    with pytest.raises(ValueError, match="over 64 ranks x 2"):
+        accumulation_steps(64, 2, 64)
