@@ -118,6 +118,34 @@ def _grain(img, rng):
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB")
 
 
+def _unit(*parts) -> float:
+    """A deterministic number in [0, 1) from ``parts``: decisions that must not consume the row's rng."""
+    return int(_digest(*parts), 16) / 16**16
+
+
+LISTING_TOOL = "get_optical_image_list"
+LISTING_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": LISTING_TOOL,
+        "description": "List RGB images co-located with the provided frame, ordered by timestamp. Only return lists "
+                       "optical images without analyze content.",
+        "parameters": {"type": "object", "properties": {"image": {"type": "string"}}, "required": ["image"]},
+    },
+}
+
+
+def _listing(row_id: str, task: str, step: int, files: list) -> dict:
+    """A get_optical_image_list result: 2-6 co-located frames (row-image files), appended to ``files``."""
+    frames = []
+    for k in range(2 + int(_unit(row_id, "frames", step) * 5)):
+        src = int(_unit(row_id, "frame", step, k) * len(ROW_IMAGE_SHAPES))
+        rel = f"EO_GYM_DATA/{task}/{_digest(row_id, 'frame', step, k)}{'.jpg' if ROW_IMAGE_SHAPES[src][2] == 'JPEG' else '.png'}"
+        files.append(("row", src, rel))
+        frames.append({"timestamp": f"20{15 + k}-06-01", "image_url": rel})
+    return {"status": "ok", "images": frames}
+
+
 def _write_pool(pool: Path) -> tuple[list[Path], list[Path]]:
     """The distinct image files (noise tiles upscaled), written once."""
     import numpy as np
@@ -152,9 +180,13 @@ def _place(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def make_row(i: int, rng: random.Random) -> tuple[dict, list[tuple[str, int, str]]]:
+def make_row(i: int, rng: random.Random, listing_share: float = 0.0) -> tuple[dict, list[tuple[str, int, str]]]:
     """Row ``i`` of the sample and the image files it names: ``(row, [(pool, index, rel_path)])``,
-    ``pool`` being ``"row"`` (an index into ROW_IMAGE_SHAPES) or ``"crop"`` (into CROP_SHAPES)."""
+    ``pool`` being ``"row"`` (an index into ROW_IMAGE_SHAPES) or ``"crop"`` (into CROP_SHAPES).
+
+    With ``listing_share`` > 0, about that share of tool calls are ``get_optical_image_list`` listings
+    whose results name co-located ``EO_GYM_DATA/`` frames; the rng draws stay the same, so 0 gives
+    exactly the rows of the throughput bench."""
     task = rng.choice(EO_TASKS)
     row_id = f"eogym-bench-{i:06d}"
     hermes = rng.random() < 0.15  # mostly the OpenAI tool_calls dialect
@@ -174,8 +206,13 @@ def make_row(i: int, rng: random.Random) -> tuple[dict, list[tuple[str, int, str
         question = "".join("<image>" for _ in images) + "\n" + question
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
+    if listing_share:
+        tools.append(LISTING_SCHEMA)
     for step in range(rng.randint(1, 6)):
         name = rng.choice(names)
+        listing = _unit(row_id, "listing", step) < listing_share
+        if listing:
+            name = LISTING_TOOL
         args = {"image": images[0], "bbox": [rng.randrange(0, 2000) for _ in range(4)]}
         if rng.random() < 0.3:
             args["threshold"] = round(rng.random(), 3)
@@ -190,7 +227,10 @@ def make_row(i: int, rng: random.Random) -> tuple[dict, list[tuple[str, int, str
                 "content": thought,
                 "tool_calls": [{"id": f"call_{step}", "type": "function", "function": {"name": name, "arguments": arguments}}],
             })
-        if rng.random() < 0.85:
+        if listing:
+            rng.random()  # the draw the other branches make
+            result = _listing(row_id, task, step, files)
+        elif rng.random() < 0.85:
             rel = f"image_cache/{_digest(row_id, 'crop', step)}.png"
             files.append(("crop", rng.randrange(len(CROP_SHAPES)), rel))
             result = {"status": "ok", "output_image": f"/srv/eo_tools/cache/{rel}", "summary": _text(rng, 8, 40)}
@@ -216,14 +256,14 @@ def make_row(i: int, rng: random.Random) -> tuple[dict, list[tuple[str, int, str
     return row, files
 
 
-def generate_rows(rows: int = 400, seed: int = 0):
+def generate_rows(rows: int = 400, seed: int = 0, listing_share: float = 0.0):
     """The sample's rows with the image files each names, without writing anything (see make_row)."""
     rng = random.Random(seed)
     for i in range(rows):
-        yield make_row(i, rng)
+        yield make_row(i, rng, listing_share)
 
 
-def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple[Path, Path]:
+def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0, listing_share: float = 0.0) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and its data root (``EO_GYM_DATA/``, ``image_cache/``) under ``folder``.
 
     Deterministic in ``rows`` and ``seed``. Returns ``(jsonl_path, data_root)``.
@@ -233,7 +273,7 @@ def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple
     pools = dict(zip(("row", "crop"), _write_pool(folder / "pool")))
     jsonl = folder / "train.jsonl"
     with open(jsonl, "w") as fh:
-        for row, files in generate_rows(rows, seed):
+        for row, files in generate_rows(rows, seed, listing_share):
             for pool, index, rel in files:
                 _place(pools[pool][index], data_root / rel)
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
