@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from .crop import CropBackend
-from .images import ImageError, image_size, resolve_image_path
+from .images import ImageError, checked_image_size, resolve_image_path
 from .replay import ReplayBackend
 from .tool_http import HttpBackend, HttpToolServer
 from .tool_images import ToolImageRule
@@ -151,7 +151,7 @@ class EOGymEnvironment:
         for rel in images:
             try:
                 path = resolve_image_path(rel, self.data_root)
-                image_size(path)
+                checked_image_size(path)  # what data prep requires of an image: the whole file decodes
             except ImageError as err:
                 raise ToolCallError("bad_image", f"the result names image {rel}, which cannot be shown ({err.reason})") from None
             out.append(str(path))

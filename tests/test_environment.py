@@ -115,18 +115,22 @@ def test_question_only_rows_run_the_crop_and_nothing_else(sample_copy):
     assert env.counts["error:no_backend"] == 1 and env.counts["backend:crop"] == 1
 
 
-def test_a_result_naming_an_image_that_is_not_there_is_an_error(sample_copy):
+def test_a_result_naming_an_image_prep_would_refuse_is_an_error(sample_copy):
     class Server:  # a user's own backend: any object with a name and answer()
         name = "mine"
 
         def answer(self, tool, arguments):
-            return json.dumps({"cropped_path": "image_cache/crops/never_written.png"}), None
+            return json.dumps({"cropped_path": arguments["image_url"]}), None
 
+    whole = next((sample_copy / "image_cache" / "crops").glob("*.png")).read_bytes()
+    (sample_copy / "image_cache" / "cut.png").write_bytes(whole[: len(whole) // 2])  # a good header, half a body
     row = _good_rows(sample_copy)[0]
     env = EOGymEnvironment(row, sample_copy, backends=(Server(),))
-    result = env.call(CROP, {"image_url": row["images"][0], "aoi": [0, 0, 1, 1]})
-    assert (result.ok, result.error, result.backend, result.images) == (False, "bad_image", "mine", [])
-    assert env.counts["error:bad_image"] == 1
+    for path in ("image_cache/crops/never_written.png", "image_cache/cut.png"):
+        result = env.call(CROP, {"image_url": path, "aoi": [0, 0, 1, 1]})
+        assert (result.ok, result.error, result.backend, result.images) == (False, "bad_image", "mine", [])
+    assert "cut.png, which cannot be shown (corrupt_image)" in result.text
+    assert env.counts["error:bad_image"] == 2
 
 
 def test_settings_that_cannot_work_fail_at_construction(sample_copy, tmp_path):
