@@ -109,6 +109,7 @@ def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tools", default="crop", help="backends to chain, first that answers wins: crop,replay,http")
     parser.add_argument("--row", nargs=2, metavar=("FILE.jsonl", "ID"), help="take the tool schemas and the replay trace from this row")
     parser.add_argument("--http-url", help="tool server URL for the http backend (shape: docs/environment.md)")
+    parser.add_argument("--http-config", default="{}", help='other HttpToolServer fields as JSON, e.g. \'{"result_field": "data", "timeout_s": 10}\'')
     parser.add_argument("--tool-images", default="produced", help="which result images are attached, as in data prep")
     parser.add_argument("name", help="tool name, e.g. crop_optical_or_sar_image")
     parser.add_argument("arguments", help='arguments as JSON, e.g. \'{"image_url": "EO_GYM_DATA/..", "aoi": [0.25, 0.25, 0.75, 0.75]}\'')
@@ -116,10 +117,12 @@ def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
 
 def run_tool_call(args: argparse.Namespace) -> None:
     from .environment import find_row, single_call
+    from .tool_http import HttpToolServer
 
     row = find_row(*args.row) if args.row else None
     backends = tuple(b.strip() for b in args.tools.split(",") if b.strip())
-    result = single_call(args.data_root, args.name, args.arguments, backends, row, http=args.http_url, attach=args.tool_images)
+    http = HttpToolServer(args.http_url, **json.loads(args.http_config)) if args.http_url else None
+    result = single_call(args.data_root, args.name, args.arguments, backends, row, http=http, attach=args.tool_images)
     print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
     if not result.ok:
         raise SystemExit(1)

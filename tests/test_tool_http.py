@@ -137,3 +137,15 @@ def test_the_environment_over_http_attaches_the_served_crop(tool_server, tmp_pat
     failed = env.call("crop_optical_or_sar_image", {"image_url": "EO_GYM_DATA/a.jpg", "aoi": [0, 0, 1, 1]})
     assert (failed.ok, failed.error, failed.backend) == (False, "http_error", "http")
     assert env.counts == {"calls": 2, "backend:http": 1, "errors": 1, "error:http_error": 1}
+
+
+def test_tool_call_command_over_http(tool_server, tmp_path, capsys):
+    from eogym_sft.cli import main
+
+    tool_server.script = [(200, json.dumps({"data": {"sensor": "S2"}}), 0)]
+    config = json.dumps({"result_field": "data", "name_field": "tool", "retries": 0})
+    main(["tool-call", "--data-root", str(tmp_path), "--tools", "http", "--http-url", tool_server.url, "--http-config", config,
+          "get_image_metadata", '{"image_url": "EO_GYM_DATA/a/b.jpg"}'])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ok"], out["backend"], out["text"], out["images"]) == (True, "http", '{"sensor": "S2"}', [])
+    assert tool_server.requests[-1]["body"] == {"tool": "get_image_metadata", "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg"}}
