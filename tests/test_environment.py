@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from eogym_sft.environment import EOGymEnvironment, check_arguments
-from eogym_sft.traces import normalize_row
+from eogym_sft.traces import TraceError, normalize_row
 
 CROP = "crop_optical_or_sar_image"
 
@@ -143,6 +143,8 @@ def test_settings_that_cannot_work_fail_at_construction(sample_copy, tmp_path):
         EOGymEnvironment(row, sample_copy, backends=("vllm",))
     with pytest.raises(ValueError, match="must be one of produced, attach, text"):
         EOGymEnvironment(row, sample_copy, attach="produced,get_sar_image=all")
+    with pytest.raises(TraceError, match="bad_field_type at tools"):
+        EOGymEnvironment(dict(row, tools="[not json"), sample_copy)
 
 
 def test_check_arguments():
