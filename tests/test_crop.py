@@ -88,3 +88,18 @@ def test_paths_outside_the_data_root_are_refused_and_missing_images_left_to_othe
         backend.answer("crop_optical_or_sar_image", {"image_url": "EO_GYM_DATA/none.png", "aoi": [0, 0, 1, 1]})
     with pytest.raises(CannotAnswer):
         backend.answer("get_optical_image_list", {"image_url": "EO_GYM_DATA/none.png"})
+
+
+def test_a_source_that_changes_is_cropped_again(tmp_path):
+    import os
+
+    _gradient(tmp_path, "EO_GYM_DATA/ab/scene.png", 16, 12)
+    backend = CropBackend(tmp_path, tmp_path / "image_cache" / "crops")
+    call = {"image_url": "EO_GYM_DATA/ab/scene.png", "aoi": [0.25, 0.25, 0.75, 0.75]}
+    first = json.loads(backend.answer("crop_optical_or_sar_image", call)[0])["cropped_path"]
+    inverted = 255 - np.asarray(Image.open(tmp_path / "EO_GYM_DATA/ab/scene.png"))
+    Image.fromarray(inverted).save(tmp_path / "EO_GYM_DATA/ab/scene.png")
+    os.utime(tmp_path / "EO_GYM_DATA/ab/scene.png", ns=(1, 10**18))  # a new mtime even on coarse clocks
+    second = json.loads(backend.answer("crop_optical_or_sar_image", call)[0])["cropped_path"]
+    assert second != first
+    assert np.array_equal(np.asarray(Image.open(tmp_path / second)), inverted[3:9, 4:12])
