@@ -74,10 +74,19 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     modules stay where DDP, DeepSpeed, PEFT and gradient checkpointing expect them. It fuses LoRA's
     and the norms' small memory-bound kernels, which is where an eager LoRA step spends much of its time.
     The vision tower runs once per image without gradients; compiling it would gain little.
+
+    Two settings keep it at one graph for a whole run (counted on the tiny model in
+    tests/test_modeling.py): ``dynamic=True``, because packed micro-batches change length every step
+    and a static first graph is recompiled on the second length anyway; and inputs that require grad
+    (``enable_input_require_grads``), because layer 0 otherwise gets the frozen embeddings (no grad)
+    and the other layers a LoRA output, and Dynamo compiles a second graph for that difference.
+    Training and evaluation still differ in grad mode: one more graph the first time eval runs.
     """
     layers = [module for name, module in model.named_modules() if DECODER_LAYER_RE.search(name)]
     if not layers:
         raise ValueError("compile_language_layers: the model has no `language_model.layers.N` modules")
+    model.enable_input_require_grads()
+    compile_kwargs.setdefault("dynamic", True)
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)

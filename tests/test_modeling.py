@@ -185,6 +185,37 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(processor):
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_layers_compile_once_for_every_micro_batch_length(processor):
+    """Packed micro-batches change length every step, and layer 0's input is the frozen embeddings:
+    still one compiled entry for all layers and lengths (without the fix: 2 after the first
+    micro-batch, 3 after the second)."""
+    from helpers import chat_example
+    from PIL import Image
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eogym_sft.attention import register_varlen_attention
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import DECODER_LAYER_RE, compile_language_layers
+    from eogym_sft.tiny import build_tiny_model
+
+    register_varlen_attention()
+    model = build_tiny_model(seed=3)
+    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    model = apply_lora(model, dropout=0.0).train()
+    torch._dynamo.reset()
+    compile_language_layers(model, backend="aot_eager")
+    layer = next(m for n, m in model.named_modules() if DECODER_LAYER_RE.search(n))
+    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
+    lengths = []
+    for k in range(2):
+        batch = collator([chat_example("Ships?" * (1 + 3 * k), "Final Answer: 2", [Image.new("RGB", (32 + 32 * k, 64))])])
+        model(**batch, use_cache=False).loss.backward()
+        lengths.append(batch["input_ids"].shape[1])
+        assert len(_debug_get_cache_entry_list(type(layer).forward.__code__)) == 1
+    assert lengths[0] != lengths[1]
+    torch._dynamo.reset()
+
+
 def test_compile_language_layers_needs_decoder_layers():
     from eogym_sft.modeling import compile_language_layers
 
