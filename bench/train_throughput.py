@@ -38,6 +38,8 @@ import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, component_times  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # bf16 dense, measured on an H200 (shared/research/performance.md)
 
@@ -51,6 +53,7 @@ SHIPPED = {
     "compile": RECIPE["compile_layers"],
     "rebalance": RECIPE["train_sampling_strategy"] == "batch_rebalance",
     "workers": RECIPE["dataloader_num_workers"],
+    "prefetch": RECIPE.get("dataloader_prefetch_factor"),  # None: the trainer keeps a whole step in flight
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
 }
@@ -68,6 +71,7 @@ ARMS = {
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},
     "B-workers0": {"workers": 0},
+    "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
 }
 
 
@@ -80,29 +84,6 @@ def _memory(kind: str) -> float:
     if DEVICE != "cuda":
         return 0.0
     return (torch.cuda.max_memory_allocated() if kind == "allocated" else torch.cuda.max_memory_reserved()) / 2**30
-
-
-class StepTimer:
-    """Trainer callback: wall time of each step and the gap before it (dataloader wait)."""
-
-    def __init__(self):
-        self.begins, self.ends, self.start = [], [], None
-
-    def on_train_begin(self, *a, **k):
-        self.start = time.perf_counter()
-
-    def on_step_begin(self, *a, **k):
-        _sync()
-        self.begins.append(time.perf_counter())
-
-    def on_step_end(self, *a, **k):
-        _sync()
-        self.ends.append(time.perf_counter())
-
-    def __getattr__(self, name):  # the other TrainerCallback hooks do nothing
-        if name.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(name)
 
 
 def flops_per_sample(lengths_and_sup, images, cfg) -> float:
@@ -123,7 +104,7 @@ def flops_per_sample(lengths_and_sup, images, cfg) -> float:
     return total
 
 
-def prepare_data(workdir: Path, rows: int, model_dir: Path):
+def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = 1003520):
     from prep_throughput import generate_sample
 
     from eogym_sft.data import load_or_prepare
@@ -131,8 +112,9 @@ def prepare_data(workdir: Path, rows: int, model_dir: Path):
     from eogym_sft.processor import load_processor
 
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
-    processor = load_processor(str(model_dir))
-    dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, PrepConfig(str(root)), workdir / "prepared", os.cpu_count())
+    processor = load_processor(str(model_dir), max_pixels, min(65536, max_pixels))
+    prep = PrepConfig(str(root), max_pixels=max_pixels, min_pixels=min(65536, max_pixels))
+    dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, prep, workdir / "prepared", os.cpu_count())
     return dataset, stats, root, processor
 
 
@@ -220,11 +202,15 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     args = SFTConfig(
         per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, gradient_checkpointing=s["gc"],
         dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
+        dataloader_prefetch_factor=s["prefetch"] if s["workers"] > 0 else None,
         dataset_kwargs={"skip_prepare_dataset": True}, optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
         train_sampling_strategy="batch_rebalance" if s["rebalance"] else "random", length_column_name="n_tokens",
         **common,
     )
-    collator = EOGymCollator(processor, data_root=str(root), padding_free=s["pack"])
+    pixels = processor.image_processor.size  # the cap data prep used (load_processor wrote it here)
+    collator = EOGymCollator(
+        processor, data_root=str(root), padding_free=s["pack"], max_pixels=pixels["longest_edge"], min_pixels=pixels["shortest_edge"]
+    )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
 
@@ -237,49 +223,60 @@ def _uncompile(model) -> None:
     torch._dynamo.reset()
 
 
-def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int, grad_accum: int) -> dict:
+def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int, grad_accum: int,
+            profile: bool = False) -> dict:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     micro = 1 if arm == "A" else grad_accum
-    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup, micro)
-    timer = StepTimer()
-    trainer.add_callback(timer)
+    extra = 1 if profile else 0  # the profiled step runs after the timed ones and is not timed
+    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup + extra, micro)
+    probe = StepProbe()
+    trainer.add_callback(probe)
+    profiler = ProfileLastStep(steps + warmup, micro) if profile else None
+    hooks = []
+    if profiler:
+        trainer.add_callback(profiler)
+        hooks = annotate(trainer.model)
     counted = Counted(trainer, 2)
     t0 = time.perf_counter()
     try:
-        trainer.train()
+        with RecompileLog() as recompiles:
+            trainer.train()
     finally:
+        for handle in hooks:
+            handle.remove()
         _restore(base, trainer.model)
         del trainer
-    first_step = timer.ends[0] - t0
-    b, e = timer.begins[warmup:], timer.ends[warmup:]
-    wall = e[-1] - b[0]
-    gaps = sum(b[i + 1] - e[i] for i in range(len(b) - 1))
+    timing = probe.summary(warmup, skip_last=extra)
+    wall = timing["timed_wall_s"]
     world = int(_all_ranks_sum(1))
     # Token and FLOP counts are summed over every GPU; figures below are per GPU.
-    skip = warmup * micro  # Counted sees micro-batches, the timer optimizer steps
-    real = _all_ranks_sum(sum(counted.real[skip:])) / world
-    sup = _all_ranks_sum(sum(counted.supervised[skip:])) / world
-    local_flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(skip, len(counted.real)))
+    skip, stop = warmup * micro, (warmup + steps) * micro  # Counted sees micro-batches, the probe optimizer steps
+    real = _all_ranks_sum(sum(counted.real[skip:stop])) / world
+    sup = _all_ranks_sum(sum(counted.supervised[skip:stop])) / world
+    local_flops = sum(flops_per_sample(counted.lengths[i], counted.images[i], cfg) for i in range(skip, stop))
     flops = _all_ranks_sum(local_flops) / world
     result = {
         "arm": arm,
         "settings": "TRL defaults" if arm == "A" else dict(SHIPPED, **ARMS[arm]),
-        "timed_steps": len(b),
         "micro_batches_per_step": micro,
-        "max_micro_batch_tokens": max(counted.real[skip:]),
+        "max_micro_batch_tokens": max(counted.real[skip:stop]),
         "gpus": world,
         "real_tokens_per_s": real / wall,
         "supervised_tokens_per_s": sup / wall,
-        "real_tokens_per_step": real / len(b),
-        "median_step_s": sorted(y - x for x, y in zip(b, e))[len(b) // 2],
+        "real_tokens_per_step": real / timing["timed_steps"],
         "peak_allocated_gib": _memory("allocated"),
         "peak_reserved_gib": _memory("reserved"),
         "mfu": flops / wall / PEAK_FLOPS,
-        "time_to_first_step_s": first_step,
-        "dataloader_wait_fraction": gaps / wall,
+        **timing,
+        "time_to_first_step_s": probe.ends[0] - t0,  # from the call to train(): dataloader and optimizer set-up included
+        "recompiles": len(recompiles.messages),
+        "recompile_reasons": recompiles.reasons(),
     }
+    if profiler:
+        result["profile"] = component_times(profiler.prof, RECIPE["lora_r"], cfg["text_config"]["vocab_size"])
+        result["profile"]["window"] = f"last {min(2, micro)} micro-batches and the optimizer step of step {steps + warmup + 1}"
     return result
 
 
@@ -363,11 +360,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json"))
     parser.add_argument("--rows", type=int, default=160)
+    parser.add_argument("--max-pixels", type=int, default=1003520, help="pixel cap per image (smaller for a CPU smoke run)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--parity-samples", type=int, default=4, help="samples in the loss-parity batch (0: skip)")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches a step for the B arms (the recipe has 32)")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--profile", default="", help="comma-separated arms to profile for one extra step (component breakdown)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -379,7 +378,7 @@ def main(argv=None) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_train_"))
     with state.main_process_first():
         base, cfg, model_dir = build_base(Path(args.config), workdir)
-        dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir)
+        dataset, stats, root, processor = prepare_data(workdir, args.rows, model_dir, args.max_pixels)
     parity = None
     if state.num_processes == 1 and args.parity_samples:
         parity = loss_parity(base, dataset, root, processor, args.parity_samples)
@@ -388,7 +387,8 @@ def main(argv=None) -> dict:
     results = []
     for arm in args.arms.split(","):
         try:
-            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum))
+            profile = arm in args.profile.split(",")
+            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum, profile))
         except Exception as err:  # a failing arm is reported, not hidden, and the others still run
             traceback.print_exc()
             results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})

@@ -10,7 +10,8 @@ window (or the whole evaluation set) and across ranks, next to TRL's step-averag
 ``mean_token_accuracy``. Training counts stay on the GPU until a log, so no step waits on the host.
 
 With ``train_sampling_strategy="batch_rebalance"`` the micro-batches are built to a token budget
-(:class:`~eogym_sft.sampler.TokenBalancedSampler`).
+(:class:`~eogym_sft.sampler.TokenBalancedSampler`). Unless ``dataloader_prefetch_factor`` is set, the
+workers keep a whole optimizer step of micro-batches in flight (see ``__init__``).
 
 Samples that the collator skipped (``EOGymCollator(skip_bad_images=True)``: an image file that changed
 after prep) are logged as a warning by sample id and file when they happen, counted in the logs
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -41,6 +43,11 @@ class EOGymSFTTrainer(SFTTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is None:
+            # The Trainer draws all of a step's micro-batches before it runs the first (get_batch_samples);
+            # with torch's 2 batches a worker the rest are collated (images decoded, resized) while the GPU waits.
+            workers, accumulation = self.args.dataloader_num_workers, self.args.gradient_accumulation_steps
+            self.args.dataloader_prefetch_factor = max(2, math.ceil(accumulation / workers))
         self._token_counts = defaultdict(lambda: torch.zeros(2, dtype=torch.long))
         self._train_steps: list[torch.Tensor] = []  # per micro-batch [correct, supervised, tokens], on device
         self._skipped: list[dict] = []  # this rank's skipped samples since the last log

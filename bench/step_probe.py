@@ -1,0 +1,254 @@
+"""What the training benches measure inside a run: step times, compiles, and a profiler breakdown.
+
+Shared by ``bench/train_throughput.py`` (its arms) and ``bench/recipe_throughput.py`` (the recipe as
+launched), so that both report the same figures the same way:
+
+- :class:`StepProbe`, a Trainer callback: wall time of each optimizer step, the wait before it (the
+  Trainer fetches all of a step's micro-batches before it starts, so a dataloader that cannot keep a
+  whole step in flight shows here), the optimizer step, evaluation, and Dynamo's compiled graphs,
+  recompiles and compile seconds, step by step.
+- :func:`component_times`, a torch.profiler trace folded into the components of a LoRA step
+  (vision tower, attention, base matmuls, LoRA matmuls, LM head and loss, optimizer, other kernels)
+  plus the host's dataloader wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"  # torch._logging's artifact logger for `recompiles`
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def compile_stats() -> dict:
+    """Dynamo's running totals: graphs compiled and seconds spent compiling (forward and backward)."""
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    spent = calculate_time_spent()
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": spent.get("total_wall_time", 0.0)}
+
+
+class RecompileLog(logging.Handler):
+    """Collects Dynamo's recompile messages (``TORCH_LOGS=recompiles``) as they happen: each names the
+    function and the guard that failed (a new shape, grad mode, a tensor that now requires grad)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger(RECOMPILE_LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(RECOMPILE_LOGGER).removeHandler(self)
+        torch._logging.set_logs()
+
+    def reasons(self, top: int = 5) -> list[tuple[str, int]]:
+        """The most frequent first guard failures, e.g. ``size mismatch at index 1``, with their counts."""
+        first = []
+        for message in self.messages:
+            lines = [line.strip("- ").strip() for line in message.splitlines() if line.strip().startswith("- ")]
+            first.append(lines[0] if lines else message.splitlines()[0])
+        return Counter(first).most_common(top)
+
+
+class StepProbe:
+    """Trainer callback: per optimizer step its wall time, the wait before it, its optimizer step,
+    the graphs Dynamo compiled during it; and the time of each evaluation. CUDA is synchronized at
+    each mark, so the times are the GPU's."""
+
+    def __init__(self):
+        self.train_start = None
+        self.begins, self.ends, self.optimizer_s, self.eval_s, self.graphs, self.compile_s = [], [], [], [], [], []
+        self._pre_optimizer = self._last_end = None
+
+    def on_train_begin(self, *a, **k):
+        _sync()
+        self.train_start = time.perf_counter()
+        self._last_end = self.train_start
+
+    def on_step_begin(self, *a, **k):
+        _sync()
+        self.begins.append(time.perf_counter())
+
+    def on_pre_optimizer_step(self, *a, **k):
+        _sync()
+        self._pre_optimizer = time.perf_counter()
+
+    def on_optimizer_step(self, *a, **k):
+        _sync()
+        self.optimizer_s.append(time.perf_counter() - self._pre_optimizer)
+
+    def on_step_end(self, *a, **k):
+        _sync()
+        self.ends.append(time.perf_counter())
+        self._last_end = self.ends[-1]
+        stats = compile_stats()
+        self.graphs.append(stats["graphs"])
+        self.compile_s.append(stats["compile_s"])
+
+    def on_evaluate(self, *a, **k):
+        _sync()
+        self.eval_s.append(time.perf_counter() - self._last_end)  # from the step that triggered it (its log included)
+
+    def __getattr__(self, name):  # the other TrainerCallback hooks do nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def summary(self, warmup: int, skip_last: int = 0) -> dict:
+        """Timing of the steps after ``warmup`` (and before the last ``skip_last``, e.g. a profiled one)."""
+        stop = len(self.ends) - skip_last
+        b, e = self.begins[warmup:stop], self.ends[warmup:stop]
+        wall = e[-1] - b[0]
+        waits = [b[i + 1] - e[i] for i in range(len(b) - 1)]
+        before = self.graphs[warmup - 1] if warmup else 0
+        return {
+            "timed_steps": len(b),
+            "timed_wall_s": wall,
+            "median_step_s": sorted(y - x for x, y in zip(b, e))[len(b) // 2],
+            "time_to_first_step_s": self.ends[0] - self.train_start,
+            "first_step_wait_s": self.begins[0] - self.train_start,
+            "dataloader_wait_fraction": sum(waits) / wall,
+            "median_optimizer_s": sorted(self.optimizer_s[warmup:stop])[len(b) // 2] if self.optimizer_s[warmup:stop] else None,
+            "graphs_compiled_first_step": self.graphs[0],
+            "graphs_compiled_after_warmup": self.graphs[stop - 1] - before,
+            "compile_s_total": self.compile_s[-1],
+            "compile_s_first_step": self.compile_s[0],
+            "eval_s": self.eval_s,
+        }
+
+
+# ---------------------------------------------------------------- profiler breakdown
+
+COMPONENTS = ("vision_tower", "attention", "base_matmul", "lora_matmul", "lm_head_and_loss", "optimizer", "other_kernels")
+VISION_RANGE = "eogym::vision_tower"
+HEAD_RANGE = "eogym::lm_head"
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_forward_kernel", "_backward_kernel")
+ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa")
+
+
+def annotate(model) -> list:
+    """Profiler ranges around the vision tower and the LM head (module hooks, outside compiled code).
+    Returns the hook handles; remove them when done."""
+    handles = []
+    for name, module in model.named_modules():
+        label = VISION_RANGE if name.endswith("model.visual") else HEAD_RANGE if name.endswith("lm_head") else None
+        if label is None:
+            continue
+        ranges = []
+
+        def enter(_module, _args, label=label, ranges=ranges):
+            ranges.append(torch.profiler.record_function(label).__enter__())
+
+        def leave(_module, _args, _out, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def _ancestors(event):
+    parent = event.cpu_parent
+    while parent is not None:
+        yield parent.name
+        parent = parent.cpu_parent
+
+
+def _shape_dims(event) -> set[int]:
+    return {int(d) for shape in (event.input_shapes or []) if isinstance(shape, (list, tuple)) for d in shape}
+
+
+def classify(event, lora_rank: int, vocab: int) -> str:
+    """The component an op's own kernel time belongs to (see COMPONENTS)."""
+    above = [event.name, *_ancestors(event)]
+    name = event.name.lower()
+    if VISION_RANGE in above:
+        return "vision_tower"
+    if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in above):
+        return "optimizer"
+    if event.name in MATMUL_OPS:
+        dims = _shape_dims(event)
+        if HEAD_RANGE in above or vocab in dims or 32768 in dims or vocab % 32768 in dims:  # TRL's head tiles by 32,768
+            return "lm_head_and_loss"
+        return "lora_matmul" if lora_rank in dims else "base_matmul"
+    if HEAD_RANGE in above or any(w in name for w in LOSS_WORDS):
+        return "lm_head_and_loss"
+    if any(w in name for w in ATTENTION_WORDS):
+        return "attention"
+    return "other_kernels"
+
+
+def component_times(prof, lora_rank: int, vocab: int) -> dict:
+    """Seconds per component over the profiled window: each op's own kernel time on the GPU (its own
+    CPU time on a CPU run), so nothing is counted twice; plus the host's wait on the dataloader."""
+    on_gpu = torch.cuda.is_available()
+    seconds = dict.fromkeys(COMPONENTS, 0.0)
+    data_wait = 0.0
+    for event in prof.events():
+        if event.name.startswith("enumerate(DataLoader)"):
+            data_wait += event.cpu_time_total / 1e6
+            continue
+        own = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6
+        if own > 0:
+            seconds[classify(event, lora_rank, vocab)] += own
+    total = sum(seconds.values())
+    return {
+        "clock": "gpu kernel time" if on_gpu else "cpu op time",
+        "seconds": seconds,
+        "share": {k: v / total if total else 0.0 for k, v in seconds.items()},
+        "total_s": total,
+        "host_dataloader_wait_s": data_wait,
+    }
+
+
+class ProfileLastStep:
+    """Trainer callback: torch.profiler over the last ``micro_batches`` micro-batches of step
+    ``step`` (0-based) and its optimizer step. A whole 32-micro-batch step would be a trace too
+    large to fold in the time a GPU session has."""
+
+    def __init__(self, step: int, grad_accum: int, micro_batches: int = 2):
+        self.step, self.start_after = step, max(0, grad_accum - micro_batches)
+        self.prof, self._step, self._done = None, -1, 0
+
+    def on_step_begin(self, *a, **k):
+        self._step += 1
+        self._done = 0
+        self._maybe_start()
+
+    def on_substep_end(self, *a, **k):
+        self._done += 1
+        self._maybe_start()
+
+    def _maybe_start(self):
+        if self._step == self.step and self._done == self.start_after and self.prof is None:
+            _sync()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.__enter__()
+
+    def on_step_end(self, *a, **k):
+        if self.prof is not None and self._step == self.step:
+            _sync()
+            self.prof.__exit__(None, None, None)
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)

@@ -1,0 +1,86 @@
+"""The training benches on CPU with the tiny model: ``bench/train_throughput.py`` with its step probe and
+profiler breakdown, and ``bench/recipe_throughput.py`` timing the recipe itself. Figures are not checked
+(CPU), the accounting is: steps, tokens, components."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL with dimensions unlike the LoRA rank (16), so the profile can tell LoRA matmuls apart."""
+    from eogym_sft.tiny import TINY_QWEN3_VL_CONFIG
+
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    config["text_config"].update(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    config["vision_config"].update(hidden_size=32, intermediate_size=64, out_hidden_size=32)
+    path = tmp_path_factory.mktemp("config") / "tiny.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, tmp_path):
+    """One arm of train_throughput.py (its main() only adds the generated 4000-px sample, slow to decode on CPU)."""
+    import train_throughput
+    from test_recipe import MAX_PIXELS, MIN_PIXELS, write_rows
+
+    from eogym_sft.data import load_or_prepare
+    from eogym_sft.prepare import PrepConfig
+    from eogym_sft.processor import load_processor
+
+    base, cfg, model_dir = train_throughput.build_base(tiny_config, tmp_path)
+    data = write_rows(tmp_path / "data")
+    processor = load_processor(str(model_dir), MAX_PIXELS, MIN_PIXELS)
+    prep = PrepConfig(str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    dataset, _ = load_or_prepare(str(data), str(model_dir), processor, prep, tmp_path / "prepared", 1)
+    result = train_throughput.run_arm("B-nocompile", base, dataset, data.parent, processor, cfg, tmp_path, steps=1, warmup=1,
+                                      grad_accum=2, profile=True)
+    assert result["timed_steps"] == 1 and result["micro_batches_per_step"] == 2
+    assert result["real_tokens_per_s"] == pytest.approx(result["real_tokens_per_step"] / result["timed_wall_s"])
+    assert result["graphs_compiled_first_step"] == 0 and result["recompiles"] == 0  # nothing compiled in this arm
+    profile = result["profile"]
+    assert set(profile["seconds"]) == {"vision_tower", "attention", "base_matmul", "lora_matmul", "lm_head_and_loss",
+                                       "optimizer", "other_kernels"}
+    assert all(seconds > 0 for seconds in profile["seconds"].values()), profile["seconds"]
+    assert sum(profile["share"].values()) == pytest.approx(1.0)
+
+
+def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
+    import recipe_throughput
+    from test_recipe import recipe_args, write_rows
+
+    data = write_rows(tmp_path / "data")
+    cpu = recipe_args(tiny_model_dir, data, tmp_path / "unused", tmp_path / "prepared", steps=0)
+    out = tmp_path / "recipe.json"
+    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--data-root", str(data.parent), "--warmup", "1",
+            "--steps", "2", "--output-dir", str(tmp_path / "run"), "--json", str(out), "--", *cpu]
+    report = recipe_throughput.main(argv)
+    recipe = report["recipe"]
+    assert recipe["timed_steps"] == 2 and len(recipe["step_s"]) == 3 and len(recipe["optimizer_s"]) == 3
+    assert len(recipe["real_tokens_per_step"]) == 3 and all(n > 0 for n in recipe["real_tokens_per_step"])
+    assert recipe["real_tokens_per_s"] == pytest.approx(sum(recipe["real_tokens_per_step"][1:]) / recipe["timed_wall_s"])
+    assert len(recipe["eval_s"]) == 1  # one evaluation, after the last step
+    assert recipe["setup_s"] > 0 and recipe["time_to_first_step_from_start_s"] > recipe["time_to_first_step_s"]
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    assert json.loads(out.read_text())["side_by_side"] is None
+
+
+def test_side_by_side_puts_arm_b_beside_the_recipe(tmp_path):
+    from recipe_throughput import side_by_side
+
+    baseline = tmp_path / "train.json"
+    baseline.write_text(json.dumps({"results": [{"arm": "A", "real_tokens_per_s": 1.0},
+                                                {"arm": "B", "real_tokens_per_s": 400.0, "median_step_s": 2.0}]}))
+    row = side_by_side({"real_tokens_per_s": 300.0}, str(baseline))
+    assert row["recipe_vs_B_tokens_per_s"] == 0.75 and row["B_median_step_s"] == 2.0 and row["B_recompiles"] is None
+    assert side_by_side({}, None) is None
+    assert "error" in side_by_side({"real_tokens_per_s": 1.0}, str(baseline), arm="B-fixedcount")
