@@ -45,7 +45,7 @@ recipe)
   make_model; make_data 240
   common="--model_name_or_path $model --dataset_path $data/train.jsonl --data_root $data/data --max_steps 20 --learning_rate 1e-3
     --lr_scheduler_type constant --gradient_accumulation_steps 1 --logging_steps 4 --eval_steps 10 --save_steps 20 --eval_fraction 0.05
-    --pack_batch true --attn_implementation eogym_varlen --prep_num_proc 16"
+    --padding_free true --attn_implementation eogym_varlen --prep_num_proc 16"
   accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --output_dir /tmp/run_1gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_1gpu.log
   accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --prepared_dir /tmp/run_1gpu/prepared --output_dir /tmp/run_2gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_2gpu.log
   cp /tmp/run_1gpu/eogym_run.json $OUT/eogym_run_1gpu.json; ls /tmp/run_1gpu /tmp/run_2gpu

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eogym_sft.config import SampleConfig
+
 TRAIN_ROWS = 7642  # EO-Gym train split
 TARGET_CORES = 16
 TARGET_SECONDS = 60.0
@@ -392,7 +394,7 @@ def worker_start_probe(model_dir: Path) -> dict:
 
 # (module, attribute, category): wrapped with exclusive timers, so the categories add up to the total.
 BREAKDOWN_TARGETS = [
-    ("eogym_sft.prepare", "_init_worker", "processor load"),
+    ("eogym_sft.processor", "load_processor", "processor load"),
     ("eogym_sft.prepare", "_decode_line", "JSON decode of input lines"),
     ("eogym_sft.prepare", "normalize_row", "normalize_row (dialects)"),
     ("eogym_sft.prepare", "_image_layout", "image headers + resize arithmetic"),
@@ -512,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-proc", type=int, nargs="+", default=None, help="worker counts to time (default: 1 and os.cpu_count())")
     parser.add_argument("--workdir", default=None, help="folder for the sample and the tiny model, kept and reused (default: a temp folder, removed after)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--max-length", type=int, default=SampleConfig.max_length, help="token budget per sample")
     parser.add_argument("--json", default=None, help="where to write the JSON result (default: ./prep_throughput.json, or <workdir>/prep_throughput.json)")
     parser.add_argument("--no-startup", action="store_true", help="skip the worker start-up probe (a fresh interpreter that imports and loads what a worker does)")
     parser.add_argument("--breakdown", action="store_true", help="also run num_proc=1 with per-stage timers and print where the time goes")
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict:
             save_tiny_model(model_dir)
         print(f"tiny model: {model_dir} ({time.perf_counter() - t0:.1f}s)", flush=True)
 
-        cfg = PrepConfig(data_root=str(data_root), max_tokens=args.max_tokens)
+        cfg = PrepConfig(data_root=str(data_root), max_length=args.max_length)
         machine = machine_info()  # before the runs: the load average is other work on the machine
         probe = None if args.no_startup else worker_start_probe(model_dir)
         if probe:
@@ -579,7 +581,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": " ".join(["python", "bench/prep_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
             "rows": args.rows,
             "seed": args.seed,
-            "max_tokens": args.max_tokens,
+            "max_length": args.max_length,
             "sample_generation_s": round(gen_s, 2),
             "target": f"{TRAIN_ROWS} rows in < {TARGET_SECONDS:.0f}s on {TARGET_CORES} cores "
                       f"(>= {TRAIN_ROWS / TARGET_SECONDS / TARGET_CORES:.2f} rows/s per core)",

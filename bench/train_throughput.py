@@ -46,7 +46,7 @@ PEAK_FLOPS = 790e12  # bf16 dense, measured on an H200 (shared/research/performa
 RECIPE = yaml.safe_load((REPO / "recipes/eo_gym_4b.yaml").read_text())
 # B is the recipe as shipped, read from its YAML; the bench only shortens a step to --grad-accum micro-batches.
 SHIPPED = {
-    "pack": RECIPE["pack_batch"],
+    "pack": RECIPE["padding_free"],
     "attn": RECIPE["attn_implementation"],
     "head": "supervised",
     "gc": RECIPE["gradient_checkpointing"],
@@ -113,7 +113,7 @@ def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = 10
 
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
     processor = load_processor(str(model_dir), max_pixels, min(65536, max_pixels))
-    prep = PrepConfig(str(root), max_pixels=max_pixels, min_pixels=min(65536, max_pixels))
+    prep = PrepConfig(data_root=str(root), max_pixels=max_pixels, min_pixels=min(65536, max_pixels))
     dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, prep, workdir / "prepared", os.cpu_count())
     return dataset, stats, root, processor
 

@@ -1,8 +1,8 @@
-"""Write the bundled EO-Gym-format sample to ``data/sample/``: deterministic, seeded, no network.
+"""Write the bundled EO-Gym-format sample to ``eogym_sft/sample/`` (package data): deterministic, seeded, no network.
 
 One command (run from the repository root)::
 
-    python data_prep/make_sample.py                # writes data/sample/
+    python data_prep/make_sample.py                # writes eogym_sft/sample/
     python data_prep/make_sample.py --output DIR --seed 0
 
 It writes ``eogym_sample.jsonl`` (40 good rows, then 4 deliberately bad ones) and the small images the
@@ -646,7 +646,7 @@ def bad_lines(w: Writer, start: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", default="data/sample", help="folder to write the sample to (replaced)")
+    parser.add_argument("--output", default="eogym_sft/sample", help="folder to write the sample to (replaced)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     root = Path(args.output)

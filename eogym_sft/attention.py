@@ -1,8 +1,7 @@
 """Variable-length causal attention for the text tower, so packed batches cost what their samples cost.
 
 With a packed (padding-free) batch, SDPA needs a dense block-diagonal mask and then never takes a
-flash kernel: measured on an H200, packing through SDPA masks gains ~6%, through real varlen attention
-~65% (``shared/research/performance.md`` section 2b). ``eogym_varlen`` finds the sample boundaries
+flash kernel (docs/benchmarks.md has what packing with this attention gains). ``eogym_varlen`` finds the sample boundaries
 where the text position row restarts at 0 (the collator's 4-row position ids) and calls
 ``torch.nn.attention.varlen.varlen_attn`` with a causal window on CUDA; on CPU it runs causal SDPA
 per sample, the same arithmetic, so tests can check it. Right-padded batches work too: a pad token's
@@ -13,25 +12,35 @@ Nothing is registered at import: :func:`register_varlen_attention` does it when 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 
 NAME = "eogym_varlen"
-_last_boundaries: dict = {}
 
 
-def _boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``(cu_seqlens, max_len)`` of the samples in flattened ``position_ids`` (one tensor per forward)."""
-    cached = _last_boundaries.get("key")
-    if cached is not None and cached[0] is position_ids:
-        return cached[1], cached[2]
-    flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().flatten()
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    _last_boundaries["key"] = (position_ids, cu, max_len)
-    return cu, max_len
+class SampleBoundaries:
+    """``(cu_seqlens, max_len)`` of the samples in flattened ``position_ids``, computed once per forward pass.
+
+    Every decoder layer of a forward pass gets the same ``position_ids`` tensor, and finding the
+    boundaries costs a host sync, so the result for the last tensor is kept, together with that tensor
+    (it cannot be freed and its identity reused while it is held here). Each registration of
+    ``eogym_varlen`` owns one instance.
+    """
+
+    def __init__(self):
+        self._last: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._last is not None and self._last[0] is position_ids:
+            return self._last[1], self._last[2]
+        flat = position_ids.reshape(-1)
+        starts = (flat == 0).nonzero().flatten()
+        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        self._last = (position_ids, cu, max_len)
+        return cu, max_len
 
 
 def _varlen_cuda(q, k, v, cu, max_len, scale):
@@ -55,8 +64,11 @@ def _varlen_reference(q, k, v, cu, scale):
 # Finding the boundaries is data-dependent (a host sync and an int length), so under regional
 # torch.compile this function runs eagerly between the compiled halves of each decoder layer.
 @torch.compiler.disable
-def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``."""
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, boundaries: SampleBoundaries | None = None, **kwargs
+):
+    """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``; ``boundaries``
+    is bound by :func:`register_varlen_attention` (a fresh :class:`SampleBoundaries` when called without one)."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         raise ValueError(f"attn_implementation={NAME!r} needs position_ids (EOGymCollator provides them)")
@@ -64,7 +76,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    cu, max_len = _boundaries(position_ids)
+    cu, max_len = (boundaries or SampleBoundaries())(position_ids)
     cu = cu.to(q.device)
     if q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_len, scaling)
@@ -78,5 +90,5 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    AttentionInterface.register(NAME, varlen_attention_forward)
+    AttentionInterface.register(NAME, functools.partial(varlen_attention_forward, boundaries=SampleBoundaries()))
     AttentionMaskInterface.register(NAME, flash_attention_mask)

@@ -1,4 +1,4 @@
-"""The ``eogym-sft`` console script: thin argument parsing over the package's functions."""
+"""The ``eogym-sft`` console script: argument parsing only, over the package's typed functions."""
 
 from __future__ import annotations
 
@@ -7,15 +7,28 @@ import json
 import sys
 from pathlib import Path
 
+from .config import SampleConfig
+
+
+def add_sample_args(parser: argparse.ArgumentParser) -> None:
+    """``--max-pixels``, ``--min-pixels`` and ``--max-length``, with :class:`SampleConfig`'s defaults and help."""
+    help_of = {name: f.metadata["help"] for name, f in SampleConfig.__dataclass_fields__.items()}
+    parser.add_argument("--max-pixels", type=int, default=SampleConfig.max_pixels, help=help_of["max_pixels"])
+    parser.add_argument("--min-pixels", type=int, default=SampleConfig.min_pixels, help=help_of["min_pixels"])
+    # --max-tokens: the flag's name before it matched SFTConfig.max_length
+    parser.add_argument("--max-length", "--max-tokens", type=int, default=SampleConfig.max_length, help=help_of["max_length"])
+
+
+def sample_settings(args: argparse.Namespace) -> dict:
+    return {"max_pixels": args.max_pixels, "min_pixels": args.min_pixels, "max_length": args.max_length}
+
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", nargs="+", required=True, help="EO-Gym JSONL file(s)")
     parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     parser.add_argument("--model", required=True, help="hub id or local folder whose processor and chat template are used")
     parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="token budget per sample, image tokens included")
-    parser.add_argument("--max-pixels", type=int, default=1003520, help="pixel cap per image (980 tokens on Qwen3-VL)")
-    parser.add_argument("--min-pixels", type=int, default=65536, help="pixel floor per image (Qwen3-VL's default)")
+    add_sample_args(parser)
     parser.add_argument("--overlong", choices=("split", "drop"), default="split", help="what to do with traces over the budget")
     parser.add_argument(
         "--tool-images", default="produced", help="which tool-result images the model sees: produced|attach|text[,TOOL=MODE...] (docs/data.md)"
@@ -25,20 +38,18 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
-    from .prepare import PrepConfig, prepare_files
-    from .prepared import format_summary, write_prepared
-    from .processor import load_processor, processor_fingerprint
+    from .data import prepare_dataset
+    from .prepare import PrepConfig
+    from .processor import load_processor
 
-    cfg = PrepConfig(args.data_root, args.max_tokens, args.max_pixels, args.min_pixels, args.overlong, args.tool_images, args.strict)
+    cfg = PrepConfig(
+        **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict
+    )
     for path in args.input:
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
     processor = load_processor(args.model, cfg.max_pixels, cfg.min_pixels)
-    results = prepare_files(args.input, args.model, cfg, num_proc=args.num_proc, processor=processor)
-    settings = dict(vars(cfg), model=args.model, inputs=[str(p) for p in args.input])
-    settings["processor_fingerprint"] = processor_fingerprint(processor)
-    stats = write_prepared(args.output, results, settings)
-    print(format_summary(stats))
+    stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
     return stats
 
@@ -67,17 +78,20 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="report.json to write")
     parser.add_argument("--with-base", action="store_true", help="also score the base model, as a second column")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--max-pixels", type=int, default=1003520)
-    parser.add_argument("--min-pixels", type=int, default=65536)
+    add_sample_args(parser)
     parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
     parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .validate import run_validate as run
+    from .validate import ValidateConfig, validate
 
-    return run(args)
+    return validate(
+        ValidateConfig(
+            **sample_settings(args), model=args.model, adapter=args.adapter, data=args.data, data_root=args.data_root,
+            output=args.output, with_base=args.with_base, batch_size=args.batch_size, num_proc=args.num_proc, dtype=args.dtype,
+        )
+    )
 
 
 def add_evaluate_args(parser: argparse.ArgumentParser) -> None:
@@ -93,15 +107,15 @@ def run_evaluate(args: argparse.Namespace) -> dict:
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
-    from .demo import add_demo_args as add
-
-    add(parser)
+    parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
+    parser.add_argument("--learning-rate", type=float, default=2e-2, help="high, so a few steps move a tiny random model")
 
 
 def run_demo(args: argparse.Namespace) -> dict:
     from .demo import run_demo as run
 
-    return run(args)
+    return run(args.output, args.steps, args.learning_rate)
 
 
 def add_tool_call_args(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import ProcessorMixin
 
+from .config import SampleConfig
 from .encoding import encode_conversation
 from .images import ImageError, load_rgb, resolve_image_path, to_rgb8
 
@@ -61,9 +62,10 @@ class EOGymCollator:
         processor (`ProcessorMixin`): a Qwen3-VL processor (tokenizer, image processor, chat template).
         data_root (`str`, *optional*): folder that relative image paths are resolved under (and may not
             leave). If `None`, paths are opened as given.
-        max_pixels (`int`, *optional*, defaults to `1003520`): pixel cap per image (980 visual tokens).
-        min_pixels (`int`, *optional*, defaults to `65536`): pixel floor per image.
-        max_length (`int`, *optional*, defaults to `8192`): longest sample allowed, image tokens included.
+        max_pixels (`int`, *optional*): pixel cap per image; defaults to :class:`~eogym_sft.config.SampleConfig`'s
+            (1,003,520 px: 980 visual tokens), as do ``min_pixels`` and ``max_length``.
+        min_pixels (`int`, *optional*): pixel floor per image.
+        max_length (`int`, *optional*): longest sample allowed, image tokens included (`None`: no limit).
         padding_free (`bool`, *optional*, defaults to `False`): pack the batch into one row, with
             per-sample position ids instead of an attention mask.
         pad_to_multiple_of (`int`, *optional*): pad the padded batch's length to a multiple of this.
@@ -100,9 +102,9 @@ class EOGymCollator:
 
     processor: ProcessorMixin
     data_root: str | None = None
-    max_pixels: int = 1003520
-    min_pixels: int = 65536
-    max_length: int | None = 8192
+    max_pixels: int = SampleConfig.max_pixels
+    min_pixels: int = SampleConfig.min_pixels
+    max_length: int | None = SampleConfig.max_length
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
     ignore_index: int = -100

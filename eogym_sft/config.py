@@ -1,13 +1,51 @@
-"""The recipe's own arguments; the rest are TRL's ``SFTConfig`` and ``ModelConfig``."""
+"""Settings that several commands share, each with one home.
+
+:class:`SampleConfig` is how big a sample may be: the pixel cap and floor of every image and the token
+budget of a sample. Data prep, the collator, training, ``validate`` and ``evaluate`` read it from here.
+The recipe's own arguments are :class:`EOGymScriptArguments`; the rest are TRL's ``SFTConfig`` (whose
+``max_length`` is the token budget and ``padding_free`` the packing switch, the collator's names)
+and ``ModelConfig``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
-class EOGymScriptArguments:
-    """Data and image settings of an EO-Gym SFT run."""
+class ImageConfig:
+    """How images are resized: Qwen-VL keeps the aspect ratio and scales into ``[min_pixels, max_pixels]``."""
+
+    max_pixels: int = field(default=1003520, metadata={"help": "pixel cap per image: 980 visual tokens on Qwen3-VL"})
+    min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
+
+    def __post_init__(self):
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
+
+
+@dataclass
+class SampleConfig(ImageConfig):
+    """Images as in :class:`ImageConfig`, and the token budget of one sample, image tokens included."""
+
+    max_length: int = field(
+        default=8192, metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)"}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be at least 1, got {self.max_length}")
+
+    def sample_kwargs(self) -> dict:
+        """Just these settings as keywords, also on a subclass: ``PrepConfig(**cfg.sample_kwargs(), ...)``,
+        ``EOGymCollator(processor, **cfg.sample_kwargs(), ...)``."""
+        return {f.name: getattr(self, f.name) for f in fields(SampleConfig)}
+
+
+@dataclass
+class EOGymScriptArguments(ImageConfig):
+    """Data and image settings of an EO-Gym SFT run (the token budget is ``SFTConfig.max_length``)."""
 
     dataset_path: str = field(
         default="data/eo_gym/train.jsonl",
@@ -18,23 +56,22 @@ class EOGymScriptArguments:
         default=None, metadata={"help": "where JSONL input is prepared to (default: <output_dir>/prepared); reused when settings match"}
     )
     eval_fraction: float = field(default=0.02, metadata={"help": "share of traces held out for evaluation, split by trace id"})
-    max_pixels: int = field(default=1003520, metadata={"help": "pixel cap per image: 980 visual tokens on Qwen3-VL"})
-    min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
     overlong: str = field(default="split", metadata={"help": "over-long traces: split (at assistant turns) or drop"})
     tool_images: str = field(
         default="produced",
         metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
     )
     prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes"})
-    pack_batch: bool = field(
-        default=False,
-        metadata={"help": "padding-free: pack each batch into one row with per-sample mRoPE position ids (TRL's own padding_free refuses image data)"},
-    )
     compile_layers: bool = field(
         default=False,
         metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
     )
 
     def __post_init__(self):
+        super().__post_init__()
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+    def sample_config(self, max_length: int | None) -> SampleConfig:
+        """The run's :class:`SampleConfig`: these pixel settings and ``SFTConfig.max_length``."""
+        return SampleConfig(max_pixels=self.max_pixels, min_pixels=self.min_pixels, max_length=max_length or SampleConfig.max_length)

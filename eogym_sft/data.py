@@ -27,15 +27,27 @@ def load_or_prepare(path: str, model: str, processor, cfg: PrepConfig, workdir: 
     missing = [p for p in files if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"no such dataset file or prepared folder: {', '.join(missing)}")
-    settings = dict(vars(cfg), model=model, inputs=files, processor_fingerprint=processor_fingerprint(processor))
-    settings["input_hashes"] = {p: file_sha256(p) for p in files}
     cached = Path(workdir) / "stats.json"
-    if cached.is_file() and json.loads(cached.read_text()).get("settings") == settings:
+    if cached.is_file() and json.loads(cached.read_text()).get("settings") == prep_settings(files, model, processor, cfg):
         return load_prepared(workdir)
-    results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
-    stats = write_prepared(workdir, results, settings)
-    print(format_summary(stats))
+    prepare_dataset(files, model, processor, cfg, workdir, num_proc)
     return load_prepared(workdir)
+
+
+def prep_settings(files: list[str], model: str, processor, cfg: PrepConfig) -> dict:
+    """What a prepared folder was made from, recorded in its ``stats.json`` (a folder is reused only when they match)."""
+    settings = dict(vars(cfg), model=model, inputs=[str(p) for p in files], processor_fingerprint=processor_fingerprint(processor))
+    settings["input_hashes"] = {str(p): file_sha256(p) for p in files}
+    return settings
+
+
+def prepare_dataset(files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1) -> dict:
+    """Prepare EO-Gym JSONL ``files`` into ``output`` (``dataset/``, ``manifest.jsonl``, ``stats.json``) with
+    ``processor``, loaded from ``model`` with ``cfg``'s pixel settings; print the summary and return the stats."""
+    results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
+    stats = write_prepared(output, results, prep_settings(files, model, processor, cfg))
+    print(format_summary(stats))
+    return stats
 
 
 def file_sha256(path: str | Path) -> str:

@@ -21,6 +21,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .config import SampleConfig
 from .encoding import render
 from .guards import adapter_base, check_adapter_base, refuse_nonempty_output
 from .images import ImageError, image_size, load_rgb, resolve_image_path
@@ -54,9 +55,9 @@ REPORT_METRICS = (
 )
 
 
-@dataclass
-class EvalConfig:
-    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``)."""
+@dataclass(kw_only=True)
+class EvalConfig(SampleConfig):
+    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_length`` caps a turn's prompt."""
 
     model: str
     data: list[str]
@@ -72,9 +73,6 @@ class EvalConfig:
     batch_size: int = 8
     num_tolerance: float = 1e-6
     limit: int | None = None
-    max_prompt_tokens: int = 8192
-    max_pixels: int = 1003520
-    min_pixels: int = 65536
     tool_images: str = "produced"
     judge: str | None = None  # "module:function"
     seed: int = 0
@@ -84,10 +82,9 @@ class EvalConfig:
     allow_other_base: bool = False  # use adapters whose adapter_config.json names another base
 
     def __post_init__(self):
-        if min(self.samples, self.batch_size, self.max_new_tokens, self.max_prompt_tokens) < 1:
-            raise ValueError("samples, batch_size, max_new_tokens and max_prompt_tokens must be at least 1")
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
+        super().__post_init__()
+        if min(self.samples, self.batch_size, self.max_new_tokens) < 1:
+            raise ValueError("samples, batch_size and max_new_tokens must be at least 1")
         if self.samples > 1 and self.temperature <= 0:
             raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
         if self.num_tolerance < 0:
@@ -212,7 +209,7 @@ def _reference(trace: Trace, index: int) -> Reference:
 
 def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> tuple[list[TurnPrompt], list[dict]]:
     """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
-    included); turns over ``max_prompt_tokens`` or with an unusable image are skipped with a reason."""
+    included); turns over ``max_length`` or with an unusable image are skipped with a reason."""
     tokenizer = processor.tokenizer
     factor = image_factor(processor)
     prompts, skipped = [], []
@@ -232,8 +229,8 @@ def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> t
             text = render(processor, history, trace.tools, add_generation_prompt=True)
             n_text = len(tokenizer(text, add_special_tokens=False)["input_ids"])
             n_tokens = n_text - len(images) + sum(tokens for _, tokens, _ in images)  # one <|image_pad|> each
-            if n_tokens > cfg.max_prompt_tokens:
-                detail = f"{n_tokens} prompt tokens, limit {cfg.max_prompt_tokens}"
+            if n_tokens > cfg.max_length:
+                detail = f"{n_tokens} prompt tokens, limit {cfg.max_length}"
                 skipped.append(_problem("turn", source, trace.id, turn, "prompt_too_long", "messages", detail))
                 continue
             digest = hashlib.sha256(text.encode())
@@ -734,10 +731,14 @@ def add_evaluate_args(parser) -> None:
     )
     add("--limit", type=int, default=None, help="read only the first N input rows")
     add(
-        "--max-prompt-tokens", type=int, default=8192, help="skip turns whose prompt is longer (image tokens included)"
+        "--max-length",
+        "--max-prompt-tokens",
+        type=int,
+        default=SampleConfig.max_length,
+        help="skip turns whose prompt is longer (image tokens included)",
     )
-    add("--max-pixels", type=int, default=1003520, help="pixel cap per image, as in data prep")
-    add("--min-pixels", type=int, default=65536, help="pixel floor per image, as in data prep")
+    add("--max-pixels", type=int, default=SampleConfig.max_pixels, help="pixel cap per image, as in data prep")
+    add("--min-pixels", type=int, default=SampleConfig.min_pixels, help="pixel floor per image, as in data prep")
     add("--tool-images", default="produced", help="which tool-result images the model sees, as in data prep")
     add(
         "--judge",
@@ -779,7 +780,7 @@ def run_evaluate(args) -> dict:
             batch_size=args.batch_size,
             num_tolerance=args.num_tolerance,
             limit=args.limit,
-            max_prompt_tokens=args.max_prompt_tokens,
+            max_length=args.max_length,
             max_pixels=args.max_pixels,
             min_pixels=args.min_pixels,
             tool_images=args.tool_images,

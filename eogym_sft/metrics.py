@@ -14,13 +14,20 @@ IGNORE_INDEX = -100
 TOKEN_CLASSES = ("tool_call", "free_text", "final_answer", "end_of_turn")
 
 
+def correct_predictions(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per target: whether ``argmax(logits)`` is that token (``False`` where it is ``ignore_index``).
+
+    ``logits[..., i, :]`` scores ``targets[..., i]``: already shifted. The trainer's logged accuracy and
+    ``validate`` both count with this function.
+    """
+    return (logits.argmax(-1) == targets) & (targets != ignore_index)
+
+
 def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """``tensor([correct, total])`` for next-token prediction: ``logits[..., t, :]`` predicts ``labels[..., t + 1]``."""
-    predictions = logits[..., :-1, :].argmax(-1)
     targets = labels[..., 1:]
-    valid = targets != ignore_index
-    correct = ((predictions == targets) & valid).sum()
-    return torch.stack([correct, valid.sum()]).to(torch.long)
+    correct = correct_predictions(logits[..., :-1, :], targets, ignore_index).sum()
+    return torch.stack([correct, (targets != ignore_index).sum()]).to(torch.long)
 
 
 def sum_across_ranks(counts: torch.Tensor) -> torch.Tensor:

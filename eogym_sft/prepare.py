@@ -7,11 +7,13 @@ file). :func:`prepare_files` runs it over files in parallel and :func:`write_pre
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
+from .config import SampleConfig
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, checked_image_size, resolve_image_path
 from .tool_images import ToolImageRule
@@ -21,23 +23,19 @@ OVERLONG_MODES = ("split", "drop")
 
 
 @dataclass
-class PrepConfig:
-    """Settings of a data-prep run (the CLI flags of ``eogym-sft prepare``)."""
+class PrepConfig(SampleConfig):
+    """Settings of a data-prep run (the flags of ``eogym-sft prepare``): the sample settings, and the rest."""
 
     data_root: str = "."
-    max_tokens: int = 8192
-    max_pixels: int = 1003520
-    min_pixels: int = 65536
     overlong: str = "split"
     tool_images: str = "produced"  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
     strict: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.overlong not in OVERLONG_MODES:
             raise ValueError(f"overlong must be one of {OVERLONG_MODES}, got {self.overlong!r}")
         ToolImageRule.parse(self.tool_images)  # raises ValueError on a bad spec
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
 
 
 @dataclass
@@ -203,10 +201,10 @@ def trace_samples(processor, trace: Trace, hws: list[tuple[int, int]], cfg: Prep
     image_tokens = [image_token_count(hw, factor) for hw in hws]
     costs = _costs(enc, image_tokens, image_token_id)
     total = sum(costs)
-    if total > cfg.max_tokens and cfg.overlong == "drop":
-        raise TraceError("overlong", "messages", f"{total} tokens, budget {cfg.max_tokens}")
+    if total > cfg.max_length and cfg.overlong == "drop":
+        raise TraceError("overlong", "messages", f"{total} tokens, budget {cfg.max_length}")
     n_turns = len(enc.assistant_starts)
-    windows = [(0, 0, n_turns - 1)] if total <= cfg.max_tokens else plan_windows(enc, costs, cfg.max_tokens)
+    windows = [(0, 0, n_turns - 1)] if total <= cfg.max_length else plan_windows(enc, costs, cfg.max_length)
     image_pos = [i for i, tok in enumerate(enc.input_ids) if tok == image_token_id]
     samples = [_window_sample(trace, enc, hws, image_pos, w, factor) for w in windows]
     if len(samples) > 1:
@@ -258,19 +256,20 @@ def read_lines(path: str | os.PathLike):
             yield number, raw.rstrip(b"\r\n")
 
 
-def _prepare_chunk(chunk):
-    processor, cfg = _WORKER["processor"], _WORKER["cfg"]
+def _prepare_chunk(processor, cfg: PrepConfig, chunk) -> list[LineResult]:
     return [prepare_line(processor, cfg, file, line, raw) for file, line, raw in chunk]
 
 
-_WORKER: dict = {}
-
-
-def _init_worker(model: str, cfg: PrepConfig) -> None:
+@functools.lru_cache(maxsize=1)
+def _worker_processor(model: str, max_pixels: int, min_pixels: int):
+    """A worker process's processor: loaded by the pool's initializer, then reused for every chunk."""
     from .processor import load_processor
 
-    _WORKER["processor"] = load_processor(model, cfg.max_pixels, cfg.min_pixels)
-    _WORKER["cfg"] = cfg
+    return load_processor(model, max_pixels, min_pixels)
+
+
+def _prepare_chunk_in_worker(model: str, cfg: PrepConfig, chunk) -> list[LineResult]:
+    return _prepare_chunk(_worker_processor(model, cfg.max_pixels, cfg.min_pixels), cfg, chunk)
 
 
 def _chunks(files: list[str], size: int):
@@ -303,15 +302,16 @@ def prepare_files(
     results: list[LineResult] = []
     if num_proc <= 1:
         if processor is None:
-            _init_worker(model, cfg)
-        else:
-            _WORKER.update(processor=processor, cfg=cfg)
-        chunk_results = map(_prepare_chunk, _chunks(files, 16))
+            from .processor import load_processor
+
+            processor = load_processor(model, cfg.max_pixels, cfg.min_pixels)
+        chunk_results = map(functools.partial(_prepare_chunk, processor, cfg), _chunks(files, 16))
     else:
         import multiprocessing as mp
 
-        pool = mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=(model, cfg))
-        chunk_results = pool.imap(_prepare_chunk, _chunks(files, 16))
+        initargs = (model, cfg.max_pixels, cfg.min_pixels)
+        pool = mp.get_context("spawn").Pool(num_proc, initializer=_worker_processor, initargs=initargs)
+        chunk_results = pool.imap(functools.partial(_prepare_chunk_in_worker, model, cfg), _chunks(files, 16))
     try:
         for chunk in chunk_results:
             results.extend(chunk)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from .config import ImageConfig
 
-def load_processor(model_name_or_path: str, max_pixels: int = 1003520, min_pixels: int = 65536):
+
+def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pixels, min_pixels: int = ImageConfig.min_pixels):
     """``AutoProcessor`` for a hub id or local folder, with images capped at ``max_pixels``.
 
     The cap is written into the image processor's ``size`` so that data prep, training and anything

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from .config import ImageConfig
+
 # Qwen3-VL's special token ids (shared by every Qwen3 tokenizer).
 IMAGE_TOKEN_ID = 151655
 VIDEO_TOKEN_ID = 151656
@@ -85,7 +87,7 @@ def qwen3_vl_chat_template() -> str:
     return (_package_dir("trl") / "chat_templates" / "qwen3_vl.jinja").read_text()
 
 
-def build_offline_processor(max_pixels: int = 1003520, min_pixels: int = 65536):
+def build_offline_processor(max_pixels: int = ImageConfig.max_pixels, min_pixels: int = ImageConfig.min_pixels):
     """A real ``Qwen3VLProcessor`` built from local files only."""
     from transformers import AutoTokenizer, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor

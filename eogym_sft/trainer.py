@@ -11,7 +11,8 @@ window (or the whole evaluation set) and across ranks, next to TRL's step-averag
 
 With ``train_sampling_strategy="batch_rebalance"`` the micro-batches are built to a token budget
 (:class:`~eogym_sft.sampler.TokenBalancedSampler`). Unless ``dataloader_prefetch_factor`` is set, the
-workers keep a whole optimizer step of micro-batches in flight (see ``__init__``).
+workers keep a whole optimizer step of micro-batches in flight (see ``__init__``). ``padding_free=True`` in
+the ``SFTConfig`` trains on packed batches; the collator must pack (``EOGymCollator(padding_free=True)``).
 
 Samples that the collator skipped (``EOGymCollator(skip_bad_images=True)``: an image file that changed
 after prep) are logged as a warning by sample id and file when they happen, counted in the logs
@@ -31,7 +32,7 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
-from .metrics import IGNORE_INDEX
+from .metrics import IGNORE_INDEX, correct_predictions
 from .sampler import TokenBalancedSampler
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,19 @@ SKIPPED_FILE = "skipped_samples.jsonl"
 class EOGymSFTTrainer(SFTTrainer):
     """``SFTTrainer`` with a supervised-positions-only LM head and token-weighted accuracy."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model=None, args=None, data_collator=None, **kwargs):
+        padding_free = bool(args is not None and args.padding_free)
+        if padding_free and not getattr(data_collator, "padding_free", False):
+            raise ValueError("padding_free=True needs a collator that packs the batch: EOGymCollator(padding_free=True)")
+        # TRL refuses padding_free on image data because its own collator cannot pack images; ours does, so
+        # TRL is shown padding_free=False while it sets up (tests/test_trainer.py pins that refusal).
+        if padding_free:
+            args.padding_free = False
+        try:
+            super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        finally:
+            if padding_free:
+                args.padding_free = True
         if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is None:
             # The Trainer draws all of a step's micro-batches before it runs the first (get_batch_samples);
             # with torch's 2 batches a worker the rest are collated (images decoded, resized) while the GPU waits.
@@ -82,7 +94,7 @@ class EOGymSFTTrainer(SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         with torch.no_grad():
-            right = (logits.argmax(-1) == picked) & valid
+            right = correct_predictions(logits, picked)
             if mode == "train":
                 self._train_steps.append(torch.stack([right.sum(), valid.sum(), _real_tokens(inputs)]))
             else:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .metrics import IGNORE_INDEX, token_classes
+from .config import SampleConfig
+from .metrics import IGNORE_INDEX, correct_predictions, token_classes
 
 GROUP_FIELDS = ("EO_task", "question_type")
 
@@ -36,7 +38,7 @@ def supervised_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, t
     logits = lm.lm_head(hidden[where[:, 0], where[:, 1]]).float()
     goal = targets[where[:, 0], where[:, 1]]
     loss = torch.nn.functional.cross_entropy(logits, goal, reduction="none")
-    return loss, logits.argmax(-1) == goal, where
+    return loss, correct_predictions(logits, goal), where
 
 
 def _accumulate(totals, keys_per_row, classes_per_row, loss, correct, where) -> None:
@@ -120,7 +122,23 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_validate(args) -> dict:
+@dataclass(kw_only=True)
+class ValidateConfig(SampleConfig):
+    """Settings of ``eogym-sft validate``."""
+
+    model: str  # base model: hub id or local folder
+    data: str  # prepared folder, or EO-Gym JSONL (prepared on the way in)
+    output: str  # report.json to write
+    adapter: str | None = None  # PEFT adapter folder; None scores the base model alone
+    data_root: str = "."
+    with_base: bool = False  # also score the base model, as a second column
+    batch_size: int = 4
+    num_proc: int = 1  # data-prep workers when data is JSONL
+    dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
+
+
+def validate(cfg: ValidateConfig) -> dict:
+    """Score ``cfg.adapter`` (and with ``with_base`` its base) on ``cfg.data``; write and return the report."""
     from .collator import EOGymCollator
     from .data import load_or_prepare
     from .modeling import load_base_model
@@ -128,35 +146,31 @@ def run_validate(args) -> dict:
     from .processor import load_processor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    processor = load_processor(args.model, args.max_pixels, args.min_pixels)
-    cfg = PrepConfig(args.data_root, args.max_tokens, args.max_pixels, args.min_pixels)
-    workdir = Path(args.output).with_suffix("").as_posix() + "_prepared"
-    dataset, _ = load_or_prepare(args.data, args.model, processor, cfg, workdir, args.num_proc)
-    model = load_base_model(args.model, dtype=dtype)
-    if args.adapter:
+    dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
+    processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
+    workdir = Path(cfg.output).with_suffix("").as_posix() + "_prepared"
+    dataset, _ = load_or_prepare(cfg.data, cfg.model, processor, PrepConfig(**cfg.sample_kwargs(), data_root=cfg.data_root), workdir, cfg.num_proc)
+    model = load_base_model(cfg.model, dtype=dtype)
+    if cfg.adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, args.adapter)
+        model = PeftModel.from_pretrained(model, cfg.adapter)
     model.to(device).eval()
-    collator = EOGymCollator(
-        processor, data_root=args.data_root, max_pixels=args.max_pixels, min_pixels=args.min_pixels, max_length=args.max_tokens,
-        skip_bad_images=True,
-    )
+    collator = EOGymCollator(processor, **cfg.sample_kwargs(), data_root=cfg.data_root, skip_bad_images=True)
     models, skipped = {}, []
-    name = "adapter" if args.adapter else "base"
-    models[name] = score_dataset(model, collator, dataset, args.batch_size, device, skipped=skipped)
-    if args.adapter and args.with_base:
+    name = "adapter" if cfg.adapter else "base"
+    models[name] = score_dataset(model, collator, dataset, cfg.batch_size, device, skipped=skipped)
+    if cfg.adapter and cfg.with_base:
         with model.disable_adapter():
-            models["base"] = score_dataset(model, collator, dataset, args.batch_size, device)
+            models["base"] = score_dataset(model, collator, dataset, cfg.batch_size, device)
     report = {
-        "model": args.model, "adapter": args.adapter, "data": args.data, "samples": len(dataset),
+        "model": cfg.model, "adapter": cfg.adapter, "data": cfg.data, "samples": len(dataset),
         "samples_skipped": len(skipped), "skipped": skipped, "models": models,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(cfg.output).write_text(json.dumps(report, indent=2) + "\n")
     print(format_report(report))
     for record in skipped:
         print(f"skipped sample {record['sample_id']} ({record['reason']}): {record['file']}")
-    print(f"token accuracy ({name}): {models[name]['overall']['token_accuracy']:.4f}  report: {args.output}")
+    print(f"token accuracy ({name}): {models[name]['overall']['token_accuracy']:.4f}  report: {cfg.output}")
     return report

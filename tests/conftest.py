@@ -52,8 +52,10 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sample_dir():
-    """The bundled sample (``data/sample``, written by ``data_prep/make_sample.py``)."""
-    path = REPO / "data" / "sample"
+    """The bundled sample (``eogym_sft/sample``, package data written by ``data_prep/make_sample.py``)."""
+    from eogym_sft.demo import SAMPLE_DIR
+
+    path = SAMPLE_DIR
     assert (path / "eogym_sample.jsonl").is_file(), "run `python data_prep/make_sample.py` to write the sample"
     return path
 

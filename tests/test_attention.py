@@ -10,7 +10,7 @@ import torch
 
 from helpers import chat_example, sharpen
 
-from eogym_sft.attention import _boundaries, _varlen_reference
+from eogym_sft.attention import SampleBoundaries, _varlen_reference
 
 MIN_PIXELS, MAX_PIXELS = 1024, 16384
 
@@ -74,21 +74,19 @@ def test_varlen_gives_the_sdpa_loss(models, processor, padding_free):
             assert abs(varlen(**leaky, use_cache=False).loss.item() - want.loss.item()) > 1e-3
 
 
-def test_boundaries_from_a_position_row():
-    import eogym_sft.attention as attention
-
-    attention._last_boundaries.clear()
+def testboundaries_from_a_position_row():
+    boundaries = SampleBoundaries()
     row = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 0, 1, 2]])
-    cu, max_len = _boundaries(row)
+    cu, max_len = boundaries(row)
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 4, 6, 7, 10] and max_len == 4
     # a padded batch flattens row after row; each pad (position 0) is a sample of one token
     padded = torch.tensor([[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]])
-    cu, max_len = _boundaries(padded)
+    cu, max_len = boundaries(padded)
     assert cu.tolist() == [0, 3, 4, 5, 10] and max_len == 5
     # cached per tensor object, recomputed for a new one
-    assert _boundaries(padded)[0] is cu
-    assert _boundaries(padded.clone())[0] is not cu
+    assert boundaries(padded)[0] is cu
+    assert boundaries(padded.clone())[0] is not cu
 
 
 def test_reference_path_is_causal_per_segment():

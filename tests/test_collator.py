@@ -321,7 +321,7 @@ def test_trl_shaped_examples_match_prepared_samples(processor, tmp_path):
             {"role": "assistant", "content": "I count the hulls.\nFinal Answer: 3"},
         ],
     }
-    cfg = PrepConfig(str(tmp_path), 8192, MAX_PIXELS, MIN_PIXELS)
+    cfg = PrepConfig(data_root=str(tmp_path), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
     result = prepare_line(processor, cfg, "rows.jsonl", 1, json.dumps(row).encode())
     assert result.status == "kept", result
     (prepared,) = result.samples
@@ -397,7 +397,7 @@ def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, tmp_p
             {"role": "assistant", "content": "Final Answer: 2"},
         ],
     }
-    cfg = PrepConfig(str(tmp_path), 8192, MAX_PIXELS, MIN_PIXELS)
+    cfg = PrepConfig(data_root=str(tmp_path), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
     (sample,) = prepare_line(processor, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
     assert sample["image_hw"] == [[128, 128]]
     same = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)

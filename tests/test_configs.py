@@ -91,25 +91,33 @@ def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
 
 def test_eo_gym_4b_yaml_ships_the_speed_path(recipe):
     script, training, model = recipe.parse_args(list(CPU))
-    assert script.pack_batch and script.compile_layers and model.attn_implementation == "eogym_varlen"
+    assert training.padding_free and script.compile_layers and model.attn_implementation == "eogym_varlen"
     assert training.gradient_checkpointing is False and training.dataloader_num_workers == 4
 
 
-def test_recipe_turns_on_expandable_segments_unless_the_user_set_the_allocator():
-    """Set before torch starts CUDA, so it must happen when the recipe script is loaded."""
+def test_recipe_turns_on_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):
+    """Set before torch starts CUDA, so it must happen when the recipe script is loaded, before it imports
+    anything that may start CUDA."""
+    import ast
     import os
-    import subprocess
-    import sys
 
-    load = (
-        "import importlib.util, os; spec = importlib.util.spec_from_file_location('r', 'recipes/eo_gym_4b.py'); "
-        "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    source = (REPO / "recipes" / "eo_gym_4b.py").read_text()
+    statements = ast.parse(source).body
+    sets = next(i for i, node in enumerate(statements) if "PYTORCH_CUDA_ALLOC_CONF" in ast.unparse(node))
+    third_party = [
+        i for i, node in enumerate(statements)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and (getattr(node, "module", None) or node.names[0].name).split(".")[0]
+        not in ("os", "sys", "pathlib", "__future__")
+    ]
+    assert third_party and sets < min(third_party)
     for preset, expected in ((None, "expandable_segments:True"), ("max_split_size_mb:64", "max_split_size_mb:64")):
-        run_env = env if preset is None else dict(env, PYTORCH_CUDA_ALLOC_CONF=preset)
-        out = subprocess.run([sys.executable, "-c", load], cwd=REPO, env=run_env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip().splitlines()[-1] == expected
+        if preset is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
+        spec = importlib.util.spec_from_file_location("eo_gym_4b_allocator", REPO / "recipes" / "eo_gym_4b.py")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
 
 
 def test_no_config_reads_the_same_yaml(recipe):
@@ -123,7 +131,7 @@ def test_no_config_reads_the_same_yaml(recipe):
 
 def test_flags_override_the_yaml(recipe):
     script, training, model = recipe.parse_args(
-        [*CPU, "--learning_rate", "3e-4", "--lora_r", "8", "--max_pixels", "4096", "--max_steps", "5"]
+        [*CPU, "--learning_rate", "3e-4", "--lora_r", "8", "--max_pixels", "4096", "--min_pixels", "1024", "--max_steps", "5"]
     )
     assert (
         training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
@@ -134,6 +142,8 @@ def test_flags_override_the_yaml(recipe):
 def test_bad_eval_fraction_is_refused(recipe):
     with pytest.raises(ValueError, match="eval_fraction"):
         recipe.parse_args([*CPU, "--eval_fraction", "1.0"])
+    with pytest.raises(ValueError, match="min_pixels <= max_pixels"):
+        recipe.parse_args([*CPU, "--max_pixels", "4096"])  # under the 65,536 px floor
 
 
 EXPECTED_DISTRIBUTED = {

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from eogym_sft.demo import SAMPLE_JSONL
 from eogym_sft.encoding import render
 from eogym_sft.scoring import (
     Reference,
@@ -438,13 +439,13 @@ def test_plan_turns_prompts_tokens_and_skips(data, processor):
         pictures = [Image.open(path).convert("RGB") for path in p.images] or None
         assert p.prompt_tokens == processor(text=[p.text], images=pictures, return_tensors="pt")["input_ids"].shape[1]
     limit = prompts[1].prompt_tokens - 1
-    cfg = _cfg(data, max_prompt_tokens=limit)
+    cfg = _cfg(data, max_length=limit)
     short, skipped = plan_turns(processor, read_traces(cfg)[0], cfg)
     assert ("r1", 1, "prompt_too_long") in {(s["trace_id"], s["turn"], s["reason"]) for s in skipped}
     assert all(p.prompt_tokens <= limit for p in short)
 
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample" / "eogym_sample.jsonl"
+SAMPLE = SAMPLE_JSONL
 
 
 @pytest.mark.skipif(not SAMPLE.is_file(), reason="the bundled sample is not there")

@@ -323,8 +323,8 @@ def _drop_cases(row_factory, root):
             "image 0 (EO_GYM_DATA/bad/strip.png)",
             rid,
         ),
-        "overlong": (row, {"overlong": "drop", "max_tokens": 900}, "overlong", "messages", rid),
-        "turn_exceeds_budget": (row, {"max_tokens": 600}, "turn_exceeds_budget", "messages[2]", rid),
+        "overlong": (row, {"overlong": "drop", "max_length": 900}, "overlong", "messages", rid),
+        "turn_exceeds_budget": (row, {"max_length": 600}, "turn_exceeds_budget", "messages[2]", rid),
     }
 
 
@@ -386,8 +386,8 @@ def test_every_drop_reason_lands_in_the_manifest(processor, data_root, row_facto
 def test_drop_details_are_exact_where_they_carry_numbers(processor, data_root, row_factory):
     row = row_factory()
     n = _prep(processor, row, data_root).samples[0]["n_tokens"]
-    assert _prep(processor, row, data_root, overlong="drop", max_tokens=n - 1).detail == f"{n} tokens, budget {n - 1}"
-    assert _prep(processor, row, data_root, overlong="drop", max_tokens=n).status == "kept"
+    assert _prep(processor, row, data_root, overlong="drop", max_length=n - 1).detail == f"{n} tokens, budget {n - 1}"
+    assert _prep(processor, row, data_root, overlong="drop", max_length=n).status == "kept"
     assert _prep(processor, b'{"id": "caf\xe9"}', data_root).detail == "invalid UTF-8 at byte 11"
 
 
@@ -470,13 +470,13 @@ def check_windows(processor, trace, samples, budget, runs_of):
 def test_a_long_trace_splits_into_windows(processor, data_root, row_factory, runs_of):
     row = row_factory(n_steps=7)
     whole = _prep(processor, row, data_root).samples[0]["n_tokens"]
-    res = _prep(processor, row, data_root, max_tokens=1200)
+    res = _prep(processor, row, data_root, max_length=1200)
     assert whole == 1950 and res.status == "split"
     assert [s["trained_turns"] for s in res.samples] == [[0, 2], [3, 4], [5, 7]]
     assert res.manifest_entry()["sample_ids"] == [f"{row['id']}#w{k}" for k in range(3)]
     check_windows(processor, normalize_row(row), res.samples, 1200, runs_of)
     # with drop instead, the same row is dropped as overlong
-    assert _prep(processor, row, data_root, max_tokens=1200, overlong="drop").reason == "overlong"
+    assert _prep(processor, row, data_root, max_length=1200, overlong="drop").reason == "overlong"
 
 
 # ---- the bundled sample, end to end --------------------------------------------------------------
@@ -490,7 +490,7 @@ def _run_lines(processor, sample_dir, **cfg):
 
 @pytest.fixture(scope="module")
 def sample_2048(processor, sample_dir):
-    return _run_lines(processor, sample_dir, max_tokens=2048)
+    return _run_lines(processor, sample_dir, max_length=2048)
 
 
 def test_sample_at_2048_splits_the_long_rows(processor, sample_dir, sample_2048, runs_of):
@@ -506,7 +506,7 @@ def test_sample_at_2048_splits_the_long_rows(processor, sample_dir, sample_2048,
 
 
 def test_written_stats_equal_the_returned_ones(sample_2048, tmp_path):
-    stats = write_prepared(tmp_path / "split", sample_2048, {"max_tokens": 2048})
+    stats = write_prepared(tmp_path / "split", sample_2048, {"max_length": 2048})
     dataset, saved = load_prepared(tmp_path / "split")
     assert saved == stats  # JSON keeps no int keys: the returned stats must not have any either
     assert stats["windows_per_split_row"] == {"2": 3, "4": 2}
@@ -605,7 +605,7 @@ def test_sample_manifest_accounts_for_every_line(cli_output, sample_dir):
     assert dataset.features == features()
     assert sum(dataset["n_tokens"]) == stats["tokens_total"] and max(dataset["n_tokens"]) == stats["max_tokens_seen"]
     assert sum(stats["token_histogram"].values()) == sum(stats["images_per_sample"].values()) == len(dataset)
-    assert stats["settings"]["max_tokens"] == 8192 and len(stats["settings"]["processor_fingerprint"]) == 16
+    assert stats["settings"]["max_length"] == 8192 and len(stats["settings"]["processor_fingerprint"]) == 16
 
 
 def test_same_input_same_hash(processor, cli_output, sample_dir):

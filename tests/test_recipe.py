@@ -149,11 +149,12 @@ def lora_only(params: dict) -> dict:
 
 
 def run_recipe(recipe, argv: list[str]):
-    """``main(*parse_args(argv))`` with a trainer that records what the checks need."""
+    """``train(*parse_args(argv))``, as the recipe script runs, with a trainer that records what the checks need."""
+    import eogym_sft.sft as sft
 
     made = []
 
-    class RecordingTrainer(recipe.EOGymSFTTrainer):
+    class RecordingTrainer(sft.EOGymSFTTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
@@ -174,12 +175,12 @@ def run_recipe(recipe, argv: list[str]):
             self.steps_run += 1
             return super().training_step(model, inputs, num_items_in_batch)
 
-    original = recipe.EOGymSFTTrainer
-    recipe.EOGymSFTTrainer = RecordingTrainer
+    original = sft.EOGymSFTTrainer
+    sft.EOGymSFTTrainer = RecordingTrainer
     try:
-        output = recipe.main(*recipe.parse_args(argv))
+        output = recipe.train(*recipe.parse_args(argv))
     finally:
-        recipe.EOGymSFTTrainer = original
+        sft.EOGymSFTTrainer = original
     (trainer,) = made
     return output, trainer
 
@@ -352,16 +353,18 @@ def test_resume_continues_from_the_last_checkpoint(first_run, tiny_model_dir, wo
 
 
 def test_resume_without_a_checkpoint_is_an_error(first_run, tmp_path):
+    from eogym_sft.sft import resume_checkpoint
+
     recipe = first_run["recipe"]
     cpu = ["--use_cpu", "true", "--output_dir", str(tmp_path)]
     _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "true"])
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        recipe.resume_checkpoint(training_args)
+        resume_checkpoint(training_args)
     _, training_args, _ = recipe.parse_args(cpu)
-    assert recipe.resume_checkpoint(training_args) is None
+    assert resume_checkpoint(training_args) is None
     (tmp_path / "checkpoint-7").mkdir()
     (tmp_path / "checkpoint-12").mkdir()
     _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "last"])
-    assert recipe.resume_checkpoint(training_args) == str(tmp_path / "checkpoint-12")
+    assert resume_checkpoint(training_args) == str(tmp_path / "checkpoint-12")
     _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", str(tmp_path / "checkpoint-7")])
-    assert recipe.resume_checkpoint(training_args) == str(tmp_path / "checkpoint-7")
+    assert resume_checkpoint(training_args) == str(tmp_path / "checkpoint-7")

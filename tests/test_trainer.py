@@ -267,3 +267,27 @@ def test_skipped_samples_are_logged_counted_and_listed(trainer, processor, caplo
     (listed,) = [json.loads(line) for line in open(f"{trainer.args.output_dir}/{SKIPPED_FILE}")]
     assert (listed["sample_id"], listed["file"], listed["reason"], listed["mode"]) == ("scene-9#w0", "gone/scene.png", "missing_image", "train")
     assert skipped_counts(trainer.state.log_history[-1:]) == {"train": 1, "eval": 0}
+
+
+def test_padding_free_config_trains_on_packed_image_batches(processor, tmp_path):
+    """TRL refuses ``padding_free`` on image data (its collator cannot pack images); the trainer accepts it with
+    a collator that packs, keeps the setting as given, and refuses it with one that pads."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.tiny import build_tiny_model
+    from eogym_sft.trainer import EOGymSFTTrainer
+
+    train = Dataset.from_dict({"messages": ["[]"], "images": [[]]})
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, padding_free=True,
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    model, packing = build_tiny_model(), EOGymCollator(processor, padding_free=True)
+    with pytest.raises(ValueError, match="Padding-free training is yet not supported for vision datasets"):
+        SFTTrainer(model=model, args=args, data_collator=packing, train_dataset=train, processing_class=processor)
+    trainer = EOGymSFTTrainer(model=model, args=args, data_collator=packing, train_dataset=train, processing_class=processor)
+    assert trainer.args.padding_free is True and trainer.data_collator is packing
+    with pytest.raises(ValueError, match="needs a collator that packs"):
+        EOGymSFTTrainer(model=model, args=args, data_collator=EOGymCollator(processor), train_dataset=train, processing_class=processor)
