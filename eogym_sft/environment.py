@@ -1,6 +1,6 @@
 """An EO-Gym tool environment: executes a model's tool calls for one row, as rollouts and GRPO need.
 
->>> env = EOGymEnvironment(row, "data/sample")                       # doctest: +SKIP
+>>> env = EOGymEnvironment(row, "eogym_sft/sample")                     # doctest: +SKIP
 >>> result = env.call("crop_optical_or_sar_image", {"image_url": row["images"][0], "aoi": [0.25, 0.25, 0.75, 0.75]})
 >>> result.text, result.images, result.message()                     # doctest: +SKIP
 

@@ -420,7 +420,7 @@ def _prepared_with_images(processor, root: Path) -> list[dict]:
     for i in range(3):
         scene = _save(root, f"EO_GYM_DATA/s{i}/scene.png", _image(64, 64, i))
         row = {"id": f"scene-{i}", "images": [scene], "messages": [{"role": "user", "content": "<image>Ships?"}, {"role": "assistant", "content": f"Final Answer: {i}"}]}
-        cfg = PrepConfig(str(root), 8192, MAX_PIXELS, MIN_PIXELS)
+        cfg = PrepConfig(data_root=str(root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
         samples += prepare_line(processor, cfg, "rows.jsonl", i + 1, json.dumps(row).encode()).samples
     return samples
 

@@ -514,19 +514,19 @@ def test_written_stats_equal_the_returned_ones(sample_2048, tmp_path):
 
 
 def test_attaching_listed_frames_too_splits_more_sample_rows(processor, sample_dir):
-    results = _run_lines(processor, sample_dir, max_tokens=2048, tool_images="attach")
+    results = _run_lines(processor, sample_dir, max_length=2048, tool_images="attach")
     stats = compute_stats(results, [s for r in results for s in r.samples])
     assert (stats["rows_kept"], stats["rows_split"], stats["windows_per_split_row"]) == (33, 7, {"2": 5, "4": 2})
     assert stats["tool_images_attached"] == {"compute_index": 4, "crop_optical_or_sar_image": 57, "get_optical_image_list": 12}
     # a per-tool override: attach every listed frame of the listing tool only
-    same = _run_lines(processor, sample_dir, max_tokens=2048, tool_images="produced,get_optical_image_list=attach")
+    same = _run_lines(processor, sample_dir, max_length=2048, tool_images="produced,get_optical_image_list=attach")
     assert [r.tool_images for r in same] == [r.tool_images for r in results]
 
 
 def test_a_prepared_folder_whose_data_changed_is_refused(sample_2048, tmp_path):
     from datasets import load_from_disk
 
-    stats = write_prepared(tmp_path / "p", sample_2048, {"max_tokens": 2048})
+    stats = write_prepared(tmp_path / "p", sample_2048, {"max_length": 2048})
     dataset = load_from_disk(str(tmp_path / "p" / "dataset"))
     # another prep's data file in its place: one sample's ids edited
     edited = dataset.map(lambda row, i: {"input_ids": row["input_ids"][:-1] if i == 3 else row["input_ids"]}, with_indices=True)
