@@ -25,12 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eogym_sft.config import SampleConfig  # noqa: E402
 
-def measure(jsonl: Path, data_root: Path, processor, mode: str, max_tokens: int) -> dict:
+
+def measure(jsonl: Path, data_root: Path, processor, mode: str, max_length: int) -> dict:
     from eogym_sft.prepare import PrepConfig, prepare_files
     from eogym_sft.prepared import compute_stats
 
-    cfg = PrepConfig(data_root=str(data_root), max_tokens=max_tokens, tool_images=mode)
+    cfg = PrepConfig(data_root=str(data_root), max_length=max_length, tool_images=mode)
     results = prepare_files([str(jsonl)], "unused", cfg, num_proc=1, progress=False, processor=processor)
     samples = [s for r in results for s in r.samples]
     stats = compute_stats(results, samples)
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--listing-share", type=float, default=0.3, help="share of tool calls that are get_optical_image_list listings")
-    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--max-length", "--max-tokens", type=int, default=SampleConfig.max_length, help="token budget per sample")
     parser.add_argument("--modes", nargs="+", default=["produced", "attach"], help="--tool-images specs to compare")
     parser.add_argument("--workdir", default=None, help="folder for the sample (default: a temp folder, removed after)")
     parser.add_argument("--json", default=None, help="where to write the JSON result")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         jsonl, data_root = generate_sample(workdir / "sample", args.rows, args.seed, args.listing_share)
         processor = build_offline_processor()
-        runs = [measure(jsonl, data_root, processor, mode, args.max_tokens) for mode in args.modes]
+        runs = [measure(jsonl, data_root, processor, mode, args.max_length) for mode in args.modes]
         common = add_common_rows(runs)
         result = {
             "bench": "tool_image_rule",
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             "rows": args.rows,
             "seed": args.seed,
             "listing_share": args.listing_share,
-            "max_tokens": args.max_tokens,
+            "max_length": args.max_length,
             "common_rows": common,
             "runs": runs,
         }

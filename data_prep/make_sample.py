@@ -21,7 +21,7 @@ rows name: ``EO_GYM_DATA/<8hex>/<64hex>.jpg|png`` (scenes, frames, SAR) and ``im
 * tool results naming ``image_cache/...png`` crops (sometimes behind an absolute cache prefix), and
   non-image outputs (``.nc`` NetCDF paths, JSON).
 
-Rows marked long carry several crops, so that ``--max-tokens 2048`` must split them while 8192 holds
+Rows marked long carry several crops, so that ``--max-length 2048`` must split them while 8192 holds
 them whole. The bad rows at the end (malformed JSON, unknown role, invalid tool-call arguments, a
 missing image) show the manifest at work. The pixels are synthetic (gradients, fields, roads,
 objects, low noise) so that nothing is blank; everything fits in well under 2 MB.
