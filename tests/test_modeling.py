@@ -167,10 +167,6 @@ def _loss_and_grads(processor, compiled: bool):
     model = build_tiny_model(seed=3)
     model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
     model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=3)
-    # Every decoder layer's input requires grad (as under gradient checkpointing), so the two layers share
-    # one compiled graph: Dynamo guards on requires_grad, and the first layer's input would otherwise have
-    # none, doubling the compile time of this test.
-    model.enable_input_require_grads()
     if compiled:
         # aot_eager: Dynamo's capture and AOTAutograd's joint graph as on the GPU, without Inductor's
         # C++ compile time on CPU. Inductor's numerics are checked on the 4B architecture by bench/.
