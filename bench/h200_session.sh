@@ -10,6 +10,8 @@
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
 #   bash bench/h200_session.sh perf         # issue 13: the recipe as launched (ZeRO-2, 64-sample steps) beside
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; ~8 min, 1 GPU
+#   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder
+#   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -73,5 +75,15 @@ perf)
   if [ "${PERF_FIXEDCOUNT:-0}" = 1 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/train_throughput.py ${p/--steps 2/--steps 1} --arms B-fixedcount --json $OUT/perf_fixedcount.json || echo "B-fixedcount: exit $?"
   fi
+  ;;
+rollout_bench)
+  make_model
+  CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --serial-episodes 2 --concurrency 32 \
+    --turns 3 --new-tokens 128 --workdir /tmp/rb --json $OUT/rollout.json
+  ;;
+rollout_bench_compile)
+  make_model
+  CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --concurrency 32 --turns 3 --new-tokens 128 \
+    --arms slots --compile reduce-overhead --workdir /tmp/rb --json $OUT/rollout_compile.json
   ;;
 esac

@@ -106,6 +106,18 @@ def run_evaluate(args: argparse.Namespace) -> dict:
     return run(args)
 
 
+def add_rollout_args(parser: argparse.ArgumentParser) -> None:
+    from .rollout import add_rollout_args as add
+
+    add(parser)
+
+
+def run_rollout(args: argparse.Namespace) -> dict:
+    from .rollout import run_rollout as run
+
+    return run(args)
+
+
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
@@ -149,6 +161,7 @@ COMMANDS = {
     "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
     "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
     "tool-call": (add_tool_call_args, run_tool_call, "run one EO-Gym tool call by hand and print its result as JSON"),
+    "rollout": (add_rollout_args, run_rollout, "closed-loop episodes (tools executed) of a base model and LoRA adapters; Pass@k"),
 }
 
 

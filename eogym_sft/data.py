@@ -6,9 +6,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from .prepare import PrepConfig, prepare_files
+from .prepare import PrepConfig, _decode_line, prepare_files, read_lines
 from .prepared import format_summary, load_prepared, write_prepared
 from .processor import processor_fingerprint
+from .traces import TraceError
 
 
 def load_or_prepare(path: str, model: str, processor, cfg: PrepConfig, workdir: str | Path, num_proc: int = 1):
@@ -73,3 +74,20 @@ def split_by_trace(dataset, eval_fraction: float, seed: int = 42):
     if len(held_out) == 0 or len(train) == 0:
         raise ValueError(f"eval_fraction={eval_fraction} leaves {len(train)} train and {len(held_out)} eval samples")
     return train, held_out
+
+
+def read_rows(files: list[str], limit: int | None = None):
+    """``(file:line, row)`` for the first ``limit`` lines of ``files`` (all when None); a line that is
+    blank, not UTF-8 or not JSON comes as ``(file:line, TraceError)`` instead, so that callers name it."""
+    count = 0
+    for file in files:
+        for line, raw in read_lines(file):
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            try:
+                if not raw.strip():
+                    raise TraceError("blank_line", "<line>", "empty line")
+                yield f"{file}:{line}", _decode_line(raw)
+            except TraceError as err:
+                yield f"{file}:{line}", err

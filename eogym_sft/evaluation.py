@@ -13,19 +13,22 @@ the messages, and arms are compared pairwise on identical turns. ``docs/evaluati
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import time
 from collections import OrderedDict, defaultdict
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import modeling
+from .data import read_rows
 from .config import SampleConfig
 from .encoding import render
-from .guards import adapter_base, check_adapter_base, refuse_nonempty_output
+from .guards import refuse_nonempty_output
+from .judge import judge_all, load_judge
+from .modeling import Arm, use_arm
+from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
 from .images import ImageError, image_size, load_rgb, resolve_image_path
-from .prepare import _decode_line, image_factor, image_token_count, read_lines, resized_hw
+from .prepare import image_factor, image_token_count, resized_hw
 from .scoring import (
     END_MARKERS,
     POSITIVE_METRICS,
@@ -37,7 +40,6 @@ from .scoring import (
     parse_output,
     score_output,
 )
-from .tool_images import ToolImageRule
 from .traces import Trace, TraceError, count_images, normalize_row
 
 GROUP_FIELDS = ("EO_task", "question_type")
@@ -56,54 +58,18 @@ REPORT_METRICS = (
 
 
 @dataclass(kw_only=True)
-class EvalConfig(SampleConfig):
+class EvalConfig(ArmsConfig):
     """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_length`` caps a turn's prompt."""
 
-    model: str
-    data: list[str]
-    output: str | None = None
-    adapters: list[str] = field(default_factory=list)  # "DIR" or "NAME=DIR"
-    data_root: str = "."
-    include_base: bool = True
-    samples: int = 1
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 512
     batch_size: int = 8
     num_tolerance: float = 1e-6
-    limit: int | None = None
-    tool_images: str = "produced"
-    judge: str | None = None  # "module:function"
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    overwrite: bool = False
-    allow_other_base: bool = False  # use adapters whose adapter_config.json names another base
 
     def __post_init__(self):
         super().__post_init__()
-        if min(self.samples, self.batch_size, self.max_new_tokens) < 1:
-            raise ValueError("samples, batch_size and max_new_tokens must be at least 1")
-        if self.samples > 1 and self.temperature <= 0:
-            raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.num_tolerance < 0:
             raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
-        ToolImageRule.parse(self.tool_images)  # raises ValueError on a bad spec
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if not self.include_base and not self.adapters:
-            raise ValueError("nothing to evaluate: no base arm and no adapters")
-
-
-@dataclass
-class Arm:
-    """One model to evaluate: the base (``adapter is None``) or the base with one LoRA adapter."""
-
-    name: str
-    adapter: str | None = None
-    peft_name: str | None = None  # peft adapter names must be valid module keys, so they are internal
-    trained_on: str | None = None  # the adapter's base_model_name_or_path, recorded to catch a wrong base
 
 
 @dataclass
@@ -128,26 +94,20 @@ class TurnPrompt:
 
 def read_traces(cfg: EvalConfig) -> tuple[list[tuple[str, Trace]], list[dict]]:
     """Normalised traces with their ``file:line``, and one failure entry for every row that is not usable."""
-    traces, failures, seen, count = [], [], {}, 0
-    for file in cfg.data:
-        for line, raw in read_lines(file):
-            if cfg.limit is not None and count >= cfg.limit:
-                return traces, failures
-            count += 1
-            source, row_id = f"{file}:{line}", None
-            try:
-                if not raw.strip():
-                    raise TraceError("blank_line", "<line>", "empty line")
-                row = _decode_line(raw)
-                row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
-                trace = normalize_row(row, cfg.tool_images)
-                if trace.id in seen:
-                    raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
-            except TraceError as err:
-                failures.append(_problem("row", source, row_id, None, err.reason, err.field, err.detail))
-                continue
-            seen[trace.id] = source
-            traces.append((source, trace))
+    traces, failures, seen = [], [], {}
+    for source, row in read_rows(cfg.data, cfg.limit):
+        row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
+        try:
+            if isinstance(row, TraceError):
+                raise row
+            trace = normalize_row(row, cfg.tool_images)
+            if trace.id in seen:
+                raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
+        except TraceError as err:
+            failures.append(_problem("row", source, row_id, None, err.reason, err.field, err.detail))
+            continue
+        seen[trace.id] = source
+        traces.append((source, trace))
     return traces, failures
 
 
@@ -161,14 +121,6 @@ def _problem(level, source, trace_id, turn, reason, field_name, detail) -> dict:
         "field": field_name,
         "detail": detail,
     }
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _image_table(trace: Trace, cfg: EvalConfig, factor: int) -> list:
@@ -280,59 +232,17 @@ class ImageCache:
 
 def parse_arms(cfg: EvalConfig) -> list[Arm]:
     """The base arm (unless excluded) then one arm per ``--adapter DIR`` or ``--adapter NAME=DIR``."""
-    arms = [Arm("base")] if cfg.include_base else []
-    for k, spec in enumerate(cfg.adapters):
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec.rstrip("/")).name, spec
-        check_adapter_base(path, cfg.model, cfg.allow_other_base)
-        arms.append(Arm(name, path, f"arm{k}", adapter_base(path)))
-    names = [a.name for a in arms]
-    if len(set(names)) != len(names):
-        raise ValueError(f"arm names must be unique, got {names}: name adapters with NAME=DIR")
-    return arms
+    return modeling.parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
 
 
 def resolve_device(cfg: EvalConfig):
-    """``(device, dtype)``: ``auto`` is CUDA in bf16 when there is a GPU, else CPU in fp32."""
-    import torch
-
-    if cfg.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(cfg.device)
-    if cfg.dtype != "auto":
-        return device, getattr(torch, cfg.dtype)
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    """``(device, dtype)`` of ``cfg``: ``auto`` is CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    return modeling.resolve_device(cfg.device, cfg.dtype)
 
 
 def load_model(cfg: EvalConfig, arms: list[Arm]):
     """The base model, loaded once, with every adapter of ``arms`` attached by peft (switch with :func:`use_arm`)."""
-    from transformers import AutoModelForImageTextToText
-
-    device, dtype = resolve_device(cfg)
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model, dtype=dtype, device_map={"": str(device)})
-    adapters = [a for a in arms if a.adapter]
-    if adapters:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].peft_name)
-        for arm in adapters[1:]:
-            model.load_adapter(arm.adapter, adapter_name=arm.peft_name)
-    return model.eval()
-
-
-@contextmanager
-def use_arm(model, arm: Arm):
-    """Activate ``arm``'s adapter; for the base arm, disable the adapters of a peft model."""
-    if arm.adapter:
-        model.set_adapter(arm.peft_name)
-        yield model
-        return
-    from peft import PeftModel
-
-    with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
-        yield model
+    return modeling.load_inference_model(cfg.model, arms, *resolve_device(cfg))
 
 
 def generation_config(cfg: EvalConfig, tokenizer):
@@ -419,26 +329,13 @@ def generate_turns(
 # ---------------------------------------------------------------- scoring and reports
 
 
-def load_judge(spec: str):
-    """``module:function`` -> the callable ``judge(question, prediction, reference) -> bool``."""
-    module, sep, name = spec.partition(":")
-    if not sep:
-        raise ValueError(f"--judge must be module:function, got {spec!r}")
-    judge = getattr(importlib.import_module(module), name)
-    if not callable(judge):
-        raise TypeError(f"--judge {spec} is not callable")
-    return judge
-
-
-def _judge(judge, prompt: TurnPrompt, answer: str | None) -> tuple[bool | None, str | None]:
+def _judge_outputs(judge, prompt: TurnPrompt, parsed: list) -> list[tuple[bool | None, str | None]]:
+    """The judge's ``(verdict, error)`` per output of a final turn; no request for an output without an answer."""
     if judge is None or not prompt.reference.scores_answer:
-        return None, None
-    if answer is None:
-        return False, None
-    try:
-        return bool(judge(prompt.question, answer, prompt.reference.gt_answer)), None
-    except Exception as err:  # an external judge (often a web API) must not sink a finished run
-        return None, f"{type(err).__name__}: {err}"
+        return [(None, None)] * len(parsed)
+    asks = [p for p in parsed if p.final_answer is not None]
+    verdicts = iter(judge_all(judge, [(prompt.question, p.final_answer, prompt.reference.gt_answer) for p in asks], workers=1))
+    return [next(verdicts) if p.final_answer is not None else (False, None) for p in parsed]
 
 
 def score_turns(
@@ -450,7 +347,7 @@ def score_turns(
         if "error" in gen:
             continue
         parsed = [parse_output(text) for text in gen["outputs"]]
-        verdicts = [_judge(judge, prompt, p.final_answer) for p in parsed]
+        verdicts = _judge_outputs(judge, prompt, parsed)
         sample_scores = [
             score_output(p, prompt.reference, cfg.num_tolerance, truncated=not done, judged=v)
             for p, done, (v, _) in zip(parsed, gen["finished"], verdicts)
@@ -593,14 +490,6 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def _versions() -> dict:
-    import peft
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
-
-
 def _write_jsonl(path: Path, items: list[dict], mode: str = "w") -> None:
     with open(path, mode) as fh:
         for item in items:
@@ -677,14 +566,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
         "traces_scored": len({trace for trace, _ in scored}),
     }
     device, dtype = resolve_device(cfg)
-    settings = {
-        **asdict(cfg),
-        "arms": [asdict(a) for a in arms],
-        "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "data_sha256": {f: _file_sha256(Path(f)) for f in cfg.data},
-        "versions": _versions(),
-    }
+    settings = recorded_settings(cfg, arms, device, dtype)
     summary = summarize(records, arms, counts, settings, timing)
     _write_jsonl(out / "skipped.jsonl", failures + skipped)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
@@ -706,90 +588,23 @@ def _count(problems: list[dict]) -> dict:
 
 def add_evaluate_args(parser) -> None:
     """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
+    add_shared_args(parser, "evaluate")
     add = parser.add_argument
-    add("--model", required=True, help="base model: hub id or local folder (its processor and chat template are used)")
-    add(
-        "--adapter",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="[NAME=]DIR",
-        help="LoRA adapter folder(s), each one arm",
-    )
-    add("--no-base", action="store_true", help="do not evaluate the base model as an arm")
     add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
-    add("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     add("--output", required=True, help="folder for results.jsonl, skipped.jsonl, summary.json, report.txt")
-    add("--samples", type=int, default=1, help="outputs per turn (k of pass@k); k > 1 needs --temperature")
-    add("--temperature", type=float, default=0.0, help="0 = greedy decoding")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
-    add("--top-k", type=int, default=0, help="top-k sampling when --temperature > 0 (0 = off)")
-    add("--max-new-tokens", type=int, default=512)
     add("--batch-size", type=int, default=8, help="prompts per generate() call")
-    add(
-        "--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)"
-    )
-    add("--limit", type=int, default=None, help="read only the first N input rows")
-    add(
-        "--max-length",
-        "--max-prompt-tokens",
-        type=int,
-        default=SampleConfig.max_length,
-        help="skip turns whose prompt is longer (image tokens included)",
-    )
-    add("--max-pixels", type=int, default=SampleConfig.max_pixels, help="pixel cap per image, as in data prep")
-    add("--min-pixels", type=int, default=SampleConfig.min_pixels, help="pixel floor per image, as in data prep")
-    add("--tool-images", default="produced", help="which tool-result images the model sees, as in data prep")
-    add(
-        "--judge",
-        default=None,
-        metavar="MODULE:FUNCTION",
-        help="judge(question, prediction, reference) -> bool for final answers",
-    )
-    add("--seed", type=int, default=0)
-    add("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    add(
-        "--dtype",
-        default="auto",
-        choices=("auto", "bfloat16", "float16", "float32"),
-        help="auto = bf16 on GPU, fp32 on CPU",
-    )
-    add("--overwrite", action="store_true", help="write into a non-empty --output (files of an earlier run are replaced)")
-    add("--allow-other-base", action="store_true", help="use adapters trained on a base of another name (the same weights renamed)")
-    add("--no-progress", action="store_true", help="no progress bar")
+    add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
+    add("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length, help="skip turns whose prompt is longer (image tokens included)")
 
 
 def run_evaluate(args) -> dict:
     """``eogym-sft evaluate``: build the :class:`EvalConfig` from parsed flags and run :func:`evaluate`."""
-    for path in args.data:
-        if not Path(path).is_file():
-            raise SystemExit(f"eogym-sft evaluate: no such data file: {path}")
     try:
         cfg = EvalConfig(
-            model=args.model,
-            data=args.data,
-            output=args.output,
-            adapters=args.adapter,
-            data_root=args.data_root,
-            include_base=not args.no_base,
-            samples=args.samples,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_new_tokens=args.max_new_tokens,
+            **shared_settings(args, "eogym-sft evaluate"),
             batch_size=args.batch_size,
             num_tolerance=args.num_tolerance,
-            limit=args.limit,
             max_length=args.max_length,
-            max_pixels=args.max_pixels,
-            min_pixels=args.min_pixels,
-            tool_images=args.tool_images,
-            judge=args.judge,
-            seed=args.seed,
-            device=args.device,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-            allow_other_base=args.allow_other_base,
         )
     except ValueError as err:
         raise SystemExit(f"eogym-sft evaluate: {err}") from None

@@ -1,9 +1,13 @@
-"""Model setup: load Qwen3-VL, freeze the vision tower and aligner, put LoRA on the language model."""
+"""Model setup: load Qwen3-VL, freeze the vision tower and aligner, put LoRA on the language model;
+for evaluation and rollouts, load a base model once with every adapter to compare (one arm each)."""
 
 from __future__ import annotations
 
 import logging
 import re
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -90,3 +94,68 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)
+
+
+@dataclass
+class Arm:
+    """One model to evaluate: the base (``adapter is None``) or the base with one LoRA adapter."""
+
+    name: str
+    adapter: str | None = None
+    peft_name: str | None = None  # peft adapter names must be valid module keys, so they are internal
+    trained_on: str | None = None  # the adapter's base_model_name_or_path, recorded to catch a wrong base
+
+
+def parse_arms(adapters: list[str], model: str, include_base: bool = True, allow_other_base: bool = False) -> list[Arm]:
+    """The base arm (unless excluded) then one arm per ``DIR`` or ``NAME=DIR`` in ``adapters``, each
+    checked to be trained on ``model`` (:func:`eogym_sft.guards.check_adapter_base`)."""
+    from .guards import adapter_base, check_adapter_base
+
+    arms = [Arm("base")] if include_base else []
+    for k, spec in enumerate(adapters):
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name, spec
+        check_adapter_base(path, model, allow_other_base)
+        arms.append(Arm(name, path, f"arm{k}", adapter_base(path)))
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique, got {names}: name adapters with NAME=DIR")
+    return arms
+
+
+def resolve_device(device: str = "auto", dtype: str = "auto"):
+    """``(torch.device, torch.dtype)``: ``auto`` is CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    resolved = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dtype != "auto":
+        return resolved, getattr(torch, dtype)
+    return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
+
+
+def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype):
+    """The base model, loaded once in eval mode, with every adapter of ``arms`` attached by peft
+    (switch with :func:`use_arm`)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
+    adapters = [a for a in arms if a.adapter]
+    if adapters:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].peft_name)
+        for arm in adapters[1:]:
+            model.load_adapter(arm.adapter, adapter_name=arm.peft_name)
+    return model.eval()
+
+
+@contextmanager
+def use_arm(model, arm: Arm):
+    """Activate ``arm``'s adapter; for the base arm, disable the adapters of a peft model."""
+    if arm.adapter:
+        model.set_adapter(arm.peft_name)
+        yield model
+        return
+    from peft import PeftModel
+
+    with model.disable_adapter() if isinstance(model, PeftModel) else nullcontext():
+        yield model

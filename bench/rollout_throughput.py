@@ -1,0 +1,325 @@
+"""Closed-loop rollout throughput: the slot decoder of ``eogym-sft rollout`` against two plain
+transformers ``generate`` loops, side by side in one run, on the same episodes.
+
+Commands (from the repository root)::
+
+    # CPU smoke run on the tiny model (a minute)
+    eogym-sft tiny-model --output /tmp/tiny
+    python bench/rollout_throughput.py --model /tmp/tiny --episodes 4 --serial-episodes 1 --concurrency 2 \\
+        --turns 2 --new-tokens 4 --min-prompt-tokens 0 --max-context 12288
+
+    # the Qwen3-VL-4B architecture with random weights on one H200 (bench/h200_session.sh rollout_bench)
+    eogym-sft tiny-model --config recipes/configs/qwen3_vl_4b_instruct.json --dtype bfloat16 --device cuda --output /tmp/qwen3vl4b-random
+    python bench/rollout_throughput.py --model /tmp/qwen3vl4b-random --json rollout.json
+
+Episodes: rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` whose question prompt
+(system, tools, question, 1-5 images capped at 980 tokens each) has ``--min-prompt-tokens`` to
+``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens (the stop tokens
+are held back, as a fixed-length workload needs), then the row's own recorded tool results for that
+step come back (crops attached as images, as data prep attaches them) and the next turn starts, up to
+``--turns`` turns or the row's last step. Random weights write random text; what it says is ignored.
+
+Arms:
+
+* ``serial``: ``model.generate`` on one episode at a time, each turn re-encoding the whole
+  conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
+* ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
+  for its last episode before the next batch starts), left-padded;
+* ``slots``: :class:`eogym_sft.generation.SlotDecoder` with ``--concurrency`` slots, as
+  ``eogym-sft rollout`` runs it: each episode keeps its KV cache across turns (a turn computes only its
+  new tokens), images are preprocessed once, a finished episode's slot takes the next at once;
+* ``slots-compiled`` (with ``--compile MODE``): the same with the decode step under ``torch.compile``.
+
+Figures: generated tokens/s, episodes/min and peak GPU memory per arm, over the arm's wall time
+(model loading, data generation and a short warm-up excluded); ``speedup`` is each arm's episodes/min
+over the batched arm's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?think>")
+
+
+def replay_episode_class():
+    from eogym_sft.episodes import Episode
+
+    class ReplayEpisode(Episode):
+        """An episode whose tool results are the row's recorded ones, step by step, whatever the model wrote."""
+
+        replies: list = []
+        max_turns_here: int = 1
+
+        def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
+            self.turns += 1
+            # Random text may spell template markers; they would end the turn early when re-rendered.
+            self.row["messages"].append({"role": "assistant", "content": SPECIAL_TEXT_RE.sub(" ", text)})
+            if self.turns >= self.max_turns_here:
+                return self.stop_with("max_turns")
+            self.row["messages"].extend(self.replies[self.turns - 1])
+            self.calls += 1
+            return True
+
+    return ReplayEpisode
+
+
+def recorded_replies(row: dict) -> list[list[dict]]:
+    """The raw messages after each assistant turn of ``row`` but the last: one tool step each."""
+    out, current = [], None
+    for message in row["messages"]:
+        if message.get("role") == "assistant":
+            if current is not None:
+                out.append(current)
+            current = []
+        elif current is not None:
+            current.append(message)
+    return out
+
+
+def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) -> list[tuple[dict, int]]:
+    """Rows whose question prompt has ``lo``..``hi`` tokens (image tokens from headers, as prep counts)."""
+    from eogym_sft.encoding import render
+    from eogym_sft.episodes import canonical_prompt, question_messages
+    from eogym_sft.images import image_size, resolve_image_path
+    from eogym_sft.prepare import image_factor, image_token_count, resized_hw
+
+    ip, factor = processor.image_processor, image_factor(processor)
+    out = []
+    for row in rows:
+        trace = canonical_prompt({**row, "messages": question_messages(row)})
+        text = render(processor, trace.messages, trace.tools, add_generation_prompt=True)
+        n = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"]) - len(trace.images)
+        for rel in trace.images:
+            w, h = image_size(resolve_image_path(rel, data_root))
+            n += image_token_count(resized_hw(w, h, factor, ip.size["shortest_edge"], ip.size["longest_edge"]), factor)
+        if lo <= n <= hi:
+            out.append((row, n))
+    return out
+
+
+def make_episodes(selected, turns: int, arm: str):
+    cls = replay_episode_class()
+    episodes = []
+    for k, (row, _) in enumerate(selected):
+        start = {key: v for key, v in row.items() if key != "messages"}
+        from eogym_sft.episodes import question_messages
+
+        start["messages"] = [dict(m) for m in question_messages(row)]
+        ep = cls(f"bench:{k}", str(row["id"]), arm, 0, start, env=None)
+        ep.replies = recorded_replies(row)
+        ep.max_turns_here = min(turns, len(ep.replies) + 1)
+        episodes.append(ep)
+    return episodes
+
+
+def _pictures(processor, ep, data_root, cache: dict):
+    from eogym_sft.episodes import canonical_prompt
+    from eogym_sft.images import load_rgb, resolve_image_path
+
+    trace = canonical_prompt(ep.row)
+    text = processor.apply_chat_template(trace.messages, tools=trace.tools or None, tokenize=False, add_generation_prompt=True)
+    for rel in trace.images:  # decoded once per episode, as any loop would keep them
+        if rel not in cache:
+            cache[rel] = load_rgb(resolve_image_path(rel, data_root))
+    return text, [cache[rel] for rel in trace.images]
+
+
+def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: int) -> dict:
+    """The plain arms: ``generate`` over ``batch`` episodes at a time, turn by turn, each turn re-encoded."""
+    import torch
+    from transformers import GenerationConfig
+
+    from eogym_sft.scoring import END_MARKERS
+
+    tok = processor.tokenizer
+    stops = [tok.convert_tokens_to_ids(m) for m in END_MARKERS]
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, eos_token_id=stops,
+                              pad_token_id=tok.pad_token_id, use_cache=True)
+    generated, decoded = 0, {}
+    for start in range(0, len(episodes), batch):
+        live = list(episodes[start : start + batch])
+        while live:
+            texts, pictures = [], []
+            for ep in live:
+                text, pics = _pictures(processor, ep, data_root, decoded.setdefault(id(ep), {}))
+                texts.append(text)
+                pictures += pics
+            inputs = processor(text=texts, images=pictures or None, padding=True, padding_side="left", return_tensors="pt").to(model.device)
+            if "pixel_values" in inputs:
+                inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+            with torch.inference_mode():
+                out = model.generate(**inputs, generation_config=config)
+            new = out[:, inputs["input_ids"].shape[1] :].tolist()
+            going = []
+            for ep, ids in zip(live, new):
+                generated += len(ids)
+                ep.new_tokens += len(ids)
+                if ep.take_turn(tok.decode(ids, skip_special_tokens=False), False, 10**9):
+                    going.append(ep)
+            live = going
+    return {"new_tokens": generated}
+
+
+def run_slots(model, processor, episodes, data_root, new_tokens: int, slots: int, max_context: int, compile_mode) -> dict:
+    from eogym_sft.episodes import LoopConfig, run_episodes
+    from eogym_sft.generation import Sampling, SlotDecoder
+
+    decoder = SlotDecoder(model, slots, max_context, compile=compile_mode)
+    stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
+                         data_root, lambda ep: None)
+    errors = [ep.error for ep in episodes if ep.stop == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} episodes failed, first: {errors[0]}")
+    return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
+            "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2)}
+
+
+def time_arm(name, fn, episodes, device) -> dict:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    extra = fn(episodes)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - start
+    result = {
+        "arm": name,
+        "episodes": len(episodes),
+        "turns": sum(ep.turns for ep in episodes),
+        "wall_s": round(wall, 2),
+        "episodes_per_min": round(len(episodes) / wall * 60, 2),
+        "new_tokens_per_s": round(extra["new_tokens"] / wall, 1),
+        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        **extra,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym-sft tiny-model)")
+    parser.add_argument("--episodes", type=int, default=64, help="episodes of the batched and slot arms")
+    parser.add_argument("--serial-episodes", type=int, default=4, help="episodes of the one-at-a-time arm (0: skip it)")
+    parser.add_argument("--concurrency", type=int, default=32, help="episodes at once: generate's batch, the decoder's slots")
+    parser.add_argument("--turns", type=int, default=4, help="assistant turns per episode at most")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per turn, exactly")
+    parser.add_argument("--min-prompt-tokens", type=int, default=5000)
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192)
+    parser.add_argument("--max-context", type=int, default=14336, help="tokens per slot")
+    parser.add_argument("--compile", default=None, choices=("default", "reduce-overhead"), help="also time the slot arm with a compiled decode step")
+    parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
+    parser.add_argument("--arms", default="serial,batched,slots", help="comma-separated subset of serial,batched,slots")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
+    parser.add_argument("--json", default="rollout_throughput.json", help="where to write the result")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from eval_throughput import machine_info
+    from prep_throughput import generate_sample
+
+    from eogym_sft.modeling import load_inference_model, resolve_device
+    from eogym_sft.processor import load_processor
+
+    tmp = tempfile.mkdtemp(prefix="eogym_rollout_bench_") if args.workdir is None else None
+    try:
+        jsonl, data_root = generate_sample(Path(args.workdir or tmp) / "sample", args.rows, args.seed)
+        device, dtype = resolve_device(args.device, args.dtype)
+        processor = load_processor(args.model)
+        rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        selected = select_rows(rows, processor, data_root, args.min_prompt_tokens, args.max_prompt_tokens)
+        if len(selected) < args.episodes:
+            raise SystemExit(f"only {len(selected)} of {len(rows)} rows have {args.min_prompt_tokens}-{args.max_prompt_tokens} prompt tokens: raise --rows")
+        selected = selected[: args.episodes]
+        t0 = time.perf_counter()
+        model = load_inference_model(args.model, [], device, dtype)
+        print(f"model loaded in {time.perf_counter() - t0:.1f}s, {dtype} on {device}; {len(selected)} episodes, "
+              f"prompts {min(n for _, n in selected)}-{max(n for _, n in selected)} tokens", flush=True)
+        arms = args.arms.split(",")
+        # warm-up: CUDA context, kernels, one compile of the generate path
+        run_generate(model, processor, make_episodes(selected[:1], 1, "warmup"), data_root, 2, 1)
+        runs = []
+        if "serial" in arms and args.serial_episodes:
+            eps = make_episodes(selected[: args.serial_episodes], args.turns, "serial")
+            runs.append(time_arm("serial", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, 1), eps, device))
+        if "batched" in arms:
+            eps = make_episodes(selected, args.turns, "batched")
+            runs.append(time_arm(f"batched{args.concurrency}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, args.concurrency), eps, device))
+        modes = ([None] if "slots" in arms else []) + ([args.compile] if args.compile else [])
+        for mode in modes:
+            name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
+            if mode:  # compile outside the timed run: one short pass over a few episodes
+                run_slots(model, processor, make_episodes(selected[:2], 2, "warmup"), data_root, 8, args.concurrency, args.max_context, mode)
+            eps = make_episodes(selected, args.turns, name)
+            try:
+                runs.append(time_arm(name, lambda e: run_slots(model, processor, e, data_root, args.new_tokens, args.concurrency, args.max_context, mode), eps, device))
+            except Exception as err:  # a compile failure must not lose the arms already timed
+                if not mode:
+                    raise
+                runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
+                print(f"{name} failed: {runs[-1]['error']}", flush=True)
+        base = next((r for r in runs if r["arm"].startswith("batched")), None)
+        for r in runs:
+            if "error" in r:
+                continue
+            r["speedup_vs_batched"] = round(r["episodes_per_min"] / base["episodes_per_min"], 2) if base else None
+        result = {
+            "bench": "rollout_throughput",
+            "command": " ".join(["python", "bench/rollout_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
+            "model": args.model,
+            "dtype": str(dtype).replace("torch.", ""),
+            "episodes": len(selected),
+            "mean_prompt_tokens": round(sum(n for _, n in selected) / len(selected), 1),
+            "turns_max": args.turns,
+            "new_tokens_per_turn": args.new_tokens,
+            "concurrency": args.concurrency,
+            "machine": machine_info(device),
+            "runs": runs,
+        }
+        print(format_table(result))
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return result
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
+        f"{result['episodes']} episodes, mean prompt {result['mean_prompt_tokens']} tokens, <= {result['turns_max']} turns of "
+        f"{result['new_tokens_per_turn']} new tokens",
+        f"{'arm':>22} {'episodes':>8} {'turns':>6} {'eps/min':>8} {'gen tok/s':>10} {'wall s':>8} {'peak GiB':>9} {'speedup':>8}",
+    ]
+    for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"{r['arm']:>22} failed: {r['error'][:80]}")
+            continue
+        peak = "-" if r["peak_gpu_mem_gib"] is None else r["peak_gpu_mem_gib"]
+        speed = "-" if r["speedup_vs_batched"] is None else f"{r['speedup_vs_batched']}x"
+        lines.append(f"{r['arm']:>22} {r['episodes']:>8} {r['turns']:>6} {r['episodes_per_min']:>8} {r['new_tokens_per_s']:>10} "
+                     f"{r['wall_s']:>8} {peak:>9} {speed:>8}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Judges of a final answer against ``gt_answer``: a Python function, or an OpenAI-compatible
+chat-completions endpoint (the paper's setting is GPT-4.1-mini).
+
+A judge is ``judge(question, prediction, reference) -> bool``. :func:`judge_all` runs one over many
+answers and keeps failures apart: a request that still fails after its retries gives ``None`` and an
+error, never a silent "wrong".
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+JUDGE_SYSTEM_PROMPT = (
+    "You grade answers to Earth-observation questions. Given the question, the reference answer and a "
+    "candidate answer, decide whether the candidate means the same as the reference: numbers must agree "
+    "(units may differ if the values are equal), names and categories must refer to the same thing, and "
+    "extra explanation is fine if the answer itself is right. Reply with exactly one word: CORRECT or INCORRECT."
+)
+JUDGE_USER_TEMPLATE = "Question:\n{question}\n\nReference answer:\n{reference}\n\nCandidate answer:\n{prediction}"
+
+
+class JudgeError(RuntimeError):
+    """A judge request that failed (HTTP error, timeout, a reply that is neither CORRECT nor INCORRECT)."""
+
+
+def load_judge(spec: str):
+    """``module:function`` -> the callable ``judge(question, prediction, reference) -> bool``."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"--judge must be module:function, got {spec!r}")
+    judge = getattr(importlib.import_module(module), name)
+    if not callable(judge):
+        raise TypeError(f"--judge {spec} is not callable")
+    return judge
+
+
+@dataclass
+class ChatJudge:
+    """An OpenAI-compatible ``/chat/completions`` judge.
+
+    Args:
+        url (`str`): the endpoint, e.g. ``https://api.openai.com/v1/chat/completions``.
+        model (`str`): e.g. ``gpt-4.1-mini``.
+        api_key_env (`str`): the environment variable holding the bearer token (none sent when unset).
+        timeout (`float`): seconds per request.
+        retries (`int`): further attempts after a failed one, with exponential back-off from ``backoff`` s.
+    """
+
+    url: str
+    model: str
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout: float = 60.0
+    retries: int = 3
+    backoff: float = 1.0
+
+    def __call__(self, question: str, prediction: str, reference: str) -> bool:
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._ask(question, prediction, reference)
+            except JudgeError as err:
+                last = err
+        raise JudgeError(f"{self.retries + 1} attempts failed; last: {last}")
+
+    def _ask(self, question: str, prediction: str, reference: str) -> bool:
+        body = {
+            "model": self.model,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": JUDGE_SYSTEM_PROMPT},
+                {"role": "user", "content": JUDGE_USER_TEMPLATE.format(question=question, reference=reference, prediction=prediction)},
+            ],
+        }
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read())
+            reply = payload["choices"][0]["message"]["content"]
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
+            raise JudgeError(f"{type(err).__name__}: {err}") from None
+        return parse_verdict(reply)
+
+
+def parse_verdict(reply: str) -> bool:
+    """``CORRECT`` -> True, ``INCORRECT`` -> False (first word, any case, punctuation ignored); else :class:`JudgeError`."""
+    words = (reply or "").strip().split()
+    word = words[0].strip(".:*!\"'").upper() if words else ""
+    if word in ("CORRECT", "INCORRECT"):
+        return word == "CORRECT"
+    raise JudgeError(f"the judge replied {reply[:80]!r}, not CORRECT or INCORRECT")
+
+
+def judge_all(judge, items: list[tuple[str, str, str]], workers: int = 8) -> list[tuple[bool | None, str | None]]:
+    """``(verdict, error)`` for each ``(question, prediction, reference)``, requests ``workers`` at a time.
+
+    A judge that raises gives ``(None, "Type: message")`` for that item and the others go on."""
+
+    def one(item):
+        try:
+            return bool(judge(*item)), None
+        except Exception as err:  # an external judge (often a web API) must not sink a finished run
+            return None, f"{type(err).__name__}: {err}"
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        return list(pool.map(one, items))

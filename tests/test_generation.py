@@ -1,0 +1,97 @@
+"""The slot decoder against the model's own forward: prefill, incremental turns with images, batched decode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from PIL import Image
+
+from eogym_sft.generation import Sampling, SlotDecoder, expand_image_pads, image_input, rope_positions
+from eogym_sft.tiny import IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    config["text_config"]["initializer_range"] = 1.0  # varied logits
+    return build_tiny_model(0, config).eval()
+
+
+def _pictures():
+    return [Image.effect_noise((64, 48), 60).convert("RGB"), Image.effect_noise((40, 72), 60).convert("RGB")]
+
+
+def _conversation(processor, turns: int):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many ships?"}]}]
+    if turns > 1:
+        messages += [
+            {"role": "assistant", "content": "I crop the harbour."},
+            {"role": "tool", "content": [{"type": "text", "text": '{"cropped_path": "c.png"}'}, {"type": "image"}]},
+        ]
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _reference_logits(model, processor, text, pictures, extra=()):
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist() + list(extra)
+    inputs["input_ids"] = torch.tensor([ids])
+    inputs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long)
+    inputs["mm_token_type_ids"] = torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in ids]])
+    with torch.no_grad():
+        return model(**inputs).logits[0, -1], inputs
+
+
+def test_ids_and_positions_equal_the_processor_and_get_rope_index(model, processor):
+    text, pictures = _conversation(processor, 2), _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    ids = expand_image_pads(processor.tokenizer(text, add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt")
+    assert ids == inputs["input_ids"][0].tolist()
+    expected, _ = model.model.get_rope_index(
+        inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    assert torch.equal(rope_positions(ids, images, IMAGE_TOKEN_ID), expected[:, 0])
+    with pytest.raises(ValueError, match="2 images"):
+        expand_image_pads(ids[:3], images, IMAGE_TOKEN_ID)
+
+
+def test_prefill_turns_and_batched_decode_match_the_model(model, processor):
+    pictures = _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    tok = processor.tokenizer
+    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
+    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    expected, _ = _reference_logits(model, processor, _conversation(processor, 1), pictures[:1])
+    torch.testing.assert_close(decoder.prefill(1, first, images[:1]), expected, atol=1e-4, rtol=1e-4)
+    for step, token in enumerate([5, 77, 1000]):  # decode after an image prompt
+        order, logits = decoder.decode({1: token})
+        expected, _ = _reference_logits(model, processor, _conversation(processor, 1), pictures[:1], [5, 77, 1000][: step + 1])
+        assert order == [1]
+        torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    # the next turn (the tool's image included) reuses the cached prompt and recomputes only what differs
+    expected, _ = _reference_logits(model, processor, _conversation(processor, 2), pictures)
+    torch.testing.assert_close(decoder.prefill(1, second, images), expected, atol=1e-4, rtol=1e-4)
+    assert decoder.tokens[1] == second
+    # two slots at different lengths in one decode step
+    decoder.prefill(0, first, images[:1])
+    order, logits = decoder.decode({0: 5, 1: 9})
+    one, _ = _reference_logits(model, processor, _conversation(processor, 1), pictures[:1], [5])
+    two, _ = _reference_logits(model, processor, _conversation(processor, 2), pictures, [9])
+    assert order == [0, 1]
+    torch.testing.assert_close(logits, torch.stack([one, two]), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="do not fit"):
+        decoder.prefill(2, [1] * 512, [])
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0], [3.0, 0.0, 0.0, 0.0]])
+    assert Sampling().pick(logits, [5, 5], stop_ids=[1]) == [1, 0]
+    assert Sampling(min_new_tokens=2).pick(logits, [0, 5], stop_ids=[1]) == [3, 0]  # the stop token held back
+    generator = torch.Generator().manual_seed(0)
+    picks = {tuple(Sampling(temperature=1.0, top_k=2).pick(logits, [5, 5], [1], generator)) for _ in range(50)}
+    assert {p[0] for p in picks} == {1, 3}  # only the two best
+    picks = {tuple(Sampling(temperature=1.0, top_p=0.5).pick(logits, [5, 5], [1], generator)) for _ in range(20)}
+    assert picks == {(1, 0)}  # the top token alone holds more than half the mass

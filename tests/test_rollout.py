@@ -1,0 +1,244 @@
+"""Closed-loop rollouts: the prompt equals SFT's, a scripted policy through the real decoder and tools,
+Pass@k and paired deltas by hand, the chat-completions judge against a local server, the CLI end to end
+on the tiny model, and episodes back through data prep."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from PIL import Image
+
+from eogym_sft.encoding import encode_conversation
+from eogym_sft.environment import EOGymEnvironment
+from eogym_sft.episodes import LoopConfig, canonical_prompt, new_episode, run_episodes
+from eogym_sft.generation import Sampling, SlotDecoder
+from eogym_sft.judge import ChatJudge, JudgeError, judge_all, parse_verdict
+from eogym_sft.prepare import PrepConfig, prepare_line
+from eogym_sft.report import pass_at_k, questions, summarize_rollouts
+from eogym_sft.tiny import IMAGE_TOKEN_ID, build_tiny_model
+
+CROP_CALL = {"name": "crop_optical_or_sar_image", "arguments": {"image_url": "EO_GYM_DATA/aaaa0000/scene.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]}}
+
+
+def _collapse(ids: list[int]) -> list[int]:
+    """One <|image_pad|> per image, as SFT's encoding keeps them."""
+    return [t for i, t in enumerate(ids) if t != IMAGE_TOKEN_ID or i == 0 or ids[i - 1] != IMAGE_TOKEN_ID]
+
+
+class Scripted(Sampling):
+    """A policy that writes a fixed text per turn (random weights never call a tool), through the decoder."""
+
+    def __init__(self, tokenizer, turns: list[str]):
+        super().__init__()
+        self.script = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
+        self.turn, self.pos = -1, 0
+
+    def pick(self, logits, generated, stop_ids, generator=None):
+        out = []
+        for n in generated:
+            if n == 0:
+                self.turn += 1
+            tokens = self.script[self.turn % len(self.script)]
+            out.append(tokens[n])
+        return out
+
+
+def test_prompt_equals_the_sft_rendering_prefix(processor, data_root, row_factory):
+    row = row_factory()
+    episode = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
+    ids, images = episode.prompt(processor, data_root)
+    encoded = encode_conversation(processor, canonical_prompt(row).messages + [row_assistant(row)], canonical_prompt(row).tools)
+    header_end = encoded.assistant_starts[0] + len(processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    assert _collapse(ids) == encoded.input_ids[:header_end]
+    assert len(images) == 1 and ids.count(IMAGE_TOKEN_ID) == images[0].tokens == 300  # 640x480 -> 480x640 px
+    full = encode_conversation(processor, *_normalized(row))  # the gold trace: the same prefix
+    assert full.input_ids[:header_end] == encoded.input_ids[:header_end]
+
+
+def row_assistant(row):
+    return {"role": "assistant", "content": "x"}
+
+
+def _normalized(row):
+    from eogym_sft.traces import normalize_row
+
+    trace = normalize_row(row)
+    return trace.messages, trace.tools
+
+
+def test_question_only_rows_render(processor, data_root, row_factory):
+    row = row_factory()
+    row["messages"] = row["messages"][:2]
+    ids, _ = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root)).prompt(processor, data_root)
+    assert processor.tokenizer.decode(ids[-5:]).endswith("<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(0).eval()
+
+
+def _turn_texts():
+    call = json.dumps(CROP_CALL)
+    return [f"I crop the harbour.\n<tool_call>\n{call}\n</tool_call><|im_end|>", "I count the hulls.\nFinal Answer: 3<|im_end|>"]
+
+
+def test_scripted_policy_runs_tools_reuses_the_cache_and_round_trips_through_prepare(processor, data_root, row_factory, tiny):
+    row = row_factory()
+    envs = [EOGymEnvironment(row, data_root), EOGymEnvironment(row, data_root)]
+    episodes = [new_episode(row, "f:1", "base", k, envs[k]) for k in range(2)]
+    decoder = SlotDecoder(tiny, slots=1, max_len=2048)
+    done = []
+    stats = run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, done.append)
+    assert [e.stop for e in done] == ["final_answer", "final_answer"]
+    assert (envs[0].counts["calls"], envs[0].counts["backend:crop"], envs[0].counts["errors"]) == (1, 1, 0)
+    first = done[0].record()
+    assert [m["role"] for m in first["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first["messages"][2]["tool_calls"][0]["function"]["name"] == CROP_CALL["name"]
+    assert (first["final_answer"], first["turns"], first["tool_calls"], first["tool_errors"]) == ("3", 2, 1, 0)
+    scene, crop = first["images_seen"]
+    assert scene == "EO_GYM_DATA/aaaa0000/scene.jpg" and crop.startswith("image_cache/crops/")
+    assert json.loads(first["messages"][3]["content"])["bbox_px"] == [160, 120, 480, 360]  # 640x480, the middle half
+    assert Image.open(data_root / crop).size == (320, 240)
+    # the second episode starts from the first one's cached prompt; each turn recomputes only its new tokens
+    assert stats["prefill_tokens"] < 2 * len(decoder.tokens[0])
+    # data prep reads the episode as it is, and trains on exactly the tokens the model was given
+    result = prepare_line(processor, PrepConfig(str(data_root), strict=True), "episodes.jsonl", 1, json.dumps(first).encode())
+    assert result.status == "kept" and len(result.samples) == 1
+    sample = result.samples[0]
+    held = _collapse(decoder.tokens[0])  # the slot: the whole episode but the final <|im_end|>
+    assert sample["input_ids"][: len(held)] == held
+    assert processor.tokenizer.decode(sample["input_ids"][len(held) :]) == "<|im_end|>\n"
+    assert len(sample["images"]) == 2
+
+
+def test_pass_at_k_exact_values():
+    assert pass_at_k(3, 1, 1) == pytest.approx(1 / 3)
+    assert pass_at_k(3, 1, 3) == 1.0
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(10, 3, 3) == pytest.approx(1 - 35 / 120)
+    assert pass_at_k(5, 0, 2) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def _record(arm, q, correct, calls=0, task="Counting", stop="final_answer"):
+    return {
+        "arm": arm, "source_id": q, "correct": correct, "tool_calls": calls, "tool_errors": 0, "tool_error_codes": {},
+        "turns": calls + 1, "new_tokens": 10, "final_answer": "x", "stop_reason": stop, "judge_error": None,
+        "EO_task": task, "question_type": "qt",
+    }
+
+
+def test_summary_pass_at_k_and_paired_deltas_by_hand():
+    # question q1: base 0/3, lora 2/3; q2: base 1/3, lora 3/3; q3: base 1/3 (one unscored), lora 1/3
+    outcomes = {("base", "q1"): [0, 0, 0], ("lora", "q1"): [1, 1, 0], ("base", "q2"): [1, 0, 0],
+                ("lora", "q2"): [1, 1, 1], ("base", "q3"): [1, 0, None], ("lora", "q3"): [0, 1, 0]}
+    records = [_record(a, q, None if c is None else bool(c), calls=int(a == "lora")) for (a, q), cs in outcomes.items() for c in cs]
+    per_q = questions(records, [1, 3])
+    assert per_q[("base", "q3")]["n"] == 2 and per_q[("base", "q3")]["pass@3"] is None
+    assert per_q[("lora", "q1")]["pass@1"] == pytest.approx(2 / 3) and per_q[("lora", "q1")]["pass@3"] == 1.0
+    summary = summarize_rollouts(records, ["base", "lora"], [1, 3], {"ks": [1, 3], "samples": 3}, {}, {})
+    base, lora = summary["arms"]["base"]["overall"], summary["arms"]["lora"]["overall"]
+    assert base["pass@1"] == pytest.approx((0 + 1 / 3 + 1 / 2) / 3)
+    assert (base["pass@3"], base["pass@3_questions"]) == (pytest.approx(0.5), 2)
+    assert lora["pass@1"] == pytest.approx((2 / 3 + 1 + 1 / 3) / 3) and lora["pass@3"] == 1.0
+    assert (base["tool_any"], lora["tool_any"], lora["calls_per_episode"]) == (0.0, 1.0, 1.0)
+    paired = {p["metric"]: p for p in summary["paired"]}
+    p1 = paired["pass@1"]
+    diffs = [2 / 3, 2 / 3, 1 / 3 - 1 / 2]
+    mean = sum(diffs) / 3
+    se = (sum((d - mean) ** 2 for d in diffs) / 2 / 3) ** 0.5
+    assert (p1["a"], p1["b"], p1["n"], p1["wins"], p1["losses"]) == ("base", "lora", 3, 2, 1)
+    assert p1["delta"] == pytest.approx(mean) and p1["se"] == pytest.approx(se)
+    assert p1["ci95_normal_approx"] == pytest.approx([mean - 1.959964 * se, mean + 1.959964 * se], rel=1e-5)
+    assert paired["pass@3"]["n"] == 2 and paired["pass@3"]["delta"] == pytest.approx(0.5)
+    assert summary["arms"]["lora"]["by_EO_task"]["Counting"]["pass@1"] == lora["pass@1"]
+
+
+class _JudgeHandler(BaseHTTPRequestHandler):
+    """A local chat-completions server: CORRECT when the candidate contains the reference; the first
+    request for a candidate "flaky" fails with 500, "broken" always does, "chatty" gets an unusable reply."""
+
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        user = body["messages"][1]["content"]
+        candidate = user.rsplit("Candidate answer:\n", 1)[1]
+        reference = user.split("Reference answer:\n", 1)[1].split("\n\n", 1)[0]
+        type(self).seen.append((body["model"], candidate, self.headers.get("Authorization")))
+        if candidate == "broken" or (candidate == "flaky" and sum(c == "flaky" for _, c, _ in type(self).seen) == 1):
+            self.send_response(500)
+            self.end_headers()
+            return
+        reply = "Well, maybe." if candidate == "chatty" else ("CORRECT" if reference in candidate else "INCORRECT.")
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def judge_server():
+    _JudgeHandler.seen = []
+    server = HTTPServer(("127.0.0.1", 0), _JudgeHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    server.shutdown()
+
+
+def test_chat_judge_against_a_local_server(judge_server, monkeypatch):
+    monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
+    judge = ChatJudge(judge_server, "gpt-4.1-mini", api_key_env="TEST_JUDGE_KEY", retries=1, backoff=0.0, timeout=5)
+    items = [("How many?", "3 ships", "3"), ("How many?", "5", "3"), ("q", "flaky", "flaky"), ("q", "broken", "x"), ("q", "chatty", "x")]
+    verdicts = judge_all(judge, items, workers=1)
+    assert [v for v, _ in verdicts] == [True, False, True, None, None]
+    assert "2 attempts failed" in verdicts[3][1] and "HTTPError" in verdicts[3][1]
+    assert "not CORRECT or INCORRECT" in verdicts[4][1]
+    assert _JudgeHandler.seen[0] == ("gpt-4.1-mini", "3 ships", "Bearer sk-test")
+    assert sum(c == "flaky" for _, c, _ in _JudgeHandler.seen) == 2  # retried once, then right
+    assert parse_verdict("**Correct**") is True
+    with pytest.raises(JudgeError):
+        parse_verdict("")
+
+
+def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, tiny_model_dir, judge_server, capsys):
+    from eogym_sft.cli import main
+
+    question_only = row_factory(row_id="q2")
+    question_only["messages"] = question_only["messages"][:2]
+    question_only["gt_answer"] = "Final"
+    data = tmp_path / "test.jsonl"
+    data.write_text("\n".join([json.dumps(row_factory(row_id="q1")), json.dumps(question_only), "{broken"]) + "\n")
+    out = tmp_path / "out"
+    main([
+        "rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out),
+        "--samples", "2", "--temperature", "1.0", "--max-turns", "2", "--max-new-tokens", "3", "--slots", "3",
+        "--max-length", "1024", "--judge-url", judge_server, "--judge-retries", "0", "--no-progress",
+    ])
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted((e["source_id"], e["sample"]) for e in episodes) == [("q1", 0), ("q1", 1), ("q2", 0), ("q2", 1)]
+    assert all(e["arm"] == "base" and e["turns"] == 1 for e in episodes)
+    assert {e["stop_reason"] for e in episodes} <= {"max_new_tokens", "no_call", "final_answer", "invalid_call"}
+    assert all(e["new_tokens"] <= 3 and e["gt_answer"] in ("3", "Final") for e in episodes)
+    overall = summary["arms"]["base"]["overall"]
+    assert (overall["questions"], overall["episodes"]) == (2, 4)
+    assert set(overall) >= {"pass@1", "pass@2", "mean_score", "tool_any", "tool_error_rate", "stop_reasons", "turns_per_episode"}
+    assert summary["counts"]["rows_failed"] == 1 and summary["settings"]["ks"] == [1, 2]
+    skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert skipped[0]["reason"] == "malformed_json" and skipped[0]["source"].endswith(":3")
+    assert "pass@2" in capsys.readouterr().out
+    with pytest.raises(FileExistsError):
+        main(["rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out), "--no-progress"])
