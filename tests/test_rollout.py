@@ -107,7 +107,7 @@ def test_scripted_policy_runs_tools_reuses_the_cache_and_round_trips_through_pre
     # the second episode starts from the first one's cached prompt; each turn recomputes only its new tokens
     assert stats["prefill_tokens"] < 2 * len(decoder.tokens[0])
     # data prep reads the episode as it is, and trains on exactly the tokens the model was given
-    result = prepare_line(processor, PrepConfig(str(data_root), strict=True), "episodes.jsonl", 1, json.dumps(first).encode())
+    result = prepare_line(processor, PrepConfig(data_root=str(data_root), strict=True), "episodes.jsonl", 1, json.dumps(first).encode())
     assert result.status == "kept" and len(result.samples) == 1
     sample = result.samples[0]
     held = _collapse(decoder.tokens[0])  # the slot: the whole episode but the final <|im_end|>
