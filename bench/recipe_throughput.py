@@ -4,7 +4,7 @@
         --model /tmp/qwen3vl4b-random --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data \\
         --warmup 1 --steps 2 --baseline train_b32.json --json recipe.json
 
-It runs ``main()`` of ``recipes/eo_gym_4b.py`` with its YAML (64 samples a step as 32 token-balanced
+It runs ``recipes/eo_gym_4b.py`` (``parse_args`` with its YAML, then ``eogym_sft.sft.train``) (64 samples a step as 32 token-balanced
 micro-batches of 2, regional compile, ZeRO-2 from the accelerate config it is launched with), changing
 only: the model and data, ``max_steps`` (warm-up + timed steps), ``logging_steps 1`` (the trainer's
 ``num_tokens`` then gives each step's real tokens, one host sync a step), one evaluation after the last
@@ -74,24 +74,29 @@ def recipe_argv(args, extra: list[str]) -> list[str]:
 
 
 def run(args, extra: list[str]) -> dict:
+    import eogym_sft.sft as sft
+
     recipe = load_recipe()
     probe, tokens = StepProbe(), TokenLog()
     made = []
 
-    class ProbedTrainer(recipe.EOGymSFTTrainer):
+    class ProbedTrainer(sft.EOGymSFTTrainer):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.add_callback(probe)
             self.add_callback(tokens)
             made.append(self)
 
-    recipe.EOGymSFTTrainer = ProbedTrainer
     argv = recipe_argv(args, extra)
     script_args, training_args, model_args = recipe.parse_args(argv)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with RecompileLog() as recompiles:
-        recipe.main(script_args, training_args, model_args)
+    original, sft.EOGymSFTTrainer = sft.EOGymSFTTrainer, ProbedTrainer
+    try:
+        with RecompileLog() as recompiles:
+            recipe.train(script_args, training_args, model_args)
+    finally:
+        sft.EOGymSFTTrainer = original
     trainer = made[0]
     per_step = [b - a for a, b in zip([0.0, *tokens.num_tokens], tokens.num_tokens)]
     timing = probe.summary(args.warmup)
