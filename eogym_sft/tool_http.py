@@ -11,6 +11,7 @@ answer is an error message for the model. Stdlib only.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -81,6 +82,7 @@ class HttpBackend:
                 if err.code < 500:
                     raise ToolCallError("http_error", f"the tool server refused the call ({err.code}): {detail}") from None
                 last = f"{err.code}: {detail}"
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as err:
+            except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError, ConnectionError) as err:
+                # HTTPException: a reply cut short or malformed (IncompleteRead, BadStatusLine)
                 last = str(getattr(err, "reason", err))
         raise ToolCallError("http_error", f"the tool server did not answer after {s.retries + 1} attempts ({last})")

@@ -32,6 +32,9 @@ class ToolServer:
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
+                    if status == 299:  # a reply cut short: it promises more bytes than it sends
+                        self.send_header("Content-Length", str(len(text) + 100))
+                        self.close_connection = True
                     self.end_headers()
                     self.wfile.write(text.encode())
                 except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
@@ -94,6 +97,8 @@ def test_server_errors_and_timeouts_are_retried(tool_server):
     assert len(tool_server.requests) == 3
     tool_server.script = [(200, json.dumps({"output": "late"}), 1.0), (200, json.dumps({"output": "on time"}), 0)]
     assert _backend(tool_server, retries=1, timeout_s=0.2).answer("t", {}) == ("on time", None)
+    tool_server.script = [(299, '{"output": "cut', 0), (200, json.dumps({"output": "whole"}), 0)]
+    assert _backend(tool_server, retries=1).answer("t", {}) == ("whole", None)
     tool_server.script = [(500, "down", 0)] * 3
     with pytest.raises(ToolCallError, match="after 3 attempts") as err:
         _backend(tool_server, retries=2).answer("t", {})
