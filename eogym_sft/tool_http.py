@@ -4,7 +4,7 @@ EO-Gym's HTTP routes and payloads are not published, so the request and response
 each call is ``POST url`` with the JSON body ``{name_field: tool, arguments_field: arguments, **extra}``
 (plus ``row_id_field: <row id>`` when set), and the result is read from the response JSON at the dotted
 ``result_field`` (empty: the whole body). A string result is the tool text as it is; anything else is
-dumped as JSON. Timeouts, connection errors and 5xx answers are retried ``retries`` times with a
+dumped as JSON. Timeouts, connection errors, replies cut short and 5xx answers are retried ``retries`` times with a
 growing pause; 404 and 501 mean the server does not run this tool (the next backend may); any other
 answer is an error message for the model. Stdlib only.
 """
