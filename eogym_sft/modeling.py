@@ -57,6 +57,15 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     return peft_model
 
 
+def continue_lora(model, adapter_dir: str):
+    """Load a LoRA adapter (e.g. the SFT recipe's output) onto ``model`` to train it further."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    check_trainable(peft_model)
+    return peft_model
+
+
 def check_trainable(model) -> dict:
     """Fail if anything but language-model LoRA weights would train; return the parameter counts."""
     bad = [n for n, p in model.named_parameters() if p.requires_grad and (VISION_MARKER in f".{n}" or "lora_" not in n)]

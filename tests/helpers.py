@@ -49,3 +49,40 @@ def lean_towards_im_end(model, bias: float = 8.0):
         head.bias[IM_END] = bias
     model.lm_head = head
     return model
+
+
+class ScriptedPolicy:
+    """A ``LogitsProcessor`` that makes ``generate`` write fixed assistant turns: a stand-in for a trained
+    policy, with the real model's forward passes, KV cache and images.
+
+    ``scripts`` are alternative episodes, each a list of turns (token ids, ``<|im_end|>`` included). A
+    sequence's turn is the number of ``<|im_start|>assistant\\n`` headers in it; its episode is the one
+    whose first turn it has started writing (episodes must differ in their first token), and a fresh
+    sequence takes episode ``row % len(scripts)``. ``longest`` keeps the longest sequence written per
+    episode: the whole conversation the model saw, with its own turns.
+    """
+
+    def __init__(self, scripts: list[list[list[int]]], header: list[int]):
+        self.scripts = scripts
+        self.header = header
+        self.longest: dict[int, list[int]] = {}
+
+    def _turn_starts(self, seq: list[int]) -> list[int]:
+        n = len(self.header)
+        return [i + n for i in range(len(seq) - n + 1) if seq[i : i + n] == self.header]
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -float("inf"))
+        for row, seq in enumerate(input_ids.tolist()):
+            starts = self._turn_starts(seq)
+            first = seq[starts[0] :]
+            episode = row % len(self.scripts) if not first else next(
+                k for k, s in enumerate(self.scripts) if s[0][: len(first)] == first[: len(s[0])]
+            )
+            turns = self.scripts[episode]
+            turn = turns[min(len(starts) - 1, len(turns) - 1)]
+            pos = len(seq) - starts[-1]
+            forced[row, turn[pos] if pos < len(turn) else IM_END] = 0
+            if len(seq) > len(self.longest.get(episode, [])):
+                self.longest[episode] = seq
+        return forced

@@ -1,0 +1,304 @@
+"""GRPO after SFT: TRL's ``GRPOTrainer`` with ``environment_factory`` over :class:`EOGymEnvironment`.
+
+The model sees what SFT showed it. The prompt is the row's system prompt and question (its images
+included) normalised by :func:`eogym_sft.traces.normalize_row`; the ``# Tools`` block is the row's own
+tool schemas, not schemas TRL derives from Python signatures; tool results come back as the tool turns
+of data prep (the result text, then the images the tool produced, under the processor's pixel cap).
+
+How the row's schemas reach the prompt. TRL renders each prompt with the tools of the environment that
+the example's ``environment`` column selects (a ``{name: factory}`` ``environment_factory``). Rows are
+grouped by their tool schemas: the group key is the ``environment`` column, and after the trainer is
+built :func:`show_row_tools` replaces each group's rendered tools (TRL's private ``_env_tools``, pinned by
+``tests/test_grpo.py``) with the group's JSON schemas. The tool calls themselves run through public
+methods of one environment class built for the dataset's tool names (:func:`environment_class`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .images import ImageError, image_size, load_rgb, resolve_image_path
+from .tiny import qwen3_vl_chat_template
+from .traces import TraceError, normalize_row
+
+logger = logging.getLogger(__name__)
+
+RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own meaning
+
+
+@dataclass
+class GRPOScriptArguments:
+    """Data, environment and reward settings of an EO-Gym GRPO run; the rest are TRL's ``GRPOConfig``
+    and ``ModelConfig``."""
+
+    dataset_path: str = field(default="data/eo_gym/train.jsonl", metadata={"help": "EO-Gym JSONL: questions with gt_answer (gold trajectories optional)"})
+    data_root: str = field(default="data/eo_gym", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
+    sft_adapter: str | None = field(default=None, metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"})
+    max_pixels: int = field(default=1003520, metadata={"help": "pixel cap per image, crops included: 980 visual tokens on Qwen3-VL"})
+    min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
+    tool_backends: str = field(default="crop,replay", metadata={"help": "environment backends, first that can answer wins: crop, replay, http"})
+    crop_cache_dir: str | None = field(default=None, metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"})
+    tool_images: str | None = field(default=None, metadata={"help": "which tool-result images the model sees, as data prep's rule (default: what a tool produced)"})
+    tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
+    action_cost_scale: float = field(default=0.2, metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"})
+    max_cost_penalty: float = field(default=0.2, metadata={"help": "largest share of the score the action cost may take"})
+    judge: str | None = field(default=None, metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"})
+    limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
+
+    def __post_init__(self):
+        for name in ("tool_call_cost", "action_cost_scale", "max_cost_penalty"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_cost_penalty > 1:
+            raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
+
+
+################
+# Episodes: one dataset row per question
+################
+
+
+def prompt_trace(row: dict):
+    """The row normalised up to its first assistant turn (system, question, its images), as a
+    :class:`~eogym_sft.traces.Trace`; works on question-only rows."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        return normalize_row(row)  # names the problem
+    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), len(messages))
+    placeholder = {"role": "assistant", "content": ""}  # normalize_row wants an assistant turn to end on
+    trace = normalize_row({**row, "messages": messages[:first] + [placeholder]})
+    trace.messages = trace.messages[:-1]
+    return trace
+
+
+def tools_key(tools: list[dict]) -> str:
+    """The ``environment`` name of a tool list: rows with identical schemas share it."""
+    digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
+    return f"tools-{digest}"
+
+
+def episode_record(row: dict, data_root: str | Path) -> dict:
+    """One GRPO example from an EO-Gym row; raises ``TraceError``/``ImageError``/``ValueError`` on bad rows."""
+    trace = prompt_trace(row)
+    if not str(trace.meta.get("gt_answer", "")).strip():
+        raise TraceError("missing_field", "gt_answer", "GRPO scores answers against gt_answer, and this row has none")
+    if not trace.tools:
+        raise TraceError("missing_field", "tools", "the row offers no tools")
+    for tool in trace.tools:
+        name = tool["function"]["name"]
+        if name in RESERVED_NAMES or name.startswith("_"):
+            raise TraceError("bad_field_type", "tools", f"tool name {name!r} is reserved by TRL's environment protocol")
+    for path in trace.images:
+        image_size(resolve_image_path(path, data_root))  # missing or unreadable images fail here, not mid-run
+    return {
+        "id": trace.id,
+        "prompt": json.dumps(trace.messages),
+        "images": trace.images,
+        "environment": tools_key(trace.tools),
+        "tools": json.dumps(trace.tools),
+        "row": json.dumps(row),
+        "gt_answer": trace.meta["gt_answer"],
+        "EO_task": trace.meta["EO_task"],
+    }
+
+
+@dataclass
+class EpisodeData:
+    """The examples of a GRPO run, the tool schemas of each ``environment`` group, and what was skipped."""
+
+    records: list[dict]
+    schemas: dict[str, list[dict]]
+    rows_in: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_rows: list[str] = field(default_factory=list)  # "file:line: reason" (the first 50)
+
+    @property
+    def tool_names(self) -> list[str]:
+        return sorted({t["function"]["name"] for tools in self.schemas.values() for t in tools})
+
+    def stats(self) -> dict:
+        return {"rows_in": self.rows_in, "episodes": len(self.records), "skipped": dict(self.skipped), "skipped_rows": self.skipped_rows}
+
+
+def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = None) -> EpisodeData:
+    """Read EO-Gym JSONL into GRPO examples. A bad row is skipped, named (file:line) and counted."""
+    data = EpisodeData([], {})
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(data.records) >= limit:
+                break
+            data.rows_in += 1
+            try:
+                record = episode_record(json.loads(line), data_root)
+            except json.JSONDecodeError as err:
+                _skip(data, f"{path}:{line_no}", "bad_json", err.msg)
+                continue
+            except (TraceError, ImageError) as err:
+                _skip(data, f"{path}:{line_no}", err.reason, str(err))
+                continue
+            data.records.append(record)
+            data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
+    if not data.records:
+        raise ValueError(f"{path}: no usable rows ({data.rows_in} read, skipped: {dict(data.skipped)})")
+    logger.info("GRPO episodes: %d of %d rows, %d tool sets, skipped %s", len(data.records), data.rows_in, len(data.schemas), dict(data.skipped))
+    return data
+
+
+def _skip(data: EpisodeData, where: str, reason: str, detail: str) -> None:
+    data.skipped[reason] += 1
+    if len(data.skipped_rows) < 50:
+        data.skipped_rows.append(f"{where}: {detail}")
+    logger.warning("skipped %s: %s", where, detail)
+
+
+@dataclass
+class DecodeEpisodes:
+    """``Dataset.with_transform`` hook: JSON prompts back to messages, image paths to RGB images."""
+
+    data_root: str
+
+    def __call__(self, batch: dict) -> dict:
+        out = dict(batch)
+        out["prompt"] = [json.loads(p) for p in batch["prompt"]]
+        out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
+        return out
+
+
+def episode_dataset(data: EpisodeData, data_root: str | Path):
+    """A ``datasets.Dataset`` TRL can sample from: ``prompt`` (messages), ``images`` (decoded on access),
+    ``environment`` (the tool-set group), ``row`` (the raw EO-Gym row, for the environment) and ``gt_answer``."""
+    from datasets import Dataset
+
+    return Dataset.from_list(data.records).with_transform(DecodeEpisodes(str(data_root)))
+
+
+################
+# The environment TRL drives
+################
+
+
+class EOGymToolEnvironment:
+    """One closed-loop episode for TRL: ``reset(**example)`` starts it on the example's row, and each tool
+    the dataset names is a method (added by :func:`environment_class`) that runs the call in
+    :class:`~eogym_sft.environment.EOGymEnvironment` and returns the tool turn as content blocks.
+
+    ``tool_calls`` and ``tool_errors`` count the calls the environment ran and those it answered with an error.
+    """
+
+    _settings: dict = {}  # keyword arguments of EOGymEnvironment beside the row, set by environment_class
+
+    def reset(self, row: str, **example) -> None:
+        from .environment import EOGymEnvironment
+
+        self._env = EOGymEnvironment(json.loads(row), **self._settings)
+        self.tool_calls = 0
+        self.tool_errors = 0
+        return None  # the prompt is the dataset's
+
+    def _call(self, name: str, arguments: dict) -> list[dict]:
+        result = self._env.call(name, arguments)
+        self.tool_calls += 1
+        self.tool_errors += not result.ok
+        blocks = [{"type": "text", "text": result.text}]
+        for path in result.images:
+            try:
+                blocks.append({"type": "image", "image": load_rgb(path)})
+            except ImageError as err:  # a crop that does not decode: the model is told, the run goes on
+                self.tool_errors += 1
+                blocks.append({"type": "text", "text": f"\n(image not available: {err.reason})"})
+        return blocks
+
+
+def _tool_method(name: str):
+    def tool(self, **arguments):
+        return self._call(name, arguments)
+
+    tool.__name__ = tool.__qualname__ = name
+    tool.__doc__ = f"Run the EO-Gym tool {name!r}; its schema is the row's own (see eogym_sft.grpo)."
+    return tool
+
+
+def environment_class(tool_names: list[str], data_root: str | Path, backends=("crop", "replay"), **env_kwargs) -> type:
+    """An :class:`EOGymToolEnvironment` subclass with one method per tool name.
+
+    TRL executes a call by looking up a public method of the environment's class by the tool's name. A call
+    to a tool outside the row's own list still reaches :class:`EOGymEnvironment`, which answers it with
+    its ``unknown_tool`` error, as in ``eogym-sft rollout``.
+    """
+    methods = {name: _tool_method(name) for name in tool_names}
+    settings = {"data_root": data_root, "backends": tuple(backends), **env_kwargs}
+    return type("EOGymTools", (EOGymToolEnvironment,), {**methods, "_settings": settings})
+
+
+def show_row_tools(trainer, schemas: dict[str, list[dict]]) -> None:
+    """Render each ``environment`` group's prompts with its rows' own JSON tool schemas.
+
+    TRL keeps the tools it renders per environment name in ``trainer._env_tools`` (methods, turned into
+    schemas from their signatures); JSON schemas are what ``apply_chat_template(tools=...)`` renders
+    as they are. ``parse_response`` also types call arguments from these schemas.
+    """
+    env_tools = getattr(trainer, "_env_tools", None)
+    if not isinstance(env_tools, dict) or set(env_tools) != set(schemas):
+        raise RuntimeError(
+            "this TRL version does not keep per-environment tools in GRPOTrainer._env_tools; "
+            "eogym_sft.grpo.show_row_tools needs updating (tests/test_grpo.py pins the behaviour)"
+        )
+    for name, tools in schemas.items():
+        env_tools[name] = tools
+
+
+def check_chat_template(processor) -> None:
+    """TRL parses tool calls only under chat templates it knows: for Qwen3-VL, its own copy."""
+    if processor.chat_template != qwen3_vl_chat_template():
+        raise ValueError(
+            "GRPO with tools needs the processor's chat template to equal TRL's Qwen3-VL template "
+            "(trl/chat_templates/qwen3_vl.jinja), which TRL parses tool calls under; set "
+            "processor.chat_template = eogym_sft.tiny.qwen3_vl_chat_template() if yours renders the same turns"
+        )
+
+
+################
+# The trainer
+################
+
+
+def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptArguments, training_args, judge=None):
+    """``GRPOTrainer`` over the episodes in ``data``, with the EO-Gym environment and episode reward.
+
+    ``model`` is the LoRA-wrapped policy; ``judge`` an optional ``judge(question, prediction, reference)``.
+    """
+    from trl import GRPOTrainer
+
+    from .rewards import EpisodeReward
+
+    check_chat_template(processor)
+    env_class = environment_class(
+        data.tool_names, script_args.data_root, script_args.tool_backends.split(","),
+        cache_dir=script_args.crop_cache_dir, attach=script_args.tool_images,
+    )
+    tokenizer = processor.tokenizer
+    reward = EpisodeReward(
+        training_args.num_generations,
+        script_args.tool_call_cost,
+        script_args.action_cost_scale,
+        script_args.max_cost_penalty,
+        judge=judge,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id, tokenizer.pad_token_id),
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=training_args,
+        train_dataset=episode_dataset(data, script_args.data_root),
+        processing_class=processor,
+        environment_factory={name: env_class for name in data.schemas},
+    )
+    show_row_tools(trainer, data.schemas)
+    return trainer
