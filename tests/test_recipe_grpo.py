@@ -1,0 +1,63 @@
+"""The GRPO recipe (``recipes/eo_gym_4b_grpo.py``) as a user runs it on CPU: its YAML parses into TRL's
+GRPOConfig with the seed's settings, and a one-step run from an SFT adapter trains that adapter further
+and leaves it, the processor and ``eogym_run.json`` in the output folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from conftest import make_row, save_image
+from eogym_sft.modeling import apply_lora, load_base_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("eo_gym_4b_grpo_under_test", REPO / "recipes" / "eo_gym_4b_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
+    yaml = (REPO / "recipes" / "eo_gym_4b_grpo.yaml").read_text()
+    assert yaml.startswith("# accelerate launch recipes/eo_gym_4b_grpo.py --config recipes/eo_gym_4b_grpo.yaml")
+    script, training, model = load_recipe().parse_args(["--output_dir", "unused", "--use_cpu", "true", "--bf16", "false"])
+    assert (training.learning_rate, training.num_generations, training.beta, training.temperature) == (3e-5, 8, 0.0, 1.0)
+    assert training.scale_rewards == "group" and training.mask_truncated_completions
+    assert (training.max_completion_length, training.max_tool_calling_iterations, training.max_steps) == (6144, 11, 300)
+    assert training.per_device_train_batch_size * training.gradient_accumulation_steps // training.num_generations == 2
+    assert (script.action_cost_scale, script.max_cost_penalty, script.tool_call_cost) == (0.2, 0.2, 0.1)
+    assert (script.max_pixels, script.tool_backends, script.sft_adapter) == (1003520, "crop,replay", None)
+    assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
+
+
+def test_a_cpu_run_trains_the_sft_adapter_further(tmp_path, tiny_model_dir):
+    root = tmp_path / "data"
+    save_image(root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(make_row(n_steps=1)) + "\n")
+    sft = tmp_path / "sft"  # an adapter of its own shape: the run must continue it, not start a new one
+    apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa"), r=4, alpha=8, targets=("q_proj",)).save_pretrained(sft)
+    out = tmp_path / "grpo"
+    recipe = load_recipe()
+    args = recipe.parse_args(
+        [
+            "--model_name_or_path", str(tiny_model_dir), "--dataset_path", str(rows), "--data_root", str(root),
+            "--output_dir", str(out), "--sft_adapter", str(sft), "--use_cpu", "true", "--bf16", "false",
+            "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--max_pixels", "4096",
+            "--min_pixels", "1024", "--gradient_checkpointing", "false", "--save_strategy", "no",
+        ]
+    )
+    assert recipe.main(*args) == str(out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert (out / "adapter_model.safetensors").is_file() and (out / "processor_config.json").is_file()
+    info = json.loads((out / "eogym_run.json").read_text())
+    assert info["config"]["script"]["sft_adapter"] == str(sft)
+    assert info["config"]["training"]["num_generations"] == 2
+    assert info["data"]["samples"] == 1 and info["data"]["rows_dropped"] == 0
+    assert info["processor"]["size"] == {"longest_edge": 4096, "shortest_edge": 1024}
