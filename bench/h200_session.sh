@@ -12,6 +12,7 @@
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; ~8 min, 1 GPU
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
+#   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (~5 min)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -85,5 +86,10 @@ rollout_bench_compile)
   make_model
   CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --concurrency 32 --turns 3 --new-tokens 128 \
     --arms slots --compile reduce-overhead --workdir /tmp/rb --json $OUT/rollout_compile.json
+  ;;
+grpo)
+  make_model
+  CUDA_VISIBLE_DEVICES=0 timeout 450 python bench/grpo_step.py --model $model --rows 32 --steps 2 --warmup 1 --num-generations 8 --batch 8 \
+    --grad-accum 2 --max-completion-length 512 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -30 || echo "grpo: exit $?"
   ;;
 esac
