@@ -36,18 +36,45 @@ class GRPOScriptArguments:
     """Data, environment and reward settings of an EO-Gym GRPO run; the rest are TRL's ``GRPOConfig``
     and ``ModelConfig``."""
 
-    dataset_path: str = field(default="data/eo_gym/train.jsonl", metadata={"help": "EO-Gym JSONL: questions with gt_answer (gold trajectories optional)"})
+    dataset_path: str = field(
+        default="data/eo_gym/train.jsonl",
+        metadata={"help": "EO-Gym JSONL: questions with gt_answer (gold trajectories optional)"},
+    )
     data_root: str = field(default="data/eo_gym", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
-    sft_adapter: str | None = field(default=None, metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"})
-    max_pixels: int = field(default=1003520, metadata={"help": "pixel cap per image, crops included: 980 visual tokens on Qwen3-VL"})
+    sft_adapter: str | None = field(
+        default=None,
+        metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"},
+    )
+    max_pixels: int = field(
+        default=1003520,
+        metadata={"help": "pixel cap per image, crops included: 980 visual tokens on Qwen3-VL"},
+    )
     min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
-    tool_backends: str = field(default="crop,replay", metadata={"help": "environment backends, first that can answer wins: crop, replay, http"})
-    crop_cache_dir: str | None = field(default=None, metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"})
-    tool_images: str | None = field(default=None, metadata={"help": "which tool-result images the model sees, as data prep's rule (default: what a tool produced)"})
+    tool_backends: str = field(
+        default="crop,replay",
+        metadata={"help": "environment backends, first that can answer wins: crop, replay, http"},
+    )
+    crop_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
+    )
+    tool_images: str | None = field(
+        default=None,
+        metadata={"help": "which tool-result images the model sees, as data prep's rule (default: what a tool produced)"},
+    )
     tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
-    action_cost_scale: float = field(default=0.2, metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"})
-    max_cost_penalty: float = field(default=0.2, metadata={"help": "largest share of the score the action cost may take"})
-    judge: str | None = field(default=None, metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"})
+    action_cost_scale: float = field(
+        default=0.2,
+        metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"},
+    )
+    max_cost_penalty: float = field(
+        default=0.2,
+        metadata={"help": "largest share of the score the action cost may take"},
+    )
+    judge: str | None = field(
+        default=None,
+        metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"},
+    )
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
 
     def __post_init__(self):
@@ -122,7 +149,12 @@ class EpisodeData:
         return sorted({t["function"]["name"] for tools in self.schemas.values() for t in tools})
 
     def stats(self) -> dict:
-        return {"rows_in": self.rows_in, "episodes": len(self.records), "skipped": dict(self.skipped), "skipped_rows": self.skipped_rows}
+        return {
+            "rows_in": self.rows_in,
+            "episodes": len(self.records),
+            "skipped": dict(self.skipped),
+            "skipped_rows": self.skipped_rows,
+        }
 
 
 def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = None) -> EpisodeData:
@@ -147,7 +179,10 @@ def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = N
             data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
     if not data.records:
         raise ValueError(f"{path}: no usable rows ({data.rows_in} read, skipped: {dict(data.skipped)})")
-    logger.info("GRPO episodes: %d of %d rows, %d tool sets, skipped %s", len(data.records), data.rows_in, len(data.schemas), dict(data.skipped))
+    logger.info(
+        "GRPO episodes: %d of %d rows, %d tool sets, skipped %s",
+        len(data.records), data.rows_in, len(data.schemas), dict(data.skipped),
+    )
     return data
 
 

@@ -51,6 +51,19 @@ def lean_towards_im_end(model, bias: float = 8.0):
     return model
 
 
+def trained_spans(labels: torch.Tensor) -> list[list[int]]:
+    """The runs of trained (not -100) label ids: one per assistant turn, ``<|im_end|>`` included."""
+    spans, current = [], []
+    for tok in labels.tolist():
+        if tok == -100:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            current.append(tok)
+    return spans + ([current] if current else [])
+
+
 class ScriptedPolicy:
     """A ``LogitsProcessor`` that makes ``generate`` write fixed assistant turns: a stand-in for a trained
     policy, with the real model's forward passes, KV cache and images.

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import sharpen
+from helpers import sharpen, trained_spans
 from PIL import Image
 
 from eogym_sft.collator import EOGymCollator, mrope_position_ids
@@ -147,18 +147,6 @@ def expected_layout(tokenizer, image_tokens: list[int]) -> tuple[torch.Tensor, t
         ids += piece
         labels += piece if kind == "trained" else [-100] * len(piece)
     return torch.tensor([ids]), torch.tensor([labels])
-
-
-def trained_spans(labels: torch.Tensor) -> list[list[int]]:
-    spans, current = [], []
-    for tok in labels.tolist():
-        if tok == -100:
-            if current:
-                spans.append(current)
-            current = []
-        else:
-            current.append(tok)
-    return spans + ([current] if current else [])
 
 
 def test_exact_labels_of_a_multi_turn_tool_use_sample(collator, processor):

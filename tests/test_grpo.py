@@ -26,7 +26,7 @@ from eogym_sft.modeling import apply_lora, load_base_model
 from eogym_sft.processor import load_processor
 from eogym_sft.traces import normalize_row
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy
+from helpers import IM_END, ScriptedPolicy, trained_spans
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096  # small images keep the CPU steps short
 PAD = 151643
@@ -35,19 +35,6 @@ PAD = 151643
 def write_jsonl(path, rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
-
-
-def assistant_turns(labels: torch.Tensor) -> list[list[int]]:
-    """The trained runs of an SFT sample: each assistant turn's tokens, ``<|im_end|>`` included."""
-    turns, current = [], []
-    for tok in labels.tolist():
-        if tok == -100:
-            if current:
-                turns.append(current)
-            current = []
-        else:
-            current.append(tok)
-    return turns + ([current] if current else [])
 
 
 def test_prompt_trace_works_on_question_only_rows(row_factory):
@@ -112,7 +99,7 @@ def policy_run(tmp_path_factory, tiny_model_dir):
     sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
     wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    policy = ScriptedPolicy([assistant_turns(sft["labels"][0]), [wrong]], header)
+    policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
 
     model = apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa"))
     model.generate = _with_logits_processor(model.generate, policy)
