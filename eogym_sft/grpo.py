@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config import ImageConfig
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .tiny import qwen3_vl_chat_template
 from .traces import TraceError, normalize_row
@@ -32,9 +33,9 @@ RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own me
 
 
 @dataclass
-class GRPOScriptArguments:
-    """Data, environment and reward settings of an EO-Gym GRPO run; the rest are TRL's ``GRPOConfig``
-    and ``ModelConfig``."""
+class GRPOScriptArguments(ImageConfig):
+    """Data, environment and reward settings of an EO-Gym GRPO run; images as in SFT (:class:`ImageConfig`,
+    crops included); the rest are TRL's ``GRPOConfig`` and ``ModelConfig``."""
 
     dataset_path: str = field(
         default="data/eo_gym/train.jsonl",
@@ -45,11 +46,6 @@ class GRPOScriptArguments:
         default=None,
         metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"},
     )
-    max_pixels: int = field(
-        default=1003520,
-        metadata={"help": "pixel cap per image, crops included: 980 visual tokens on Qwen3-VL"},
-    )
-    min_pixels: int = field(default=65536, metadata={"help": "pixel floor per image (Qwen3-VL's processor default)"})
     tool_backends: str = field(
         default="crop,replay",
         metadata={"help": "environment backends, first that can answer wins: crop, replay, http"},
@@ -58,9 +54,9 @@ class GRPOScriptArguments:
         default=None,
         metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
     )
-    tool_images: str | None = field(
-        default=None,
-        metadata={"help": "which tool-result images the model sees, as data prep's rule (default: what a tool produced)"},
+    tool_images: str = field(
+        default="produced",
+        metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
     )
     tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
     action_cost_scale: float = field(
@@ -78,6 +74,7 @@ class GRPOScriptArguments:
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("tool_call_cost", "action_cost_scale", "max_cost_penalty"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -337,3 +334,35 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
     )
     show_row_tools(trainer, data.schemas)
     return trainer
+
+
+def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
+    """GRPO from ``--sft_adapter`` (trained further) or a new LoRA adapter on the base model; save the
+    adapter, its processor and ``eogym_run.json`` to ``output_dir`` and return that folder."""
+    from .data import file_sha256
+    from .evaluation import load_judge
+    from .modeling import apply_lora, continue_lora, load_base_model
+    from .processor import load_processor
+    from .run_info import save_run
+    from .sft import resume_checkpoint
+
+    logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    if not model_args.use_peft:
+        raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    processor = load_processor(model_args.model_name_or_path, script_args.max_pixels, script_args.min_pixels)
+    data = load_episodes(script_args.dataset_path, script_args.data_root, script_args.limit)
+    model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
+    if script_args.sft_adapter:
+        model = continue_lora(model, script_args.sft_adapter)
+    else:
+        model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    judge = load_judge(script_args.judge) if script_args.judge else None
+    trainer = build_trainer(model, processor, data, script_args, training_args, judge)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
+
+    stats = {"content_hash": file_sha256(script_args.dataset_path), **data.stats()}
+    stats.update(samples_out=len(data.records), rows_dropped=sum(data.skipped.values()))
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    output_dir = save_run(trainer, processor, configs, stats)
+    logger.info("adapter saved to %s", output_dir)
+    return output_dir

@@ -82,3 +82,14 @@ def write_run_info(output_dir: str | Path, configs: dict, data_stats: dict, proc
     path = Path(output_dir) / "eogym_run.json"
     path.write_text(json.dumps(info, indent=2, default=str) + "\n")
     return path
+
+
+def save_run(trainer, processor, configs: dict, data_stats: dict) -> str:
+    """Save the adapter, the processor (with its pixel cap) and ``eogym_run.json`` side by side in the
+    trainer's ``output_dir``; return that folder."""
+    output_dir = trainer.args.output_dir
+    trainer.save_model(output_dir)
+    if trainer.accelerator.is_main_process:
+        processor.save_pretrained(output_dir)
+        write_run_info(output_dir, configs, data_stats, processor)
+    return output_dir

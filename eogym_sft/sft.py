@@ -15,7 +15,7 @@ from .data import load_or_prepare, split_by_trace
 from .modeling import apply_lora, compile_language_layers, load_base_model
 from .prepare import PrepConfig
 from .processor import load_processor
-from .run_info import write_run_info
+from .run_info import save_run
 from .trainer import EOGymSFTTrainer
 
 logger = logging.getLogger(__name__)
@@ -84,10 +84,7 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     ################
     # Save: adapter, processor (with the pixel cap) and the run's evidence, side by side
     ################
-    trainer.save_model(training_args.output_dir)
-    if trainer.accelerator.is_main_process:
-        processor.save_pretrained(training_args.output_dir)
-        configs = {"script": script_args, "training": training_args, "model": model_args}
-        write_run_info(training_args.output_dir, configs, data_stats, processor)
-    logger.info("adapter saved to %s", training_args.output_dir)
-    return training_args.output_dir
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    output_dir = save_run(trainer, processor, configs, data_stats)
+    logger.info("adapter saved to %s", output_dir)
+    return output_dir

@@ -30,7 +30,7 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (training.max_completion_length, training.max_tool_calling_iterations, training.max_steps) == (6144, 11, 300)
     assert training.per_device_train_batch_size * training.gradient_accumulation_steps // training.num_generations == 2
     assert (script.action_cost_scale, script.max_cost_penalty, script.tool_call_cost) == (0.2, 0.2, 0.1)
-    assert (script.max_pixels, script.tool_backends, script.sft_adapter) == (1003520, "crop,replay", None)
+    assert (script.max_pixels, script.tool_backends, script.sft_adapter, script.tool_images) == (1003520, "crop,replay", None, "produced")
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
 
 
@@ -52,7 +52,7 @@ def test_a_cpu_run_trains_the_sft_adapter_further(tmp_path, tiny_model_dir):
             "--min_pixels", "1024", "--gradient_checkpointing", "false", "--save_strategy", "no",
         ]
     )
-    assert recipe.main(*args) == str(out)
+    assert recipe.train(*args) == str(out)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 8)
     assert (out / "adapter_model.safetensors").is_file() and (out / "processor_config.json").is_file()
