@@ -25,7 +25,8 @@ from pathlib import Path
 from .config import ImageConfig
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .tiny import qwen3_vl_chat_template
-from .traces import TraceError, normalize_row
+from .episodes import canonical_prompt, question_messages
+from .traces import TraceError
 
 logger = logging.getLogger(__name__)
 
@@ -87,17 +88,10 @@ class GRPOScriptArguments(ImageConfig):
 ################
 
 
-def prompt_trace(row: dict):
+def prompt_trace(row: dict, tool_images="produced"):
     """The row normalised up to its first assistant turn (system, question, its images), as a
-    :class:`~eogym_sft.traces.Trace`; works on question-only rows."""
-    messages = row.get("messages")
-    if not isinstance(messages, list):
-        return normalize_row(row)  # names the problem
-    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), len(messages))
-    placeholder = {"role": "assistant", "content": ""}  # normalize_row wants an assistant turn to end on
-    trace = normalize_row({**row, "messages": messages[:first] + [placeholder]})
-    trace.messages = trace.messages[:-1]
-    return trace
+    :class:`~eogym_sft.traces.Trace`: the prompt ``eogym-sft rollout`` starts an episode from."""
+    return canonical_prompt({**row, "messages": question_messages(row)}, tool_images)
 
 
 def tools_key(tools: list[dict]) -> str:
@@ -340,7 +334,7 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     """GRPO from ``--sft_adapter`` (trained further) or a new LoRA adapter on the base model; save the
     adapter, its processor and ``eogym_run.json`` to ``output_dir`` and return that folder."""
     from .data import file_sha256
-    from .evaluation import load_judge
+    from .judge import load_judge
     from .modeling import apply_lora, continue_lora, load_base_model
     from .processor import load_processor
     from .run_info import save_run
