@@ -8,7 +8,7 @@
 #   bash bench/h200_session.sh recipe       # the recipe on the 4B architecture, ZeRO-2 bf16, 1 then 2 GPUs
 #   bash bench/h200_session.sh scaling      # the recipe's speed on 2 GPUs, DDP and ZeRO-2
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
-#   bash bench/h200_session.sh perf         # issue 13: the recipe as launched (ZeRO-2, 64-sample steps) beside
+#   bash bench/h200_session.sh perf         # the recipe as launched (ZeRO-2, 64-sample steps) beside
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; ~8 min, 1 GPU
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)

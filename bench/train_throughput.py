@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, component_times  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
-PEAK_FLOPS = 790e12  # bf16 dense, measured on an H200 (shared/research/performance.md)
+PEAK_FLOPS = 790e12  # the H200 bf16 dense figure that MFU is computed against (docs/benchmarks.md, MFU formula)
 
 RECIPE = yaml.safe_load((REPO / "recipes/eo_gym_4b.yaml").read_text())
 # B is the recipe as shipped, read from its YAML; the bench only shortens a step to --grad-accum micro-batches.
