@@ -156,7 +156,7 @@ def _packed_batch(processor):
     return EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)(examples)
 
 
-def _loss_and_grads(processor, compiled: bool):
+def _tiny_lora_model(compiled: bool):
     from helpers import perturb_lora_b
 
     from eogym_sft.attention import register_varlen_attention
@@ -166,54 +166,66 @@ def _loss_and_grads(processor, compiled: bool):
     register_varlen_attention()
     model = build_tiny_model(seed=3)
     model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
-    model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=3)
+    model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=3).train()
     if compiled:
         # aot_eager: Dynamo's capture and AOTAutograd's joint graph as on the GPU, without Inductor's
         # C++ compile time on CPU. Inductor's numerics are checked on the 4B architecture by bench/.
         assert compile_language_layers(model, backend="aot_eager") == 2
-    loss = model(**_packed_batch(processor), use_cache=False).loss
+    return model
+
+
+def _loss_and_grads(model, batch):
+    loss = model(**batch, use_cache=False).loss
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return loss.detach(), grads
 
 
-def test_compiled_layers_give_the_eager_loss_and_gradients(processor):
-    eager_loss, eager_grads = _loss_and_grads(processor, compiled=False)
-    compiled_loss, compiled_grads = _loss_and_grads(processor, compiled=True)
+@pytest.fixture(scope="module")
+def compiled_run(processor):
+    """One compiled model (compiling is most of these tests' time) and its eager twin: the loss and gradients
+    of both on a packed batch, then the compiled model's cache entries after micro-batches of other lengths."""
+    from helpers import chat_example
+    from PIL import Image
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import DECODER_LAYER_RE
+
+    torch._dynamo.reset()
+    batch = _packed_batch(processor)
+    eager, compiled = _tiny_lora_model(compiled=False), _tiny_lora_model(compiled=True)
+    run = {"eager": _loss_and_grads(eager, batch), "compiled": _loss_and_grads(compiled, batch)}
+    # Packed micro-batches change length every step, and layer 0's input is the frozen embeddings.
+    layer = next(m for n, m in compiled.named_modules() if DECODER_LAYER_RE.search(n))
+    entries = lambda: len(_debug_get_cache_entry_list(type(layer).forward.__code__))  # noqa: E731
+    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
+    run["lengths"], run["entries"] = [batch["input_ids"].shape[1]], [entries()]
+    for k in range(2):
+        micro = collator([chat_example("Ships?" * (1 + 3 * k), "Final Answer: 2", [Image.new("RGB", (32 + 32 * k, 64))])])
+        compiled(**micro, use_cache=False).loss.backward()
+        run["lengths"].append(micro["input_ids"].shape[1])
+        run["entries"].append(entries())
+    yield run
+    torch._dynamo.reset()
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradients(compiled_run):
+    eager_loss, eager_grads = compiled_run["eager"]
+    compiled_loss, compiled_grads = compiled_run["compiled"]
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6)
     assert eager_grads.keys() == compiled_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_compiled_layers_compile_once_for_every_micro_batch_length(processor):
+def test_compiled_layers_compile_once_for_every_micro_batch_length(compiled_run):
     """Packed micro-batches change length every step, and layer 0's input is the frozen embeddings:
     still one compiled entry for all layers and lengths (without the fix: 2 after the first
     micro-batch, 3 after the second)."""
-    from helpers import chat_example
-    from PIL import Image
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from eogym_sft.attention import register_varlen_attention
-    from eogym_sft.collator import EOGymCollator
-    from eogym_sft.modeling import DECODER_LAYER_RE, compile_language_layers
-    from eogym_sft.tiny import build_tiny_model
-
-    register_varlen_attention()
-    model = build_tiny_model(seed=3)
-    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
-    model = apply_lora(model, dropout=0.0).train()
-    torch._dynamo.reset()
-    compile_language_layers(model, backend="aot_eager")
-    layer = next(m for n, m in model.named_modules() if DECODER_LAYER_RE.search(n))
-    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
-    lengths = []
-    for k in range(2):
-        batch = collator([chat_example("Ships?" * (1 + 3 * k), "Final Answer: 2", [Image.new("RGB", (32 + 32 * k, 64))])])
-        model(**batch, use_cache=False).loss.backward()
-        lengths.append(batch["input_ids"].shape[1])
-        assert len(_debug_get_cache_entry_list(type(layer).forward.__code__)) == 1
-    assert lengths[0] != lengths[1]
-    torch._dynamo.reset()
+    assert compiled_run["entries"] == [1, 1, 1]
+    assert len(set(compiled_run["lengths"])) == 3
 
 
 def test_compile_language_layers_needs_decoder_layers():
