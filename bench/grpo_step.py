@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from eogym_sft.config import ImageConfig
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -88,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--max-completion-length", type=int, default=1024)
-    p.add_argument("--max-pixels", type=int, default=1003520)
+    p.add_argument("--max-pixels", type=int, default=ImageConfig.max_pixels)
     p.add_argument("--gradient-checkpointing", choices=("true", "false"), default="true")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")

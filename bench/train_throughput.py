@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, component_times  # noqa: E402
 
+from eogym_sft.config import ImageConfig  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # the H200 bf16 dense figure that MFU is computed against (docs/benchmarks.md, MFU formula)
 
@@ -104,7 +106,7 @@ def flops_per_sample(lengths_and_sup, images, cfg) -> float:
     return total
 
 
-def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = 1003520):
+def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = ImageConfig.max_pixels):
     from prep_throughput import generate_sample
 
     from eogym_sft.data import load_or_prepare
@@ -112,8 +114,9 @@ def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = 10
     from eogym_sft.processor import load_processor
 
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
-    processor = load_processor(str(model_dir), max_pixels, min(65536, max_pixels))
-    prep = PrepConfig(data_root=str(root), max_pixels=max_pixels, min_pixels=min(65536, max_pixels))
+    min_pixels = min(ImageConfig.min_pixels, max_pixels)  # a CPU smoke run's cap may be under the floor
+    processor = load_processor(str(model_dir), max_pixels, min_pixels)
+    prep = PrepConfig(data_root=str(root), max_pixels=max_pixels, min_pixels=min_pixels)
     dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, prep, workdir / "prepared", os.cpu_count())
     return dataset, stats, root, processor
 
@@ -360,7 +363,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json"))
     parser.add_argument("--rows", type=int, default=160)
-    parser.add_argument("--max-pixels", type=int, default=1003520, help="pixel cap per image (smaller for a CPU smoke run)")
+    parser.add_argument("--max-pixels", type=int, default=ImageConfig.max_pixels, help="pixel cap per image (smaller for a CPU smoke run)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--parity-samples", type=int, default=4, help="samples in the loss-parity batch (0: skip)")
