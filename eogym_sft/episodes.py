@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .encoding import render
-from .generation import ImageInput, Sampling, SlotDecoder, expand_image_pads, image_input
+from .generation import ImageInput, Sampling, SlotDecoder, expand_image_pads, image_input, vision_token_ids
 from .images import load_rgb, resolve_image_path
 from .scoring import END_MARKERS, parse_output, strip_end_markers
 from .traces import normalize_row
@@ -194,6 +194,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
 
     tokenizer = processor.tokenizer
     stop_ids = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
+    banned_ids = vision_token_ids(tokenizer)
     generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
     pool = ThreadPoolExecutor(max_workers=4)
     pending = _prefetched(episodes, lambda ep: ep.preload(processor, data_root, cfg.tool_images), pool, decoder.slots)
@@ -213,7 +214,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
             ep.fail(err)
             return False
         stats["prefill_tokens"] += len(ids) - _common_prefix(before, ids)
-        turn[s] = sampling.pick(logits[None], [0], stop_ids, generator)
+        turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
         return True
 
     def end_turn(s: int, ep: Episode) -> bool:
@@ -262,7 +263,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
         if not busy:
             break
         order, logits = decoder.decode({s: turn[s][-1] for s in busy})
-        picks = sampling.pick(logits, [len(turn[s]) for s in order], stop_ids, generator)
+        picks = sampling.pick(logits, [len(turn[s]) for s in order], stop_ids, generator, banned_ids)
         for s, tok in zip(order, picks):
             turn[s].append(tok)
         stats["decode_steps"] += 1

@@ -22,6 +22,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# Qwen3-VL's vision special tokens. A sampled one would stand for image features that do not exist:
+# the next prefill (or TRL's training forward) then fails on a mismatch between image tokens and images.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """Ids of :data:`VISION_TOKENS` in ``tokenizer`` (those it has): tokens a policy must never write."""
+    ids = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
 
 
 @dataclass
@@ -280,8 +289,11 @@ class Sampling:
     top_k: int = 0
     min_new_tokens: int = 0
 
-    def pick(self, logits: torch.Tensor, generated: list[int], stop_ids: list[int], generator=None) -> list[int]:
-        """One next token per row of ``logits`` ``(rows, vocab)``; ``generated`` = tokens each row's turn has so far."""
+    def pick(self, logits: torch.Tensor, generated: list[int], stop_ids: list[int], generator=None, banned_ids=()) -> list[int]:
+        """One next token per row of ``logits`` ``(rows, vocab)``; ``generated`` = tokens each row's turn has so far.
+        ``banned_ids`` are never picked (the vision special tokens, :func:`vision_token_ids`)."""
+        if len(banned_ids):
+            logits = logits.index_fill(-1, torch.tensor(list(banned_ids), device=logits.device), float("-inf"))
         early = [i for i, n in enumerate(generated) if n < self.min_new_tokens]
         if early:
             logits = logits.clone()

@@ -302,6 +302,7 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
     """
     from trl import GRPOTrainer
 
+    from .generation import vision_token_ids
     from .rewards import EpisodeReward
 
     check_chat_template(processor)
@@ -318,6 +319,12 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
         judge=judge,
         eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id, tokenizer.pad_token_id),
     )
+    if not training_args.use_vllm:
+        # TRL suppresses only <|image_pad|>; a sampled <|video_pad|> or <|vision_start|> breaks the training
+        # forward's 3-D positions (seen on an H200 with random weights), so every vision token is suppressed.
+        kwargs = dict(training_args.generation_kwargs or {})
+        kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
+        training_args.generation_kwargs = kwargs
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[reward],

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from eogym_sft.generation import Sampling, SlotDecoder, expand_image_pads, image_input, rope_positions
+from eogym_sft.generation import Sampling, SlotDecoder, expand_image_pads, image_input, rope_positions, vision_token_ids
 from eogym_sft.tiny import IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
 
 
@@ -95,3 +95,13 @@ def test_sampling_rules():
     assert {p[0] for p in picks} == {1, 3}  # only the two best
     picks = {tuple(Sampling(temperature=1.0, top_p=0.5).pick(logits, [5, 5], [1], generator)) for _ in range(20)}
     assert picks == {(1, 0)}  # the top token alone holds more than half the mass
+    assert Sampling().pick(logits, [5, 5], stop_ids=[1], banned_ids=[1, 0]) == [3, 2]  # never a banned token
+    picks = {tuple(Sampling(temperature=1.0).pick(logits, [5, 5], [1], generator, banned_ids=[1])) for _ in range(50)}
+    assert all(p[0] != 1 and p[1] != 1 for p in picks)
+
+
+def test_vision_token_ids_are_the_qwen3_vl_vision_specials(processor):
+    tokenizer = processor.tokenizer
+    ids = vision_token_ids(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+    assert IMAGE_TOKEN_ID in ids

@@ -22,6 +22,7 @@ from eogym_sft.grpo import (
     show_row_tools,
     tools_key,
 )
+from eogym_sft.generation import vision_token_ids
 from eogym_sft.modeling import apply_lora, load_base_model
 from eogym_sft.processor import load_processor
 from eogym_sft.traces import normalize_row
@@ -169,6 +170,12 @@ def test_the_seeds_diagnostics_are_logged(policy_run):
     assert logs["grad_norm"] > 0 and logs["entropy"] > 0
     assert logs["tools/call_frequency"] == pytest.approx(0.5)
     assert logs["completions/clipped_ratio"] == 0
+
+
+def test_generation_never_samples_a_vision_token(policy_run, processor):
+    """TRL suppresses only <|image_pad|>; a sampled <|video_pad|> broke the training forward on a GPU."""
+    suppressed = policy_run["trainer"].generation_config.suppress_tokens
+    assert set(vision_token_ids(processor.tokenizer)) <= set(suppressed)
 
 
 def test_a_foreign_chat_template_is_refused(processor):
