@@ -169,11 +169,12 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
     return {"new_tokens": generated}
 
 
-def run_slots(model, processor, episodes, data_root, new_tokens: int, slots: int, max_context: int, compile_mode) -> dict:
+def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
     from eogym_sft.episodes import LoopConfig, run_episodes
-    from eogym_sft.generation import Sampling, SlotDecoder
+    from eogym_sft.generation import Sampling
 
-    decoder = SlotDecoder(model, slots, max_context, compile=compile_mode)
+    for slot in range(decoder.slots):
+        decoder.release(slot)
     stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
                          data_root, lambda ep: None)
     errors = [ep.error for ep in episodes if ep.stop == "error"]
@@ -181,6 +182,32 @@ def run_slots(model, processor, episodes, data_root, new_tokens: int, slots: int
         raise RuntimeError(f"{len(errors)} episodes failed, first: {errors[0]}")
     return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
             "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2)}
+
+
+def slot_decoder(model, slots: int, max_context: int, mode):
+    """The decoder of a slot arm; compiled, it attends over the whole cache (one graph) and compiles now."""
+    from eogym_sft.generation import SlotDecoder
+
+    if not mode:
+        return SlotDecoder(model, slots, max_context)
+    decoder = SlotDecoder(model, slots, max_context, compile=mode, attn_bucket=max_context)
+    start = time.perf_counter()
+    decoder.warm_up()
+    print(f"decode step compiled ({mode}) in {time.perf_counter() - start:.0f}s", flush=True)
+    return decoder
+
+
+def run_arm(runs: list, name: str, fn, episodes, device) -> None:
+    """Time one arm; a failure (out of memory, a compile error) is recorded by name and the other arms go on."""
+    import torch
+
+    try:
+        runs.append(time_arm(name, fn, episodes, device))
+    except Exception as err:
+        runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
+        print(f"{name} failed: {runs[-1]['error']}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def time_arm(name, fn, episodes, device) -> dict:
@@ -258,24 +285,23 @@ def main(argv: list[str] | None = None) -> dict:
         runs = []
         if "serial" in arms and args.serial_episodes:
             eps = make_episodes(selected[: args.serial_episodes], args.turns, "serial")
-            runs.append(time_arm("serial", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, 1), eps, device))
+            run_arm(runs, "serial", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, 1), eps, device)
         if "batched" in arms:
             eps = make_episodes(selected, args.turns, "batched")
-            runs.append(time_arm(f"batched{args.concurrency}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, args.concurrency), eps, device))
+            batch = args.concurrency
+            run_arm(runs, f"batched{batch}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, batch), eps, device)
         modes = ([None] if "slots" in arms else []) + ([args.compile] if args.compile else [])
         for mode in modes:
             name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
-            if mode:  # compile outside the timed run: one short pass over a few episodes
-                run_slots(model, processor, make_episodes(selected[:2], 2, "warmup"), data_root, 8, args.concurrency, args.max_context, mode)
-            eps = make_episodes(selected, args.turns, name)
             try:
-                runs.append(time_arm(name, lambda e: run_slots(model, processor, e, data_root, args.new_tokens, args.concurrency, args.max_context, mode), eps, device))
+                decoder = slot_decoder(model, args.concurrency, args.max_context, mode)
             except Exception as err:  # a compile failure must not lose the arms already timed
-                if not mode:
-                    raise
                 runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
-                print(f"{name} failed: {runs[-1]['error']}", flush=True)
-        base = next((r for r in runs if r["arm"].startswith("batched")), None)
+                continue
+            eps = make_episodes(selected, args.turns, name)
+            run_arm(runs, name, lambda e: run_slots(decoder, processor, e, data_root, args.new_tokens), eps, device)
+            del decoder
+        base = next((r for r in runs if r["arm"].startswith("batched") and "error" not in r), None)
         for r in runs:
             if "error" in r:
                 continue

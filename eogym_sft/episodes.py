@@ -66,7 +66,6 @@ class Episode:
     sample: int
     row: dict
     env: object
-    tools: list[dict] = field(default_factory=list)
     turns: int = 0
     calls: int = 0
     tool_errors: int = 0
@@ -81,7 +80,6 @@ class Episode:
     def prompt(self, processor, data_root, tool_images="produced") -> tuple[list[int], list[ImageInput]]:
         """The token ids (image pads expanded) and images of the next prompt."""
         trace = canonical_prompt(self.row, tool_images)
-        self.tools = trace.tools
         text = render(processor, trace.messages, trace.tools, add_generation_prompt=True)
         images = [self._picture(processor, rel, data_root) for rel in trace.images]
         self.images_seen = list(trace.images)
@@ -238,7 +236,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
                 if ep is None:
                     return
                 slot_ep[s] = ep
-                if not begin_turn(s, ep):
+                if ep.stop is not None or not begin_turn(s, ep):  # failed before it began (see new_episode)
                     finish(s)
                 continue
             tokens = turn[s]

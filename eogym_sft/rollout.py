@@ -159,9 +159,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
         for arm in arms:
             bar.set_description(f"rollout {arm.name}")
             done: list[dict] = []
-            episodes = (
-                new_episode(row, source, arm.name, k, env_factory(row)) for source, row in rows for k in range(cfg.samples)
-            )
+            episodes = (start_episode(row, source, arm.name, k, env_factory) for source, row in rows for k in range(cfg.samples))
             with use_arm(model, arm):
                 stats = run_episodes(decoder, processor, episodes, sampling, loop, cfg.data_root, lambda ep: done.append(ep.record()), bar)
             for slot in range(decoder.slots):  # the next arm's weights make these caches stale
@@ -197,6 +195,18 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     (out / "report.txt").write_text(report + "\n")
     print(report)
     return summary
+
+
+def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
+    """A new episode with its own environment; one whose environment cannot be built ends at once in
+    ``error``, named, and the run goes on."""
+    try:
+        env = env_factory(row)
+    except Exception as err:  # a row the environment refuses fails alone
+        episode = new_episode(row, source, arm, sample, None)
+        episode.fail(err)
+        return episode
+    return new_episode(row, source, arm, sample, env)
 
 
 def _episode_problem(record: dict) -> dict:

@@ -242,3 +242,25 @@ def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, 
     assert "pass@2" in capsys.readouterr().out
     with pytest.raises(FileExistsError):
         main(["rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out), "--no-progress"])
+
+
+def test_an_environment_that_fails_ends_its_episodes_only(tmp_path, data_root, row_factory, tiny_model_dir):
+    from eogym_sft.environment import EOGymEnvironment
+    from eogym_sft.rollout import RolloutConfig, rollout
+
+    data = tmp_path / "test.jsonl"
+    data.write_text("\n".join(json.dumps(row_factory(row_id=i)) for i in ("ok", "refused")) + "\n")
+
+    def factory(row):
+        if row["id"] == "refused":
+            raise ValueError("this row's tools cannot be served")
+        return EOGymEnvironment(row, data_root)
+
+    cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
+                        max_new_tokens=2, max_turns=1, slots=2, max_length=1024)
+    summary = rollout(cfg, progress=False, env_factory=factory)
+    episodes = {e["source_id"]: e for e in map(json.loads, (tmp_path / "out" / "episodes.jsonl").read_text().splitlines())}
+    assert episodes["refused"]["stop_reason"] == "error" and "cannot be served" in episodes["refused"]["error"]
+    assert episodes["ok"]["stop_reason"] != "error" and summary["counts"]["episode_errors"] == 1
+    skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["episode"], s["reason"]) for s in skipped] == [("refused:base:0", "episode_error")]
