@@ -12,7 +12,7 @@ Commands (from the repository root)::
     eogym-sft tiny-model --config recipes/configs/qwen3_vl_4b_instruct.json --dtype bfloat16 --device cuda --output /tmp/qwen3vl4b-random
     python bench/rollout_throughput.py --model /tmp/qwen3vl4b-random --json rollout.json
 
-Episodes: rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` whose question prompt
+Episodes: rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (or of ``--data``) whose question prompt
 (system, tools, question, 1-5 images capped at 980 tokens each) has ``--min-prompt-tokens`` to
 ``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens (the stop tokens
 are held back, as a fixed-length workload needs), then the row's own recorded tool results for that
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-context", type=int, default=14336, help="tokens per slot")
     parser.add_argument("--compile", default=None, choices=("default", "reduce-overhead"), help="also time the slot arm with a compiled decode step")
     parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
+    parser.add_argument("--data", default=None, help="EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
+    parser.add_argument("--data-root", default=".", help="data root of --data")
     parser.add_argument("--arms", default="serial,batched,slots", help="comma-separated subset of serial,batched,slots")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -265,9 +267,12 @@ def main(argv: list[str] | None = None) -> dict:
     from eogym_sft.modeling import load_inference_model, resolve_device
     from eogym_sft.processor import load_processor
 
-    tmp = tempfile.mkdtemp(prefix="eogym_rollout_bench_") if args.workdir is None else None
+    tmp = tempfile.mkdtemp(prefix="eogym_rollout_bench_") if args.workdir is None and args.data is None else None
     try:
-        jsonl, data_root = generate_sample(Path(args.workdir or tmp) / "sample", args.rows, args.seed)
+        if args.data:
+            jsonl, data_root = Path(args.data), Path(args.data_root)
+        else:
+            jsonl, data_root = generate_sample(Path(args.workdir or tmp) / "sample", args.rows, args.seed)
         device, dtype = resolve_device(args.device, args.dtype)
         processor = load_processor(args.model)
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]

@@ -9,21 +9,24 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def test_rollout_bench_runs_all_arms_on_the_same_episodes(tiny_model_dir, tmp_path):
+def test_rollout_bench_runs_all_arms_on_the_same_episodes(tiny_model_dir, tmp_path, data_root, row_factory):
     sys.path.insert(0, str(BENCH))
-    from rollout_throughput import main
+    from rollout_throughput import format_table, main
 
+    rows = [row_factory(row_id=f"r{k}", n_steps=2) for k in range(2)]  # two recorded crop steps each
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "rollout.json"
     result = main([
-        "--model", str(tiny_model_dir), "--episodes", "2", "--serial-episodes", "1", "--concurrency", "2", "--turns", "2",
-        "--new-tokens", "2", "--min-prompt-tokens", "0", "--max-prompt-tokens", "2600", "--rows", "12",
-        "--max-context", "4096", "--workdir", str(tmp_path / "work"), "--json", str(out),
+        "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--episodes", "2",
+        "--serial-episodes", "1", "--concurrency", "2", "--turns", "2", "--new-tokens", "2", "--min-prompt-tokens", "0",
+        "--max-context", "2048", "--json", str(out),
     ])
     assert json.loads(out.read_text()) == result
     serial, batched, slots = result["runs"]
     assert (serial["arm"], batched["arm"], slots["arm"]) == ("serial", "batched2", "slots2")
-    # the same episodes and exactly --new-tokens per turn in every arm
-    assert batched["turns"] == slots["turns"] and batched["new_tokens"] == slots["new_tokens"] == 2 * slots["turns"]
-    assert serial["new_tokens"] == 2 * serial["turns"] and serial["episodes"] == 1
-    assert slots["prefill_tokens"] > 0 and batched["speedup_vs_batched"] == 1.0
-    assert "gen tok/s" in __import__("rollout_throughput").format_table(result)
+    # the same episodes (2 turns: a recorded crop result comes back), exactly --new-tokens per turn in every arm
+    assert batched["turns"] == slots["turns"] == 4 and batched["new_tokens"] == slots["new_tokens"] == 8
+    assert (serial["episodes"], serial["turns"], serial["new_tokens"]) == (1, 2, 4)
+    assert 0 < slots["prefill_tokens"] and batched["speedup_vs_batched"] == 1.0
+    assert "gen tok/s" in format_table(result)
