@@ -37,7 +37,7 @@ class Scripted(Sampling):
         self.script = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in turns]
         self.turn, self.pos = -1, 0
 
-    def pick(self, logits, generated, stop_ids, generator=None):
+    def pick(self, logits, generated, stop_ids, generator=None, banned_ids=()):
         out = []
         for n in generated:
             if n == 0:
