@@ -5,9 +5,16 @@ largest single activation of the step. The model is asked for logits only at the
 next-token label is set (``logits_to_keep``), through the wrapped model's own forward so that DDP and
 DeepSpeed hooks still run. The loss is the same token-mean cross-entropy as the full-logits path.
 
+TRL's loss settings keep working: ``loss_type="dft"`` weights each token's loss by its probability,
+as TRL does; ``compute_loss_func`` and ``label_smoothing_factor`` need the full logits, so with either
+set the loss is TRL's own ``SFTTrainer.compute_loss`` (its metrics only). Tests pin the loss and the
+entropy to TRL's fused LM head path on the same batch.
+
 It also logs ``token_accuracy``: correct over total supervised tokens summed across the logging
 window (or the whole evaluation set) and across ranks, next to TRL's step-averaged
-``mean_token_accuracy``. Training counts stay on the GPU until a log, so no step waits on the host.
+``mean_token_accuracy``, and ``entropy``, the mean entropy of the predicted next-token distribution
+over the same tokens (token-weighted; TRL's is a mean of micro-batch means). Training counts stay on
+the GPU until a log, so no step waits on the host.
 
 With ``train_sampling_strategy="batch_rebalance"`` the micro-batches are built to a token budget
 (:class:`~eogym_sft.sampler.TokenBalancedSampler`). Unless ``dataloader_prefetch_factor`` is set, the
@@ -62,6 +69,8 @@ class EOGymSFTTrainer(SFTTrainer):
             self.args.dataloader_prefetch_factor = max(2, math.ceil(accumulation / workers))
         self._token_counts = defaultdict(lambda: torch.zeros(2, dtype=torch.long))
         self._train_steps: list[torch.Tensor] = []  # per micro-batch [correct, supervised, tokens], on device
+        self._train_entropy: list[torch.Tensor] = []  # per micro-batch entropy sum, on device
+        self._entropy_sums: dict[str, float] = defaultdict(float)
         self._skipped: list[dict] = []  # this rank's skipped samples since the last log
 
     def _get_train_sampler(self, train_dataset=None):
@@ -77,6 +86,8 @@ class EOGymSFTTrainer(SFTTrainer):
         mode = "train" if self.model.training else "eval"
         inputs = dict(inputs)
         self._note_skipped(inputs.pop("skipped_samples", None) or [], mode)
+        if self.compute_loss_func is not None or self.label_smoother is not None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # both need full logits
         labels = inputs.pop("labels")
         targets = labels[:, 1:]
         keep = (targets != IGNORE_INDEX).any(0).nonzero().flatten()
@@ -87,6 +98,8 @@ class EOGymSFTTrainer(SFTTrainer):
         per_token = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), picked.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
         ).view(picked.shape)
+        if self.args.loss_type == "dft":  # TRL's dynamic fine-tuning: each token's loss times its (constant) probability
+            per_token = per_token * torch.exp(-per_token).detach()
         valid = picked != IGNORE_INDEX
         denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
         loss = per_token.sum() / torch.as_tensor(denominator, device=per_token.device).clamp(min=1)
@@ -95,10 +108,12 @@ class EOGymSFTTrainer(SFTTrainer):
             loss = loss * self.accelerator.num_processes
         with torch.no_grad():
             right = correct_predictions(logits, picked)
+            entropy = _entropy(logits) * valid
             if mode == "train":
                 self._train_steps.append(torch.stack([right.sum(), valid.sum(), _real_tokens(inputs)]))
+                self._train_entropy.append(entropy.sum())
             else:
-                self._record_eval(right, valid, inputs, keep)
+                self._record_eval(right, valid, inputs, keep, entropy)
         return (loss, outputs) if return_outputs else loss
 
     def _note_skipped(self, records: list[dict], mode: str) -> None:
@@ -119,12 +134,15 @@ class EOGymSFTTrainer(SFTTrainer):
                 fh.writelines(json.dumps(r) + "\n" for r in everyone)
         return len(everyone)
 
-    def _record_eval(self, right, valid, inputs, keep) -> None:
+    def _record_eval(self, right, valid, inputs, keep, entropy) -> None:
         sample, n_samples = _sample_index(inputs, keep, right.shape)
         flat = sample.flatten()
         per_sample = torch.zeros(n_samples, 2, dtype=torch.long, device=flat.device)
         per_sample[:, 0].index_add_(0, flat, right.flatten().long())
         per_sample[:, 1].index_add_(0, flat, valid.flatten().long())
+        entropy_sums = torch.zeros(n_samples, dtype=torch.float64, device=flat.device).index_add_(0, flat, entropy.flatten().double())
+        entropy_sums = self.accelerator.pad_across_processes(entropy_sums, dim=0)
+        self._entropy_sums["eval"] += self.accelerator.gather_for_metrics(entropy_sums).sum().item()
         # One row per sample, so that on the last batch gather_for_metrics drops exactly the samples accelerate
         # repeated to even out the ranks (a row per rank would drop whole ranks, or count the repeats).
         per_sample = self.accelerator.pad_across_processes(per_sample, dim=0)
@@ -139,6 +157,8 @@ class EOGymSFTTrainer(SFTTrainer):
             return
         steps = self.accelerator.reduce(torch.stack(self._train_steps), reduction="sum").cpu()
         self._train_steps = []
+        self._entropy_sums["train"] += self.accelerator.reduce(torch.stack(self._train_entropy).sum(), reduction="sum").item()
+        self._train_entropy = []
         self._token_counts["train"] += steps[:, :2].sum(0)
         self._metrics["train"]["mean_token_accuracy"].extend((steps[:, 0] / steps[:, 1].clamp(min=1)).tolist())
         self._total_train_tokens += int(steps[:, 2].sum())  # samples repeated to even out ranks are trained on too
@@ -155,9 +175,11 @@ class EOGymSFTTrainer(SFTTrainer):
         if mode == "train":
             self._flush_train_counts()
         correct, total = self._token_counts.pop(mode, torch.zeros(2, dtype=torch.long)).tolist()
+        entropy_sum = self._entropy_sums.pop(mode, 0.0)
         prefix = "eval_" if mode == "eval" else ""
         if total:
             logs[prefix + "token_accuracy"] = correct / total
+            logs[prefix + "entropy"] = entropy_sum / total
         skipped = self._flush_skipped(mode)
         if skipped:
             logs[prefix + "skipped_samples"] = skipped
@@ -170,6 +192,12 @@ def skipped_counts(log_history: list[dict]) -> dict:
         "train": sum(h.get("skipped_samples", 0) for h in log_history),
         "eval": sum(h.get("eval_skipped_samples", 0) for h in log_history),
     }
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution (flat over positions: a strided vocab dim is slow)."""
+    log_p = logits.flatten(0, -2).log_softmax(-1)
+    return -(log_p.exp() * log_p).sum(-1).view(logits.shape[:-1])
 
 
 def _real_tokens(inputs) -> torch.Tensor:

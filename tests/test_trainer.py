@@ -291,3 +291,159 @@ def test_padding_free_config_trains_on_packed_image_batches(processor, tmp_path)
     assert trainer.args.padding_free is True and trainer.data_collator is packing
     with pytest.raises(ValueError, match="needs a collator that packs"):
         EOGymSFTTrainer(model=model, args=args, data_collator=EOGymCollator(processor), train_dataset=train, processing_class=processor)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor, loss_type, padding_free):
+    """TRL's own SFTTrainer.compute_loss (its fused LM head over every position) on the same batch: the same
+    loss for each loss_type, and the same entropy as its `entropy` metric."""
+    from trl import SFTTrainer
+
+    from eogym_sft.collator import EOGymCollator
+
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)(_examples())
+    trainer._token_counts.clear()
+    trainer._entropy_sums.clear()
+    trainer._metrics["eval"].clear()
+    trainer.args.loss_type = loss_type
+    try:
+        with torch.no_grad():
+            theirs = SFTTrainer.compute_loss(trainer, trainer.model, dict(batch))
+            ours = trainer.compute_loss(trainer.model, batch)
+    finally:
+        trainer.args.loss_type = "nll"
+    assert abs(ours.item() - theirs.item()) < 1e-5
+    total = trainer._token_counts["eval"][1].item()
+    assert trainer._entropy_sums["eval"] / total == pytest.approx(trainer._metrics["eval"]["entropy"][0], rel=1e-5)
+    if loss_type == "dft":  # not the plain loss: the weights are the tokens' probabilities
+        with torch.no_grad():
+            assert ours.item() < trainer.model(**batch, use_cache=False).loss.item() / 2
+
+
+def test_label_smoothing_and_compute_loss_func_are_trls_full_logits_loss(trainer, processor):
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from eogym_sft.collator import EOGymCollator
+
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(_examples())
+    with torch.no_grad():
+        full = trainer.model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+        smoothed = LabelSmoother(epsilon=0.1)(full, batch["labels"], shift_labels=True)
+        plain = trainer.model(**batch, use_cache=False).loss
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append((outputs.logits.shape, labels is batch["labels"]))
+        return outputs.logits.float().mean() * 0 + 7.0
+
+    try:
+        trainer.label_smoother = LabelSmoother(epsilon=0.1)
+        with torch.no_grad():
+            assert trainer.compute_loss(trainer.model, dict(batch)).item() == pytest.approx(smoothed.item(), abs=1e-6)
+        trainer.label_smoother = None
+        trainer.compute_loss_func = loss_func
+        with torch.no_grad():
+            assert trainer.compute_loss(trainer.model, dict(batch)).item() == 7.0
+    finally:
+        trainer.label_smoother = None
+        trainer.compute_loss_func = None
+    assert abs(smoothed.item() - plain.item()) > 0.01
+    assert seen == [(batch["input_ids"].shape + (151936,), True)]
+
+
+@pytest.mark.parametrize("workers,accumulation,given,expected", [(4, 32, None, 8), (4, 2, None, 2), (3, 32, 5, 5), (0, 32, None, None)])
+def test_workers_keep_a_whole_step_in_flight(processor, tmp_path, workers, accumulation, given, expected):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.tiny import build_tiny_model
+    from eogym_sft.trainer import EOGymSFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True}, dataloader_num_workers=workers,
+        gradient_accumulation_steps=accumulation, dataloader_prefetch_factor=given,
+    )
+    train = Dataset.from_dict({"messages": ["[]"]})
+    trainer = EOGymSFTTrainer(model=build_tiny_model(), args=args, data_collator=EOGymCollator(processor), train_dataset=train,
+                              processing_class=processor)
+    assert trainer.args.dataloader_prefetch_factor == expected
+
+
+# What the trainer relies on in TRL and transformers beyond their public API. If an upgrade changes
+# any of it, these fail, rather than the trainer silently doing something else.
+
+
+def test_upstream_trainer_draws_a_whole_step_before_running_it(processor, tmp_path):
+    """``Trainer.get_batch_samples`` takes all of a step's micro-batches before ``on_step_begin``: the reason the
+    trainer sets the dataloader's prefetch factor to a step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.tiny import build_tiny_model
+    from eogym_sft.trainer import EOGymSFTTrainer
+
+    calls, at_step_begin = [], []
+
+    class Counting(EOGymCollator):
+        def __call__(self, examples):
+            calls.append(len(examples))
+            return super().__call__(examples)
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            at_step_begin.append(len(calls))
+
+    rows = [json.dumps(chat_example(f"Question {i}?", "Final Answer: yes")["messages"]) for i in range(8)]
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, max_steps=2,
+        dataset_kwargs={"skip_prepare_dataset": True}, per_device_train_batch_size=1, gradient_accumulation_steps=3,
+        save_strategy="no", logging_steps=100,
+    )
+    trainer = EOGymSFTTrainer(model=build_tiny_model(), args=args, data_collator=Counting(processor),
+                              train_dataset=Dataset.from_dict({"messages": rows}), processing_class=processor, callbacks=[Watch()])
+    trainer.train()
+    assert at_step_begin == [4, 7]  # each step's 3, and accelerate's dataloader reads one batch ahead
+
+
+def test_upstream_private_hooks_keep_their_shape():
+    """The private methods and attributes the trainer and sampler override or read."""
+    import inspect
+
+    from transformers import Trainer
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    assert list(inspect.signature(Trainer._get_train_sampler).parameters) == ["self", "train_dataset"]
+    assert list(inspect.signature(Trainer._prepare_inputs).parameters) == ["self", "inputs"]
+    assert list(inspect.signature(BatchRebalanceSampler.__init__).parameters) == [
+        "self", "lengths", "effective_batch_size", "dp_size", "grad_accum", "shuffle", "seed", "rank", "drop_last"]
+    sampler = BatchRebalanceSampler([5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 1, seed=3, rank=1, drop_last=False)
+    assert (sampler.lengths, sampler.effective_batch_size, sampler.dp_size, sampler.grad_accum, sampler.rank, sampler.drop_last) == (
+        [5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 1, 1, False)
+
+    class Recording(BatchRebalanceSampler):  # _assign gets each step's drawn samples; rank r's slots are yielded
+        def _assign(self, indices, lengths):
+            seen.append((list(indices), list(lengths)))
+            return [[[i] for i in indices[:2]], [[i] for i in indices[2:]]]
+
+    seen = []
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    yielded = list(Recording([5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 2, seed=3, rank=1))
+    assert seen == [(order[:4], [[5, 4, 3, 2, 1, 6, 7, 8][i] for i in order[:4]]), (order[4:], [[5, 4, 3, 2, 1, 6, 7, 8][i] for i in order[4:]])]
+    assert yielded == [[order[2]], [order[3]], [order[6]], [order[7]]]
+
+
+def test_upstream_sft_log_averages_and_clears_its_metric_lists(trainer):
+    """The trainer appends to TRL's ``_metrics[mode]`` lists and adds to its ``_total_train_tokens`` (an int from
+    ``SFTTrainer.__init__``); ``SFTTrainer.log`` averages each list into the logs and clears them."""
+    trainer._metrics["eval"].clear()
+    trainer._metrics["eval"]["mean_token_accuracy"].extend([0.25, 0.75])
+    logs = {"eval_loss": 1.0}
+    trainer._token_counts.clear()
+    trainer.log(logs)
+    assert logs["eval_mean_token_accuracy"] == 0.5 and not trainer._metrics["eval"]
+    assert isinstance(trainer._total_train_tokens, int)
