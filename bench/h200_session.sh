@@ -9,7 +9,7 @@
 #   bash bench/h200_session.sh scaling      # the recipe's speed on 2 GPUs, DDP and ZeRO-2
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
 #   bash bench/h200_session.sh perf         # the recipe as launched (ZeRO-2, 64-sample steps) beside
-#                                           # arm B at the recipe's 32 micro-batches, B's profile; ~8 min, 1 GPU
+#                                           # arm B at the recipe's 32 micro-batches, B's profile; ~7 min (estimate), 1 GPU
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (~5 min)
@@ -63,18 +63,21 @@ eval_bench)
   CUDA_VISIBLE_DEVICES=0 python bench/eval_throughput.py --model $model --rows 16 --batch-size 16 --max-new-tokens 64 --json $OUT/eval.json
   ;;
 perf)
-  # One call, ~8 minutes: steps are 64 samples (~400k tokens, ~30 s each), so 1 warm-up + 2 timed steps
-  # a run, not the issue's 20. Each part has its own time limit and writes its JSON when it ends.
-  # PERF_FIXEDCOUNT=1 adds fixed-count micro-batches at 32 a step (~2.5 more minutes).
+  # One call. A step is 64 samples (~400k tokens, ~30 s), so each run has 1 warm-up step and PERF_STEPS
+  # timed ones (default 1; the issue asks 20), arm B one more under the profiler. Estimated ~7 min at
+  # PERF_STEPS=1 (not measured), ~1 min more per extra step. Each part has its own time limit and
+  # writes its JSON when it ends. PERF_FIXEDCOUNT=1 adds fixed-count micro-batches (~2.5 min more).
   df -h /dev/shm | tail -1; nproc
-  p="--rows 220 --warmup 1 --steps 2 --grad-accum 32 --workdir /tmp/bt --parity-samples 0"
-  CUDA_VISIBLE_DEVICES=0 timeout 230 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json || echo "arm B: exit $?"
-  make_model
-  CUDA_VISIBLE_DEVICES=0 timeout 230 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
-    bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps 2 \
+  steps=${PERF_STEPS:-1}
+  p="--rows 220 --warmup 1 --steps $steps --grad-accum 32 --workdir /tmp/bt --parity-samples 0"
+  make_model > $OUT/perf_make_model.log 2>&1 & maker=$!   # written while arm B sets up; the recipe loads it
+  CUDA_VISIBLE_DEVICES=0 timeout 260 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json || echo "arm B: exit $?"
+  wait $maker || { echo "make_model failed"; tail -5 $OUT/perf_make_model.log; }
+  CUDA_VISIBLE_DEVICES=0 timeout 260 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+    bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps $steps \
     --baseline $OUT/perf_train.json --json $OUT/perf_recipe.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "recipe: exit $?"
   if [ "${PERF_FIXEDCOUNT:-0}" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/train_throughput.py ${p/--steps 2/--steps 1} --arms B-fixedcount --json $OUT/perf_fixedcount.json || echo "B-fixedcount: exit $?"
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/train_throughput.py $p --arms B-fixedcount --json $OUT/perf_fixedcount.json || echo "B-fixedcount: exit $?"
   fi
   ;;
 rollout_bench)
