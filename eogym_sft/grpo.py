@@ -72,6 +72,11 @@ class GRPOScriptArguments(ImageConfig):
         default=None,
         metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"},
     )
+    judge_url: str | None = field(
+        default=None,
+        metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
+    )
+    judge_model: str = field(default="gpt-4.1-mini", metadata={"help": "model name sent to judge_url"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
 
     def __post_init__(self):
@@ -81,6 +86,16 @@ class GRPOScriptArguments(ImageConfig):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_cost_penalty > 1:
             raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
+        if self.judge and self.judge_url:
+            raise ValueError("give judge or judge_url, not both")
+
+    def load_judge(self):
+        """The answer judge these settings name, or None for the normalised match."""
+        from .judge import ChatJudge, load_judge
+
+        if self.judge_url:
+            return ChatJudge(self.judge_url, self.judge_model)
+        return load_judge(self.judge) if self.judge else None
 
 
 ################
@@ -341,7 +356,6 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     """GRPO from ``--sft_adapter`` (trained further) or a new LoRA adapter on the base model; save the
     adapter, its processor and ``eogym_run.json`` to ``output_dir`` and return that folder."""
     from .data import file_sha256
-    from .judge import load_judge
     from .modeling import apply_lora, continue_lora, load_base_model
     from .processor import load_processor
     from .run_info import save_run
@@ -357,8 +371,7 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
         model = continue_lora(model, script_args.sft_adapter)
     else:
         model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    judge = load_judge(script_args.judge) if script_args.judge else None
-    trainer = build_trainer(model, processor, data, script_args, training_args, judge)
+    trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
     trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
 
     stats = {"content_hash": file_sha256(script_args.dataset_path), **data.stats()}

@@ -15,6 +15,7 @@ import logging
 import statistics
 from dataclasses import dataclass, field
 
+from .judge import judge_all
 from .scoring import extract_final_answer, normalize_answer
 
 logger = logging.getLogger(__name__)
@@ -54,17 +55,18 @@ class EpisodeReward:
     """TRL reward function over closed-loop episodes (``reward_funcs=[EpisodeReward(...)]``).
 
     Reads each completion (the assistant turns and tool results TRL recorded), the environment that ran
-    its tool calls (its ``tool_calls`` and ``tool_errors`` counts) and the row's ``gt_answer``; logs the mean of every component
-    and the seed's diagnostics through TRL's ``log_metric``.
+    its tool calls (its ``tool_calls`` and ``tool_errors`` counts) and the row's ``gt_answer``; logs the
+    mean of every component and the seed's diagnostics through TRL's ``log_metric``.
 
     Args:
         num_generations (`int`): episodes per question; consecutive completions form a group.
         tool_call_cost (`float`, *optional*, defaults to `0.1`): cost of one tool call.
         cost_scale (`float`, *optional*, defaults to `0.2`): the seed's action cost scale.
         max_penalty (`float`, *optional*, defaults to `0.2`): the largest share of the score the cost may take.
-        judge (`callable`, *optional*): ``judge(question, prediction, reference) -> bool``; default: the
-            normalised match.
+        judge (`callable`, *optional*): ``judge(question, prediction, reference) -> bool``, e.g. a
+            :class:`~eogym_sft.judge.ChatJudge`; default: the normalised match.
         eos_token_ids (`tuple[int, ...]`): tokens that end a turn; a completion ending otherwise was truncated.
+        judge_workers (`int`, *optional*, defaults to `8`): judge requests in flight at once.
     """
 
     num_generations: int
@@ -73,45 +75,49 @@ class EpisodeReward:
     max_penalty: float = 0.2
     judge: object = None
     eos_token_ids: tuple = (IM_END, END_OF_TEXT)
+    judge_workers: int = 8
     judge_errors: int = field(default=0, init=False)
     __name__ = "eogym_episode"  # TRL logs the reward as rewards/eogym_episode/mean
 
-    def score(self, question: str, answer: str | None, reference: str) -> float | None:
-        if answer is None:
-            return 0.0
+    def verdicts(self, questions: list[str], answers: list[str | None], references: list[str]) -> list[bool | None]:
+        """Right or wrong per answer (no answer: wrong); ``None`` where the judge failed (counted)."""
         if self.judge is None:
-            return float(normalize_answer(answer) == normalize_answer(reference))
-        try:
-            return float(bool(self.judge(question, answer, reference)))
-        except Exception as err:  # a remote judge failing must not end the run: unscored and counted
-            self.judge_errors += 1
-            logger.warning("judge failed (%d so far), episode left unscored: %s", self.judge_errors, err)
-            return None
+            return [a is not None and normalize_answer(a) == normalize_answer(r) for a, r in zip(answers, references)]
+        asked = [i for i, a in enumerate(answers) if a is not None]
+        results = judge_all(self.judge, [(questions[i], answers[i], references[i]) for i in asked], self.judge_workers)
+        verdicts: list[bool | None] = [False] * len(answers)
+        for i, (verdict, error) in zip(asked, results):
+            verdicts[i] = verdict
+            if error is not None:  # a remote judge failing must not end the run: unscored and counted
+                self.judge_errors += 1
+                logger.warning("judge failed (%d so far), episode left unscored: %s", self.judge_errors, error)
+        return verdicts
 
     def outcome(
-        self, question: str, messages: list[dict], completion_ids: list[int], reference: str, executed: int = 0, failed: int = 0
+        self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0, failed: int = 0
     ) -> Outcome:
-        """Score one episode; ``executed``/``failed``: calls the environment ran / answered with an error."""
+        """One episode's outcome; ``correct`` is its verdict (``None``: unscored), ``executed``/``failed`` the
+        calls the environment ran / answered with an error."""
         turns = _assistant_turns(messages)
         parsed = sum(len(m.get("tool_calls") or []) for m in turns)
         # TRL keeps a <tool_call> block that does not parse as plain text in the turn's content.
         unparsed = sum(_text(m.get("content")).count("<tool_call>") for m in turns)
-        last = turns[-1] if turns else {}
-        answer = None if last.get("tool_calls") else extract_final_answer(_text(last.get("content")))
-        score = self.score(question, answer, reference)
         calls = parsed + unparsed
         penalty = min(calls * self.tool_call_cost * self.cost_scale, self.max_penalty)
         truncated = not completion_ids or completion_ids[-1] not in self.eos_token_ids
+        score = None if correct is None else float(correct)
         reward = None if score is None else score * (1 - penalty)
         # Parsed calls the environment never ran were refused by TRL itself (a tool name it does not know).
         invalid = unparsed + failed + max(parsed - executed, 0)
-        return Outcome(answer, score, calls, invalid, len(turns), truncated, penalty, reward)
+        return Outcome(final_answer(messages), score, calls, invalid, len(turns), truncated, penalty, reward)
 
     def __call__(self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None, **_):
         envs = environments or [None] * len(completions)
+        answers = [final_answer(c) for c in completions]
+        verdicts = self.verdicts([question_text(p) for p in prompts], answers, list(gt_answer))
         outcomes = [
-            self.outcome(question_text(p), c, ids, ref, getattr(e, "tool_calls", 0), getattr(e, "tool_errors", 0))
-            for p, c, ids, e, ref in zip(prompts, completions, completion_ids, envs, gt_answer)
+            self.outcome(c, ids, v, getattr(e, "tool_calls", 0), getattr(e, "tool_errors", 0))
+            for c, ids, v, e in zip(completions, completion_ids, verdicts, envs)
         ]
         rewards = [o.reward for o in outcomes]
         if log_metric is not None:
@@ -159,6 +165,14 @@ def group_spread(rewards: list[float | None], group_size: int) -> float | None:
         if len(group) > 1:
             spreads.append(statistics.pstdev(group))
     return sum(spreads) / len(spreads) if spreads else None
+
+
+def final_answer(messages: list[dict]) -> str | None:
+    """The ``Final Answer:`` of an episode's last assistant turn, if that turn makes no tool call."""
+    turns = _assistant_turns(messages)
+    if not turns or turns[-1].get("tool_calls"):
+        return None
+    return extract_final_answer(_text(turns[-1].get("content")))
 
 
 def question_text(prompt: list[dict]) -> str:

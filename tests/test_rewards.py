@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eogym_sft.rewards import EpisodeReward, group_spread, question_text
+from eogym_sft.rewards import EpisodeReward, final_answer, group_spread, question_text
 
 END = 151645
 CROP = {"type": "function", "function": {"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}}
@@ -41,7 +41,9 @@ class Env:
     ],
 )
 def test_reward_is_the_score_less_the_capped_action_cost(messages, executed, expected_reward, expected_calls):
-    out = EpisodeReward(num_generations=2).outcome("How many?", messages, [1, END], "3", executed)
+    reward = EpisodeReward(num_generations=2)
+    (correct,) = reward.verdicts(["How many?"], [final_answer(messages)], ["3"])
+    out = reward.outcome(messages, [1, END], correct, executed)
     assert out.reward == pytest.approx(expected_reward)
     assert out.tool_calls == expected_calls
     assert out.invalid_calls == 0
@@ -56,13 +58,13 @@ def test_invalid_calls_are_counted_and_cost_like_any_call():
         answer('<tool_call>\n{"name": broken\n</tool_call>'),  # did not parse: TRL keeps the text
         answer("Final Answer: 3"),
     ]
-    out = EpisodeReward(num_generations=2).outcome("q", messages, [END], "3", executed=1, failed=1)
+    out = EpisodeReward(num_generations=2).outcome(messages, [END], True, executed=1, failed=1)
     assert (out.tool_calls, out.invalid_calls) == (3, 3)
     assert out.reward == pytest.approx(1 - 3 * 0.1 * 0.2)
 
 
 def test_a_truncated_episode_is_flagged():
-    out = EpisodeReward(num_generations=2).outcome("q", [answer("I think")], [5, 6], "3")
+    out = EpisodeReward(num_generations=2).outcome([answer("I think")], [5, 6], False)
     assert out.truncated and out.answer is None and out.reward == 0.0
 
 
@@ -73,9 +75,10 @@ def test_a_failing_judge_leaves_the_episode_unscored_and_counts():
         return prediction.lower() == "three" and reference == "3" and question == "How many?"
 
     reward = EpisodeReward(num_generations=2, judge=judge)
-    assert reward.outcome("How many?", [answer("Final Answer: three")], [END], "3").reward == 1.0
-    assert reward.outcome("How many?", [answer("Final Answer: boom")], [END], "3").reward is None
+    verdicts = reward.verdicts(["How many?"] * 3, ["three", "boom", None], ["3"] * 3)
+    assert verdicts == [True, None, False]  # no answer: wrong without asking the judge
     assert reward.judge_errors == 1
+    assert reward.outcome([answer("Final Answer: boom")], [END], None).reward is None
 
 
 def test_call_logs_components_and_group_spread():
@@ -106,4 +109,17 @@ def test_group_spread():
     assert group_spread([1.0, 0.0, 0.5, 0.5], 2) == 0.25
     assert group_spread([1.0, None, 0.0, 1.0], 2) == 0.5  # a group with one scored episode is skipped
     assert group_spread([1.0, 0.0, 1.0], 2) is None  # not whole groups
+    assert final_answer([answer("x\nFinal Answer: 5")]) == "5" and final_answer([call_turn()]) is None
     assert question_text([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]) == "a"
+
+
+def test_the_judge_settings_name_one_judge():
+    from eogym_sft.grpo import GRPOScriptArguments
+    from eogym_sft.judge import ChatJudge
+
+    assert GRPOScriptArguments().load_judge() is None
+    chat = GRPOScriptArguments(judge_url="http://127.0.0.1:9/v1/chat/completions").load_judge()
+    assert isinstance(chat, ChatJudge) and chat.model == "gpt-4.1-mini"
+    assert GRPOScriptArguments(judge="eogym_sft.scoring:normalize_answer").load_judge().__name__ == "normalize_answer"
+    with pytest.raises(ValueError, match="not both"):
+        GRPOScriptArguments(judge="a:b", judge_url="http://x")
