@@ -1,6 +1,6 @@
 """GRPO on the tiny Qwen3-VL, on CPU: TRL's GRPOTrainer drives real EO-Gym environments through a scripted
 policy (real forward passes, forced tokens), and the conversation it builds is token for token the SFT
-sample of the same trajectory; two steps train every LoRA weight and nothing else."""
+sample of the same trajectory; a step trains every LoRA weight and nothing else."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from eogym_sft.modeling import apply_lora, load_base_model
 from eogym_sft.processor import load_processor
 from eogym_sft.traces import normalize_row
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy, trained_spans
+from helpers import IM_END, ScriptedPolicy, perturb_lora_b, trained_spans
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096  # small images keep the CPU steps short
 PAD = 151643
@@ -87,8 +87,8 @@ def test_environment_class_runs_the_rows_tools_and_counts(data_root, row_factory
 
 @pytest.fixture(scope="module")
 def policy_run(tmp_path_factory, tiny_model_dir):
-    """Two GRPO steps on one row; the scripted policy writes the row's gold trajectory (a crop, the
-    right answer) in one episode of each group and a wrong one-turn answer in the other."""
+    """One GRPO step on one row; the scripted policy writes the row's gold trajectory (a crop, the
+    right answer) in one episode of the group and a wrong one-turn answer in the other."""
     tmp_path = tmp_path_factory.mktemp("grpo")
     data_root = tmp_path / "data"
     for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
@@ -102,7 +102,8 @@ def policy_run(tmp_path_factory, tiny_model_dir):
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
 
-    model = apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa"))
+    # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A.
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
     model.generate = _with_logits_processor(model.generate, policy)
     data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [row]), data_root)
     script_args = GRPOScriptArguments(
@@ -111,7 +112,7 @@ def policy_run(tmp_path_factory, tiny_model_dir):
     from trl import GRPOConfig
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_steps=2,
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_steps=1,
         max_completion_length=1024, learning_rate=1e-2, beta=0.0, scale_rewards="group", mask_truncated_completions=True,
         use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0,
         generation_kwargs={"do_sample": False},  # the policy forces every token; skip sampling over 152k logits
@@ -149,7 +150,7 @@ def test_trl_renders_the_rows_own_tool_schemas(policy_run):
         show_row_tools(trainer, {"tools-other": []})
 
 
-def test_two_steps_train_every_lora_weight_and_nothing_else(policy_run):
+def test_a_step_trains_every_lora_weight_and_nothing_else(policy_run):
     model, before = policy_run["model"], policy_run["before"]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n and ".visual." not in n for n in trainable)

@@ -1,6 +1,6 @@
 """The GRPO recipe (``recipes/eo_gym_4b_grpo.py``) as a user runs it on CPU: its YAML parses into TRL's
-GRPOConfig with the seed's settings, and a one-step run from an SFT adapter trains that adapter further
-and leaves it, the processor and ``eogym_run.json`` in the output folder."""
+GRPOConfig with the seed's settings, and a one-step run from an SFT adapter continues that adapter (not a
+new one) and leaves it, the processor and ``eogym_run.json`` in the output folder."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
 
 
-def test_a_cpu_run_trains_the_sft_adapter_further(tmp_path, tiny_model_dir):
+def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir):
     root = tmp_path / "data"
     save_image(root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
     rows = tmp_path / "rows.jsonl"
