@@ -193,9 +193,11 @@ def classify(event, lora_rank: int, vocab: int) -> str:
     return "other_kernels"
 
 
-def component_times(prof, lora_rank: int, vocab: int) -> dict:
+def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = None) -> dict:
     """Seconds per component over the profiled window: each op's own kernel time on the GPU (its own
-    CPU time on a CPU run), so nothing is counted twice; plus the host's wait on the dataloader."""
+    CPU time on a CPU run), so nothing is counted twice; plus the host's wait on the dataloader, and
+    with ``window_s`` (the window's wall time) how busy the GPU was: well under 1 means it waited on
+    the host (launch overhead, host syncs), which no kernel time shows."""
     on_gpu = torch.cuda.is_available()
     seconds = dict.fromkeys(COMPONENTS, 0.0)
     data_wait = 0.0
@@ -213,6 +215,8 @@ def component_times(prof, lora_rank: int, vocab: int) -> dict:
         "share": {k: v / total if total else 0.0 for k, v in seconds.items()},
         "total_s": total,
         "host_dataloader_wait_s": data_wait,
+        "window_s": window_s,
+        "gpu_busy_fraction": total / window_s if on_gpu and window_s else None,  # kernels on several streams can overlap
     }
 
 
@@ -224,6 +228,7 @@ class ProfileLastStep:
     def __init__(self, step: int, grad_accum: int, micro_batches: int = 2):
         self.step, self.start_after = step, max(0, grad_accum - micro_batches)
         self.prof, self._step, self._done = None, -1, 0
+        self.window_s = None
 
     def on_step_begin(self, *a, **k):
         self._step += 1
@@ -242,10 +247,12 @@ class ProfileLastStep:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self.prof.__enter__()
+            self._start = time.perf_counter()
 
     def on_step_end(self, *a, **k):
         if self.prof is not None and self._step == self.step:
             _sync()
+            self.window_s = time.perf_counter() - self._start
             self.prof.__exit__(None, None, None)
 
     def __getattr__(self, name):

@@ -278,7 +278,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "recompile_reasons": recompiles.reasons(),
     }
     if profiler:
-        result["profile"] = component_times(profiler.prof, RECIPE["lora_r"], cfg["text_config"]["vocab_size"])
+        result["profile"] = component_times(profiler.prof, RECIPE["lora_r"], cfg["text_config"]["vocab_size"], profiler.window_s)
         result["profile"]["window"] = f"last {min(2, micro)} micro-batches and the optimizer step of step {steps + warmup + 1}"
     return result
 

@@ -52,6 +52,7 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
                                        "optimizer", "other_kernels"}
     assert all(seconds > 0 for seconds in profile["seconds"].values()), profile["seconds"]
     assert sum(profile["share"].values()) == pytest.approx(1.0)
+    assert 0 < profile["window_s"] < result["timed_wall_s"] * 10 and profile["gpu_busy_fraction"] is None  # CPU run
 
 
 def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
