@@ -249,3 +249,36 @@ def test_vision_tower_runs_without_autograd(processor):
     assert loss.requires_grad and len(seen) == 1
     outputs = [t for t in torch.utils._pytree.tree_leaves(seen[0]) if isinstance(t, torch.Tensor)]
     assert outputs and not any(t.requires_grad for t in outputs)
+
+
+def test_compiled_layers_do_not_recompile_between_training_and_evaluation(processor):
+    """The recipe trains (grad on; the first layer's input needs no grad, the others' do) and evaluates
+    (no grad) on ever-new lengths. Every variant of the one frame the layers share is compiled in the
+    first train/eval round, later rounds add none, and Dynamo's recompile limit (8) is never reached
+    (with automatic dynamic shapes, each variant was compiled twice and the limit was hit)."""
+    import torch._dynamo
+    from helpers import chat_example
+    from torch._dynamo.utils import counters
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import compile_language_layers
+    from eogym_sft.tiny import build_tiny_model
+
+    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=4096, padding_free=True)
+    batches = {n: collator([chat_example("Ships? " * n, "Final Answer: 3 " * n)]) for n in range(1, 6)}
+    model = apply_lora(build_tiny_model(seed=5))
+    torch._dynamo.reset()
+    compile_language_layers(model, backend="aot_eager")
+    graphs = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
+        for _ in range(3):
+            model.train()
+            for n in (1, 3, 5):
+                model(**batches[n], use_cache=False).loss.backward()
+            model.eval()
+            with torch.no_grad():
+                for n in (2, 4):
+                    model(**batches[n], use_cache=False)
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[0] > 0 and graphs[2] == graphs[1] == graphs[0], graphs
