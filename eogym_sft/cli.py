@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import SampleConfig
+from .guards import refuse_nonempty_output
 
 
 def add_sample_args(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +18,10 @@ def add_sample_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-pixels", type=int, default=SampleConfig.min_pixels, help=help_of["min_pixels"])
     # --max-tokens: the flag's name before it matched SFTConfig.max_length
     parser.add_argument("--max-length", "--max-tokens", type=int, default=SampleConfig.max_length, help=help_of["max_length"])
+
+
+def add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output (refused otherwise)")
 
 
 def sample_settings(args: argparse.Namespace) -> dict:
@@ -35,6 +40,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
+    add_overwrite_arg(parser)
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
@@ -48,6 +54,7 @@ def run_prepare(args: argparse.Namespace) -> dict:
     for path in args.input:
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
+    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft prepare")
     processor = load_processor(args.model, cfg.max_pixels, cfg.min_pixels)
     stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
@@ -60,11 +67,13 @@ def add_tiny_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="architecture config JSON (default: the tiny one), e.g. recipes/configs/qwen3_vl_4b_instruct.json")
     parser.add_argument("--dtype", default="float32", help="weight dtype, e.g. bfloat16 for the 4B architecture")
     parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for 4B)")
+    add_overwrite_arg(parser)
 
 
 def run_tiny(args: argparse.Namespace) -> None:
     from .tiny import save_tiny_model
 
+    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft tiny-model")
     config = json.loads(Path(args.config).read_text()) if args.config else None
     path = save_tiny_model(args.output, args.seed, config, args.dtype, args.device)
     print(f"random-weight Qwen3-VL written to {path}")
@@ -81,6 +90,8 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     add_sample_args(parser)
     parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
     parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--allow-other-base", action="store_true", help="use an adapter trained on a base of another name (the same weights renamed)")
+    add_overwrite_arg(parser)
 
 
 def run_validate(args: argparse.Namespace) -> dict:
@@ -90,6 +101,7 @@ def run_validate(args: argparse.Namespace) -> dict:
         ValidateConfig(
             **sample_settings(args), model=args.model, adapter=args.adapter, data=args.data, data_root=args.data_root,
             output=args.output, with_base=args.with_base, batch_size=args.batch_size, num_proc=args.num_proc, dtype=args.dtype,
+            allow_other_base=args.allow_other_base, overwrite=args.overwrite,
         )
     )
 

@@ -62,6 +62,17 @@ class EOGymScriptArguments(ImageConfig):
         metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
     )
     prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes"})
+    samples_per_step: int | None = field(
+        default=64,
+        metadata={
+            "help": "samples per optimizer step on any number of GPUs: gradient_accumulation_steps is derived as "
+            "samples_per_step / (per_device_train_batch_size x world size), and a split that does not divide is "
+            "refused; None keeps gradient_accumulation_steps as given"
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they are removed)"}
+    )
     compile_layers: bool = field(
         default=False,
         metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
@@ -71,6 +82,8 @@ class EOGymScriptArguments(ImageConfig):
         super().__post_init__()
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.samples_per_step is not None and self.samples_per_step < 1:
+            raise ValueError(f"samples_per_step must be at least 1 (or None), got {self.samples_per_step}")
 
     def sample_config(self, max_length: int | None) -> SampleConfig:
         """The run's :class:`SampleConfig`: these pixel settings and ``SFTConfig.max_length``."""

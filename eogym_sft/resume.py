@@ -23,7 +23,7 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # logs, saves and evaluates, how many workers load its data.
 FREE_ON_RESUME = frozenset(
     {
-        "resume_from_checkpoint", "output_dir", "overwrite_output_dir", "logging_dir", "run_name", "report_to",
+        "resume_from_checkpoint", "output_dir", "local_rank", "overwrite_output_dir", "logging_dir", "run_name", "report_to",
         "logging_steps", "logging_first_step", "logging_strategy", "save_steps", "save_strategy", "save_total_limit",
         "eval_steps", "per_device_eval_batch_size", "dataloader_num_workers", "dataloader_persistent_workers",
         "dataloader_pin_memory", "dataloader_prefetch_factor", "prep_num_proc", "prepared_dir", "disable_tqdm",
@@ -78,13 +78,18 @@ def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / MARKER).is_file() and (checkpoint / "trainer_state.json").is_file()
 
 
+def wants_resume(wanted) -> bool:
+    """Whether ``--resume_from_checkpoint`` asks to resume (a path, ``true`` or ``last``)."""
+    return wanted is not None and str(wanted).lower() not in ("false", "none", "")
+
+
 def resolve_resume(wanted, output_dir: str | Path, identity: dict) -> Path | None:
     """The checkpoint to resume from (``None``: start fresh), checked to be complete and of this run.
 
     ``wanted`` is ``--resume_from_checkpoint``: a path, ``true``/``last`` for the newest complete
     checkpoint in ``output_dir`` (an incomplete newer one is passed over, with a warning), or unset.
     """
-    if wanted is None or str(wanted).lower() in ("false", "none", ""):
+    if not wants_resume(wanted):
         return None
     if str(wanted).lower() in ("true", "last"):
         found = checkpoints(output_dir)

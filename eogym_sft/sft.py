@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl import ModelConfig, SFTConfig
 
 from .collator import EOGymCollator
@@ -15,23 +15,34 @@ from .data import load_or_prepare, split_by_trace
 from .modeling import apply_lora, compile_language_layers, load_base_model
 from .prepare import PrepConfig
 from .processor import load_processor
-from .run_info import save_run
+from .resume import CheckpointIdentity, checkpoints, finished, refuse_used_output_dir, resolve_resume, run_identity, wants_resume
+from .run_info import as_dict, save_run
+from .sampler import accumulation_steps
 from .trainer import EOGymSFTTrainer
 
 logger = logging.getLogger(__name__)
 
 
-def resume_checkpoint(training_args: SFTConfig) -> str | None:
-    """``--resume_from_checkpoint PATH``, or ``true``/``last`` for the newest checkpoint in ``output_dir``."""
-    wanted = training_args.resume_from_checkpoint
-    if wanted is None or str(wanted).lower() in ("false", "none", ""):
-        return None
-    if str(wanted).lower() in ("true", "last"):
-        last = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
-        if last is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: no checkpoint-* folder in {training_args.output_dir}")
-        return last
-    return wanted
+def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
+    """Derive ``gradient_accumulation_steps`` so that a step is ``samples_per_step`` samples on this world size."""
+    if script_args.samples_per_step is not None:
+        training_args.gradient_accumulation_steps = accumulation_steps(
+            script_args.samples_per_step, training_args.per_device_train_batch_size, training_args.world_size
+        )
+    logger.info(
+        "samples per optimizer step: %d = %d per micro-batch x %d micro-batches x %d processes",
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size,
+        training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps, training_args.world_size,
+    )
+
+
+def clear_earlier_run(output_dir: str) -> None:
+    """``overwrite_output_dir``: remove an earlier run's checkpoints, so that resuming later never meets them."""
+    import shutil
+
+    for folder in checkpoints(output_dir):
+        logger.warning("overwrite_output_dir: removing %s", folder)
+        shutil.rmtree(folder)
 
 
 def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
@@ -40,6 +51,11 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
     sample = script_args.sample_config(training_args.max_length)
+    resuming = wants_resume(training_args.resume_from_checkpoint)
+    refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming)
+    if script_args.overwrite_output_dir and not resuming and training_args.process_index == 0:
+        clear_earlier_run(training_args.output_dir)
+    set_samples_per_step(script_args, training_args)
 
     ################
     # Processor and data
@@ -59,9 +75,18 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
         training_args.eval_strategy = "no"
     logger.info("samples: %d train, %d eval", len(train_dataset), 0 if eval_dataset is None else len(eval_dataset))
 
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, data_stats.get("content_hash"))
+    checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
+    if checkpoint is not None and finished(checkpoint):
+        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
+        return training_args.output_dir
+
     ################
     # Model
     ################
+    # LoRA's A matrices are drawn when the adapters are added, before the Trainer seeds anything.
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
     model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
     if script_args.compile_layers:
@@ -70,7 +95,11 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     ################
     # Training
     ################
-    collator = EOGymCollator(processor, **sample.sample_kwargs(), data_root=script_args.data_root, padding_free=training_args.padding_free)
+    # An image that fails after prep (changed on disk) skips its sample, logged and counted by the trainer.
+    collator = EOGymCollator(
+        processor, **sample.sample_kwargs(), data_root=script_args.data_root, padding_free=training_args.padding_free,
+        skip_bad_images=True,
+    )
     trainer = EOGymSFTTrainer(
         model=model,
         args=training_args,
@@ -78,13 +107,13 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         processing_class=processor,
+        callbacks=[CheckpointIdentity(identity)],
     )
-    trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
     ################
     # Save: adapter, processor (with the pixel cap) and the run's evidence, side by side
     ################
-    configs = {"script": script_args, "training": training_args, "model": model_args}
     output_dir = save_run(trainer, processor, configs, data_stats)
     logger.info("adapter saved to %s", output_dir)
     return output_dir

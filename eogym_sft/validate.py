@@ -135,16 +135,22 @@ class ValidateConfig(SampleConfig):
     batch_size: int = 4
     num_proc: int = 1  # data-prep workers when data is JSONL
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
+    allow_other_base: bool = False  # use an adapter whose adapter_config.json names another base
+    overwrite: bool = False  # replace an existing report
 
 
 def validate(cfg: ValidateConfig) -> dict:
     """Score ``cfg.adapter`` (and with ``with_base`` its base) on ``cfg.data``; write and return the report."""
     from .collator import EOGymCollator
     from .data import load_or_prepare
+    from .guards import check_adapter_base, refuse_nonempty_output
     from .modeling import load_base_model
     from .prepare import PrepConfig
     from .processor import load_processor
 
+    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
+    if cfg.adapter:
+        check_adapter_base(cfg.adapter, cfg.model, cfg.allow_other_base)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = cfg.dtype or ("bfloat16" if device == "cuda" else "float32")
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)

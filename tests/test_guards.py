@@ -54,3 +54,33 @@ def test_an_adapter_on_another_base_is_refused_naming_both(tmp_path):
     check_adapter_base(tmp_path, "Qwen/Qwen3-VL-8B-Instruct")
     with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
         check_adapter_base(tmp_path / "nowhere", "Qwen/Qwen3-VL-4B-Instruct")
+
+
+def test_every_writing_command_refuses_a_non_empty_output(tmp_path):
+    from eogym_sft.cli import main
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("an earlier run")
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    (tmp_path / "in.jsonl").write_text("")
+    commands = {
+        "prepare": ["prepare", "--input", str(tmp_path / "in.jsonl"), "--model", "m", "--output", str(used)],
+        "tiny-model": ["tiny-model", "--output", str(used)],
+        "validate": ["validate", "--model", "m", "--data", str(used), "--output", str(report)],
+    }
+    for name, argv in commands.items():
+        with pytest.raises(FileExistsError, match=rf"eogym-sft {name}: .* exists and is not empty: .*--overwrite"):
+            main(argv)
+    assert (used / "keep.txt").read_text() == "an earlier run" and report.read_text() == "{}"
+
+
+def test_validate_refuses_an_adapter_of_another_base(tmp_path):
+    from eogym_sft.cli import main
+
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-VL-8B-Instruct"}))
+    argv = ["validate", "--model", "Qwen/Qwen3-VL-4B-Instruct", "--adapter", str(tmp_path / "adapter"), "--data", "d", "--output", str(tmp_path / "r.json")]
+    with pytest.raises(ValueError, match=r"trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model is 'Qwen/Qwen3-VL-4B-Instruct'"):
+        main(argv)

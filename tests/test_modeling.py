@@ -252,6 +252,67 @@ def test_vision_tower_runs_without_autograd(processor):
 
 
 def test_compiled_layers_do_not_recompile_between_training_and_evaluation(processor):
+    """The recipe evaluates (no grad, eval mode) between training steps, on other lengths: evaluation
+    adds one compiled entry the first time and none after, so rounds of training and evaluation never
+    approach Dynamo's recompile limit (made an error here)."""
+    from helpers import chat_example
+    from PIL import Image
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from eogym_sft.attention import register_varlen_attention
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import DECODER_LAYER_RE, compile_language_layers
+    from eogym_sft.tiny import build_tiny_model
+
+    register_varlen_attention()
+    model = build_tiny_model(seed=3)
+    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    model = apply_lora(model)
+    torch._dynamo.reset()
+    compile_language_layers(model, backend="aot_eager")
+    layer = next(m for n, m in model.named_modules() if DECODER_LAYER_RE.search(n))
+    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
+
+    def batch(n):
+        return collator([chat_example("Ships?" * n, "Final Answer: 2", [Image.new("RGB", (32 * n, 64))])])
+
+    entries = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for n in (1, 3, 5):
+            model.train()
+            model(**batch(n), use_cache=False).loss.backward()
+            model.eval()
+            with torch.no_grad():
+                model(**batch(n + 1), use_cache=False)
+            entries.append(len(_debug_get_cache_entry_list(type(layer).forward.__code__)))
+    assert entries == [2, 2, 2]
+    torch._dynamo.reset()
+
+
+def test_compile_language_layers_needs_decoder_layers():
+    from eogym_sft.modeling import compile_language_layers
+
+    with pytest.raises(ValueError, match="language_model.layers"):
+        compile_language_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_vision_tower_runs_without_autograd(processor):
+    """The frozen tower builds no graph even with input gradients on (gradient checkpointing): nothing
+    of it is stored for, or recomputed in, the backward pass."""
+    from eogym_sft.tiny import build_tiny_model
+
+    model = apply_lora(build_tiny_model(seed=3))
+    model.enable_input_require_grads()
+    seen = []
+    model.get_base_model().model.visual.register_forward_hook(lambda module, args, out: seen.append(out))
+    model.train()
+    loss = model(**_packed_batch(processor), use_cache=False).loss
+    assert loss.requires_grad and len(seen) == 1
+    outputs = [t for t in torch.utils._pytree.tree_leaves(seen[0]) if isinstance(t, torch.Tensor)]
+    assert outputs and not any(t.requires_grad for t in outputs)
+
+
+def test_compiled_layers_do_not_recompile_between_training_and_evaluation(processor):
     """The recipe trains (grad on; the first layer's input needs no grad, the others' do) and evaluates
     (no grad) on ever-new lengths. Every variant of the one frame the layers share is compiled in the
     first train/eval round, later rounds add none, and Dynamo's recompile limit (8) is never reached

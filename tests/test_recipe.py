@@ -109,8 +109,8 @@ def recipe_args(model_dir: Path, data: Path, output: Path, prepared: Path, steps
         "2",
         "--per_device_eval_batch_size",
         "2",
-        "--gradient_accumulation_steps",
-        "1",
+        "--samples_per_step",
+        "2",  # one micro-batch of 2 a step
         "--learning_rate",
         "1e-2",
         "--lr_scheduler_type",
@@ -326,45 +326,76 @@ def test_training_logs_token_accuracy_and_evaluates(first_run):
     assert 0.0 <= evals[0]["eval_token_accuracy"] <= 1.0
 
 
-def test_resume_continues_from_the_last_checkpoint(first_run, tiny_model_dir, workspace):
+def _adapter(folder: Path) -> dict:
     from safetensors.torch import load_file
 
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_the_same_seed_gives_a_bit_identical_adapter(first_run, tiny_model_dir, workspace):
+    torch.manual_seed(1234)  # whatever ran before: the run seeds itself before the LoRA weights are drawn
+    out = workspace["root"] / "again"
+    _, trainer = run_recipe(first_run["recipe"], recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=2))
+    initial = lora_only(trainer.initial)
+    assert _same_tensors(initial, lora_only(first_run["trainer"].initial))
+    assert any(t.abs().sum() > 0 for t in initial.values())  # LoRA A is random, so the seed is what made them equal
+    assert _same_tensors(_adapter(out), _adapter(first_run["out"]))
+
+
+def test_resume_from_a_checkpoint_ends_where_the_uninterrupted_run_ends(first_run, tiny_model_dir, workspace):
     out = workspace["root"] / "resumed"
     shutil.copytree(first_run["out"], out)
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    argv = recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=3) + [
-        "--resume_from_checkpoint",
-        "true",
-    ]
-    _, trainer = run_recipe(first_run["recipe"], argv)
+    for name in ("adapter_model.safetensors", "eogym_run.json"):
+        (out / name).unlink()
+    shutil.rmtree(out / "checkpoint-2")
+    (out / "checkpoint-2").mkdir()  # killed while saving: no marker, nothing in it
+    argv = recipe_args(tiny_model_dir, workspace["data"], out, workspace["prepared"], steps=2)
+    _, trainer = run_recipe(first_run["recipe"], argv + ["--resume_from_checkpoint", "last"])
 
-    assert trainer.resumed_from == str(out / "checkpoint-2")
-    assert trainer.state.global_step == 3 and trainer.steps_run == 1
-    # the one step it ran started from checkpoint-2's adapter weights, not from a fresh LoRA
-    saved = load_file(str(out / "checkpoint-2" / "adapter_model.safetensors"))
+    assert trainer.resumed_from == str(out / "checkpoint-1")  # the newest complete one
+    assert trainer.state.global_step == 2 and trainer.steps_run == 1
     first = {n.replace(".default.", "."): p for n, p in trainer.first_step_lora.items()}
-    assert first.keys() == saved.keys()
-    assert all(torch.equal(first[n], saved[n]) for n in saved)
-    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
-    assert state["global_step"] == 3
-    before = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
-    assert state["log_history"][: len(before)] == before  # steps 1-2 come from checkpoint-2
-    assert [h["step"] for h in state["log_history"][len(before) :] if "loss" in h] == [3]
+    assert _same_tensors(first, _adapter(out / "checkpoint-1"))
+    assert _same_tensors(_adapter(out), _adapter(first_run["out"]))
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    before = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())["log_history"]
+    assert state["log_history"][: len(before)] == before  # step 1 comes from checkpoint-1
+    assert [h["step"] for h in state["log_history"][len(before) :] if "loss" in h] == [2]
 
 
-def test_resume_without_a_checkpoint_is_an_error(first_run, tmp_path):
-    from eogym_sft.sft import resume_checkpoint
+def test_resume_refuses_another_runs_checkpoint_saying_what_differs(first_run, tiny_model_dir, workspace):
+    argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
+    argv[argv.index("--learning_rate") + 1] = "2e-2"
+    with pytest.raises(ValueError, match=r"checkpoint-2 belongs to another run.*\n  training.learning_rate: 0.01 -> 0.02$"):
+        first_run["recipe"].train(*first_run["recipe"].parse_args(argv + ["--resume_from_checkpoint", "last"]))
 
-    recipe = first_run["recipe"]
-    cpu = ["--use_cpu", "true", "--output_dir", str(tmp_path)]
-    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "true"])
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        resume_checkpoint(training_args)
-    _, training_args, _ = recipe.parse_args(cpu)
-    assert resume_checkpoint(training_args) is None
-    (tmp_path / "checkpoint-7").mkdir()
-    (tmp_path / "checkpoint-12").mkdir()
-    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", "last"])
-    assert resume_checkpoint(training_args) == str(tmp_path / "checkpoint-12")
-    _, training_args, _ = recipe.parse_args(cpu + ["--resume_from_checkpoint", str(tmp_path / "checkpoint-7")])
-    assert resume_checkpoint(training_args) == str(tmp_path / "checkpoint-7")
+
+def test_last_on_a_finished_run_is_a_no_op(first_run, tiny_model_dir, workspace, caplog):
+    before = _adapter(first_run["out"])
+    argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
+    with caplog.at_level("WARNING", logger="eogym_sft.sft"):
+        assert first_run["recipe"].train(*first_run["recipe"].parse_args(argv + ["--resume_from_checkpoint", "last"])) == str(first_run["out"])
+    assert "checkpoint-2: this run already finished (step 2); nothing to train" in caplog.text
+    assert _same_tensors(_adapter(first_run["out"]), before)
+    assert sorted(p.name for p in first_run["out"].glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(first_run, tiny_model_dir, workspace):
+    argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
+    with pytest.raises(FileExistsError, match=r"holds an earlier run \(checkpoint-2, checkpoint-1, adapter_model.safetensors\)"):
+        first_run["recipe"].train(*first_run["recipe"].parse_args(argv))
+
+
+def test_samples_per_step_is_resolved_from_the_world_size(first_run):
+    from eogym_sft.sft import set_samples_per_step
+
+    script, training, _ = first_run["recipe"].parse_args(["--use_cpu", "true"])
+    assert (script.samples_per_step, training.per_device_train_batch_size, training.world_size) == (64, 2, 1)
+    set_samples_per_step(script, training)
+    assert training.gradient_accumulation_steps == 32
+    info = json.loads((first_run["out"] / "eogym_run.json").read_text())
+    assert info["config"]["training"]["gradient_accumulation_steps"] == 1 and info["config"]["script"]["samples_per_step"] == 2
