@@ -399,3 +399,54 @@ def test_samples_per_step_is_resolved_from_the_world_size(first_run):
     assert training.gradient_accumulation_steps == 32
     info = json.loads((first_run["out"] / "eogym_run.json").read_text())
     assert info["config"]["training"]["gradient_accumulation_steps"] == 1 and info["config"]["script"]["samples_per_step"] == 2
+
+
+def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """A real training process killed with SIGKILL once checkpoint-2 is complete, then resumed with
+    ``last``, ends bit-identical to a run that was never interrupted. One training image is cut short
+    after prep (the file changed on disk): both runs skip its sample, name it and count it alike."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from eogym_sft.data import load_or_prepare
+    from eogym_sft.prepare import PrepConfig
+    from eogym_sft.processor import load_processor
+
+    data = write_rows(tmp_path / "data")
+    prepared = tmp_path / "prepared"
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    prep = PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    load_or_prepare(str(data), str(tiny_model_dir), processor, prep, prepared)
+    broken = data.parent / "EO_GYM_DATA/s0/scene.png"  # train_0000000_tiny's scene
+    broken.write_bytes(broken.read_bytes()[:100])
+    steps = 6
+
+    def argv(out):
+        return recipe_args(tiny_model_dir, data, out, prepared, steps=steps) + ["--eval_steps", "3"]
+
+    recipe = load_recipe()
+    whole = tmp_path / "whole"
+    run_recipe(recipe, argv(whole))
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, str(REPO / "recipes" / "eo_gym_4b.py"), *argv(killed)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (killed / "checkpoint-2" / "eogym_checkpoint.json").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "the training process ended before checkpoint-2"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "adapter_model.safetensors").exists()  # it did not finish
+    _, trainer = run_recipe(recipe, argv(killed) + ["--resume_from_checkpoint", "last"])
+    assert 2 <= int(Path(trainer.resumed_from).name.split("-")[1]) < steps
+
+    assert _same_tensors(_adapter(killed), _adapter(whole))
+    info_whole, info_killed = (json.loads((d / "eogym_run.json").read_text()) for d in (whole, killed))
+    assert info_killed["skipped_samples"] == info_whole["skipped_samples"] and info_whole["skipped_samples"]["train"] >= 1
+    listed = [json.loads(line) for line in (whole / "skipped_samples.jsonl").read_text().splitlines()]
+    assert {(r["sample_id"], r["file"], r["reason"]) for r in listed} == {("train_0000000_tiny#w0", str(broken.resolve()), "corrupt_image")}
+    assert len(listed) == info_whole["skipped_samples"]["train"]
