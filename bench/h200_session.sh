@@ -4,7 +4,8 @@
 #   bash bench/h200_session.sh setup        # install, versions, GPU tests
 #   bash bench/h200_session.sh train_bench  # plain TRL vs the recipe, feature by feature, 1 GPU
 #   bash bench/h200_session.sh train_bench_1; bash bench/h200_session.sh train_bench_2   # the same in two calls
-#   bash bench/h200_session.sh prep_bench   # data prep on 16 cores
+#   bash bench/h200_session.sh prep_bench   # data prep of 7,642 rows on 16 cores (the < 60 s target)
+#   bash bench/h200_session.sh determinism  # two same-seed recipe runs on the 4B architecture: adapter and loss differences
 #   bash bench/h200_session.sh recipe       # the recipe on the 4B architecture, ZeRO-2 bf16, 1 then 2 GPUs
 #   bash bench/h200_session.sh scaling      # the recipe's speed on 2 GPUs, DDP and ZeRO-2
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
@@ -42,12 +43,28 @@ train_bench_2)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms B,B-nocompile,B-fixedcount,A,B-dropout0,B-padded --parity-samples 0 --json $OUT/train_1gpu_part2.json
   ;;
 prep_bench)
-  python bench/prep_throughput.py --rows 1600 --num-proc 1 16 --json $OUT/prep.json
+  # the target: EO-Gym's 7,642-row train split in under 60 s on 16 cores, every image checked to its end
+  python bench/prep_throughput.py --rows 7642 --num-proc 16 --json $OUT/prep_7642_16c.json
+  ;;
+determinism)
+  # two runs of the recipe with the same settings and seed on the 4B architecture (random weights),
+  # 1 GPU, bf16, compiled layers: how far apart their adapters and loss curves end. ~4 min.
+  make_model; make_data 240
+  common="--model_name_or_path $model --dataset_path $data/train.jsonl --data_root $data/data --prepared_dir /tmp/det_prepared
+    --max_steps 10 --samples_per_step 4 --learning_rate 1e-3 --lr_scheduler_type constant --logging_steps 1 --eval_steps 5
+    --save_steps 10 --eval_fraction 0.05 --prep_num_proc 16 --dataloader_num_workers 2"
+  for run in a b; do
+    rm -rf /tmp/det_$run
+    CUDA_VISIBLE_DEVICES=0 python recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --output_dir /tmp/det_$run 2>&1 \
+      | grep -E "'loss'|eval_loss|samples per optimizer step|Error|error" | tail -4
+  done
+  python bench/determinism.py /tmp/det_a /tmp/det_b --label "recipe, 4B random weights, 1 H200, bf16, compiled layers, seed 42, 10 steps of 4" \
+    --json $OUT/determinism.json | tail -30
   ;;
 recipe)
   make_model; make_data 240
   common="--model_name_or_path $model --dataset_path $data/train.jsonl --data_root $data/data --max_steps 20 --learning_rate 1e-3
-    --lr_scheduler_type constant --gradient_accumulation_steps 1 --logging_steps 4 --eval_steps 10 --save_steps 20 --eval_fraction 0.05
+    --lr_scheduler_type constant --samples_per_step None --gradient_accumulation_steps 1 --logging_steps 4 --eval_steps 10 --save_steps 20 --eval_fraction 0.05
     --padding_free true --attn_implementation eogym_varlen --prep_num_proc 16"
   accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --output_dir /tmp/run_1gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_1gpu.log
   accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml $common --prepared_dir /tmp/run_1gpu/prepared --output_dir /tmp/run_2gpu 2>&1 | grep -E "'loss'|eval_loss|train_runtime|Error|error" | tee $OUT/recipe_2gpu.log
