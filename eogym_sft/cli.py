@@ -91,6 +91,11 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
     parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--allow-other-base", action="store_true", help="use an adapter trained on a base of another name (the same weights renamed)")
+    parser.add_argument(
+        "--held-out-fraction", type=float, default=None,
+        help="score only the traces a training run held out: its eval_fraction (with --seed, its seed)",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="the training run's seed, for --held-out-fraction")
     add_overwrite_arg(parser)
 
 
@@ -101,7 +106,7 @@ def run_validate(args: argparse.Namespace) -> dict:
         ValidateConfig(
             **sample_settings(args), model=args.model, adapter=args.adapter, data=args.data, data_root=args.data_root,
             output=args.output, with_base=args.with_base, batch_size=args.batch_size, num_proc=args.num_proc, dtype=args.dtype,
-            allow_other_base=args.allow_other_base, overwrite=args.overwrite,
+            allow_other_base=args.allow_other_base, overwrite=args.overwrite, held_out_fraction=args.held_out_fraction, seed=args.seed,
         )
     )
 
@@ -133,13 +138,14 @@ def run_rollout(args: argparse.Namespace) -> dict:
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
-    parser.add_argument("--learning-rate", type=float, default=2e-2, help="high, so a few steps move a tiny random model")
+    parser.add_argument("--learning-rate", type=float, default=2e-2, help="high, so a few steps move a small random model")
+    add_overwrite_arg(parser)
 
 
 def run_demo(args: argparse.Namespace) -> dict:
     from .demo import run_demo as run
 
-    return run(args.output, args.steps, args.learning_rate)
+    return run(args.output, args.steps, args.learning_rate, args.overwrite)
 
 
 def add_tool_call_args(parser: argparse.ArgumentParser) -> None:

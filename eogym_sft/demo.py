@@ -1,9 +1,10 @@
 """``eogym-sft demo``: the whole path on the bundled sample, on CPU, in minutes.
 
-Writes a tiny random Qwen3-VL (real processor, offline), trains it a few steps with :func:`eogym_sft.sft.train`
-(what ``recipes/eo_gym_4b.py`` runs; the bundled sample is prepared on the way in), then validates the
-adapter against its base on the bundled sample and prints the token accuracy and where the adapter is.
-Everything it needs ships with the package.
+Writes a small random Qwen3-VL (real processor, offline; 128 wide), trains a LoRA adapter on it with
+:func:`eogym_sft.sft.train` (what ``recipes/eo_gym_4b.py`` runs; the bundled sample is prepared on the
+way in), then validates the adapter and its base on the traces the run held out (never trained on),
+and prints both token accuracies, where the adapter, the report and the manifest are, and what to run
+next. Everything it needs ships with the package.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ SAMPLE_DIR = Path(__file__).resolve().with_name("sample")  # the bundled sample:
 SAMPLE_JSONL = SAMPLE_DIR / "eogym_sample.jsonl"
 
 
-def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float):
+EVAL_FRACTION = 0.15  # share of the sample's traces held out: trained on never, validated on
+MAX_PIXELS = 200704  # 196 visual tokens an image: a CPU run in minutes (the recipe's cap is 1,003,520)
+
+
+def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False):
     """The recipe's ``(script, training, model)`` configs shrunk to a CPU smoke run: the published LoRA and
     the speed path (packed batches, variable-length attention, token-balanced micro-batches), few steps."""
     from trl import ModelConfig, SFTConfig
@@ -26,15 +31,17 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
         dataset_path=str(SAMPLE_JSONL),
         data_root=str(SAMPLE_DIR),
         prepared_dir=str(output / "prepared"),
-        eval_fraction=0.15,
+        eval_fraction=EVAL_FRACTION,
         prep_num_proc=1,
+        max_pixels=MAX_PIXELS,
+        samples_per_step=2,
+        overwrite_output_dir=overwrite,
     )
     training = SFTConfig(
         output_dir=str(output / "adapter"),
         max_steps=steps,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
-        gradient_accumulation_steps=1,
         train_sampling_strategy="batch_rebalance",
         length_column_name="n_tokens",
         learning_rate=learning_rate,
@@ -48,10 +55,10 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
         eval_steps=steps,
         save_strategy="steps",
         save_steps=steps,
-        logging_steps=2,
+        logging_steps=5,
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         dataloader_num_workers=0,
         remove_unused_columns=False,
         dataset_kwargs={"skip_prepare_dataset": True},
@@ -70,17 +77,18 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
     return script, training, model
 
 
-def run_demo(output: str | Path = "runs/demo", steps: int = 8, learning_rate: float = 2e-2) -> dict:
-    """Tiny model, a few training steps on the bundled sample, then validation; returns the validation report."""
+def run_demo(output: str | Path = "runs/demo", steps: int = 8, learning_rate: float = 2e-2, overwrite: bool = False) -> dict:
+    """Small model, LoRA training on the bundled sample, validation on its held-out traces; returns the report."""
+    from .guards import refuse_nonempty_output
     from .sft import train
-    from .tiny import save_tiny_model
+    from .tiny import DEMO_QWEN3_VL_CONFIG, save_tiny_model
     from .validate import ValidateConfig, validate
 
     output = Path(output)
-    model_dir = output / "tiny-qwen3-vl"
-    if not (model_dir / "config.json").is_file():
-        save_tiny_model(model_dir)
-    adapter = train(*demo_configs(model_dir, output, steps, learning_rate))
+    refuse_nonempty_output(output, overwrite, "eogym-sft demo")
+    model_dir = save_tiny_model(output / "small-qwen3-vl", config=DEMO_QWEN3_VL_CONFIG)
+    script, training, model = demo_configs(model_dir, output, steps, learning_rate, overwrite)
+    adapter = train(script, training, model)
     report = validate(
         ValidateConfig(
             model=str(model_dir),
@@ -90,13 +98,31 @@ def run_demo(output: str | Path = "runs/demo", steps: int = 8, learning_rate: fl
             output=str(output / "validation.json"),
             with_base=True,
             batch_size=4,
+            max_pixels=MAX_PIXELS,
+            held_out_fraction=EVAL_FRACTION,
+            seed=training.seed,
+            overwrite=overwrite,
         )
     )
-    adapter_scores, base_scores = report["models"]["adapter"]["overall"], report["models"]["base"]["overall"]
-    print(
-        f"\ndemo done: adapter in {adapter}\n"
-        f"validation loss {adapter_scores['loss']:.4f} (base {base_scores['loss']:.4f}), "
-        f"token accuracy {adapter_scores['token_accuracy']:.4f} (base {base_scores['token_accuracy']:.4f})\n"
-        "(a tiny random model with a 16-wide hidden state: these figures show the path works end to end, not a model)"
-    )
+    print(demo_summary(report, output, adapter))
     return report
+
+
+def demo_summary(report: dict, output: Path, adapter: str) -> str:
+    """The demo's last lines: held-out scores of both arms, where everything is, what to run next."""
+    ours, base = report["models"]["adapter"]["overall"], report["models"]["base"]["overall"]
+    return "\n".join(
+        [
+            "",
+            f"demo done. Held-out traces (never trained on): {report['samples']} samples, {ours['tokens']} supervised tokens",
+            f"  token accuracy  base {base['token_accuracy']:.4f}  ->  adapter {ours['token_accuracy']:.4f}",
+            f"  loss            base {base['loss']:.4f}  ->  adapter {ours['loss']:.4f}",
+            "  (a small random model: this shows the path learns, not an EO model)",
+            f"adapter:  {adapter}  (eogym_run.json beside it: config, versions, data hash)",
+            f"report:   {output / 'validation.json'}",
+            f"manifest: {output / 'prepared' / 'manifest.jsonl'}  (every input line: kept, split or dropped, and why)",
+            "next:     eogym-sft evaluate --model "
+            f"{output / 'small-qwen3-vl'} --adapter {adapter} --data {SAMPLE_JSONL} --data-root {SAMPLE_DIR} --output {output / 'evaluation'}",
+            "          or train the real thing: see README.md, 'Train EO-Gym-4B'",
+        ]
+    )

@@ -59,6 +59,20 @@ TINY_QWEN3_VL_CONFIG = {
     },
 }
 
+# The demo's model: the same architecture 128 wide (head_dim 32), so that LoRA has room to learn
+# something from a few dozen steps on the bundled sample. The tests keep the 16-wide one: it is faster.
+DEMO_QWEN3_VL_CONFIG = {
+    **TINY_QWEN3_VL_CONFIG,
+    "text_config": {
+        **TINY_QWEN3_VL_CONFIG["text_config"],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "head_dim": 32,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [6, 5, 5], "rope_type": "default"},
+    },
+    "vision_config": {**TINY_QWEN3_VL_CONFIG["vision_config"], "out_hidden_size": 128},
+}
+
 # Qwen3-VL-Instruct's preprocessor_config.json, with the pixel cap set by the caller.
 IMAGE_PROCESSOR_SETTINGS = {
     "patch_size": 16,

@@ -65,7 +65,8 @@ def _merge_ranks(totals: dict) -> dict:
 
 
 def score_dataset(
-    model, collator, dataset, batch_size: int = 4, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None
+    model, collator, dataset, batch_size: int = 4, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None,
+    label: str = "validate",
 ) -> dict:
     """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
     ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset.
@@ -83,7 +84,7 @@ def score_dataset(
     indices = list(range(rank, len(dataset), world))
     tokenizer = collator.processor.tokenizer
     totals = defaultdict(lambda: [0.0, 0, 0])
-    for start in tqdm(range(0, len(indices), batch_size), desc="validate", disable=not progress):
+    for start in tqdm(range(0, len(indices), batch_size), desc=label, disable=not progress):
         examples = [dataset[i] for i in indices[start : start + batch_size]]
         batch = collator(examples)
         left_out = batch.pop("skipped_samples", [])
@@ -137,12 +138,15 @@ class ValidateConfig(SampleConfig):
     dtype: str | None = None  # default: bfloat16 on GPU, float32 on CPU
     allow_other_base: bool = False  # use an adapter whose adapter_config.json names another base
     overwrite: bool = False  # replace an existing report
+    # Score only the traces a training run held out: its eval_fraction and seed (split_by_trace).
+    held_out_fraction: float | None = None
+    seed: int = 42
 
 
 def validate(cfg: ValidateConfig) -> dict:
     """Score ``cfg.adapter`` (and with ``with_base`` its base) on ``cfg.data``; write and return the report."""
     from .collator import EOGymCollator
-    from .data import load_or_prepare
+    from .data import load_or_prepare, split_by_trace
     from .guards import check_adapter_base, refuse_nonempty_output
     from .modeling import load_base_model
     from .prepare import PrepConfig
@@ -156,6 +160,8 @@ def validate(cfg: ValidateConfig) -> dict:
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     workdir = Path(cfg.output).with_suffix("").as_posix() + "_prepared"
     dataset, _ = load_or_prepare(cfg.data, cfg.model, processor, PrepConfig(**cfg.sample_kwargs(), data_root=cfg.data_root), workdir, cfg.num_proc)
+    if cfg.held_out_fraction:
+        dataset = split_by_trace(dataset, cfg.held_out_fraction, cfg.seed)[1]
     model = load_base_model(cfg.model, dtype=dtype)
     if cfg.adapter:
         from peft import PeftModel
@@ -165,12 +171,12 @@ def validate(cfg: ValidateConfig) -> dict:
     collator = EOGymCollator(processor, **cfg.sample_kwargs(), data_root=cfg.data_root, skip_bad_images=True)
     models, skipped = {}, []
     name = "adapter" if cfg.adapter else "base"
-    models[name] = score_dataset(model, collator, dataset, cfg.batch_size, device, skipped=skipped)
+    models[name] = score_dataset(model, collator, dataset, cfg.batch_size, device, skipped=skipped, label=f"validate {name}")
     if cfg.adapter and cfg.with_base:
         with model.disable_adapter():
-            models["base"] = score_dataset(model, collator, dataset, cfg.batch_size, device)
+            models["base"] = score_dataset(model, collator, dataset, cfg.batch_size, device, label="validate base (adapter off)")
     report = {
-        "model": cfg.model, "adapter": cfg.adapter, "data": cfg.data, "samples": len(dataset),
+        "model": cfg.model, "adapter": cfg.adapter, "data": cfg.data, "held_out_fraction": cfg.held_out_fraction, "samples": len(dataset),
         "samples_skipped": len(skipped), "skipped": skipped, "models": models,
     }
     Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,7 @@ def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
 def test_eo_gym_4b_yaml_ships_the_speed_path(recipe):
     script, training, model = recipe.parse_args(list(CPU))
     assert training.padding_free and script.compile_layers and model.attn_implementation == "eogym_varlen"
-    assert training.gradient_checkpointing is False and training.dataloader_num_workers == 4
+    assert training.activation_checkpointing is False and training.dataloader_num_workers == 4
 
 
 def test_recipe_turns_on_expandable_segments_unless_the_user_set_the_allocator(monkeypatch):

@@ -129,7 +129,7 @@ def recipe_args(model_dir: Path, data: Path, output: Path, prepared: Path, steps
         "false",
         "--optim",
         "adamw_torch",
-        "--gradient_checkpointing",
+        "--activation_checkpointing",
         "false",
         "--dataloader_num_workers",
         "0",
