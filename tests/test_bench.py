@@ -85,3 +85,23 @@ def test_side_by_side_puts_arm_b_beside_the_recipe(tmp_path):
     assert row["recipe_vs_B_tokens_per_s"] == 0.75 and row["B_median_step_s"] == 2.0 and row["B_recompiles"] is None
     assert side_by_side({}, None) is None
     assert "error" in side_by_side({"real_tokens_per_s": 1.0}, str(baseline), arm="B-fixedcount")
+
+
+def test_determinism_bench_reads_two_runs(tmp_path):
+    """bench/determinism.py on two fake runs: one LoRA tensor and one logged loss differ by a known amount."""
+    import torch
+    from determinism import compare_runs
+    from safetensors.torch import save_file
+
+    for run, delta in (("a", 0.0), ("b", 0.25)):
+        (tmp_path / run / "checkpoint-2").mkdir(parents=True)
+        save_file({"x.lora_A.weight": torch.ones(2, 2), "x.lora_B.weight": torch.full((2, 2), 0.5 + delta)}, str(tmp_path / run / "adapter_model.safetensors"))
+        history = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": 1.5 + delta, "grad_norm": 1.0}, {"step": 2, "eval_loss": 1.7}]
+        (tmp_path / run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    result = compare_runs(tmp_path / "a", tmp_path / "b")
+    assert result["adapter"] == {
+        "tensors": 2, "tensors_differing": 1, "max_abs_diff": 0.25, "max_abs_weight": 1.0,
+        "worst_tensors": {"x.lora_B.weight": 0.25, "x.lora_A.weight": 0.0},
+    }
+    assert result["curves"]["loss"]["steps"] == [1, 2] and result["curves"]["loss"]["max_abs_diff"] == 0.25
+    assert result["curves"]["grad_norm"]["max_abs_diff"] == 0.0 and result["curves"]["eval_loss"]["max_abs_diff"] == 0.0

@@ -38,8 +38,10 @@ def published(script, training, model) -> None:
     assert training.num_train_epochs == 3
     # 4 x 16 = 64 samples a step as published, dealt into 32 token-balanced micro-batches: the same
     # samples and token-mean loss each step (tests/test_trainer.py checks the split changes nothing)
-    assert training.per_device_train_batch_size * training.gradient_accumulation_steps == 4 * 16
-    assert (training.per_device_train_batch_size, training.gradient_accumulation_steps) == (2, 32)
+    from eogym_sft.sampler import accumulation_steps
+
+    assert script.samples_per_step == 4 * 16  # the step's one home; the accumulation follows the world size
+    assert training.per_device_train_batch_size == 2 and accumulation_steps(script.samples_per_step, 2, 1) == 32
     assert training.train_sampling_strategy == "batch_rebalance" and training.length_column_name == "n_tokens"
     assert training.learning_rate == 1e-4
     assert str(training.lr_scheduler_type) in ("cosine", "SchedulerType.COSINE")
@@ -140,7 +142,7 @@ def test_flags_override_the_yaml(recipe):
     assert (
         training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
     )
-    assert training.gradient_accumulation_steps == 32  # the rest still comes from the file
+    assert script.samples_per_step == 64 and training.per_device_train_batch_size == 2  # the rest still comes from the file
 
 
 def test_bad_eval_fraction_is_refused(recipe):
