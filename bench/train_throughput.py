@@ -51,7 +51,7 @@ SHIPPED = {
     "pack": RECIPE["padding_free"],
     "attn": RECIPE["attn_implementation"],
     "head": "supervised",
-    "gc": RECIPE["gradient_checkpointing"],
+    "gc": RECIPE["activation_checkpointing"],
     "compile": RECIPE["compile_layers"],
     "rebalance": RECIPE["train_sampling_strategy"] == "batch_rebalance",
     "workers": RECIPE["dataloader_num_workers"],

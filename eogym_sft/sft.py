@@ -23,6 +23,22 @@ from .trainer import EOGymSFTTrainer
 logger = logging.getLogger(__name__)
 
 
+def resume_checkpoint(training_args) -> str | None:
+    """``--resume_from_checkpoint PATH``, or ``true``/``last`` for the newest ``checkpoint-*`` in ``output_dir``,
+    unchecked. The GRPO recipe still uses this; SFT runs resume through :func:`eogym_sft.resume.resolve_resume`."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    wanted = training_args.resume_from_checkpoint
+    if not wants_resume(wanted):
+        return None
+    if str(wanted).lower() in ("true", "last"):
+        last = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+        if last is None:
+            raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: no checkpoint-* folder in {training_args.output_dir}")
+        return last
+    return wanted
+
+
 def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
     """Derive ``gradient_accumulation_steps`` so that a step is ``samples_per_step`` samples on this world size."""
     if script_args.samples_per_step is not None:
