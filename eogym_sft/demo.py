@@ -117,7 +117,7 @@ def demo_summary(report: dict, output: Path, adapter: str) -> str:
             f"demo done. Held-out traces (never trained on): {report['samples']} samples, {ours['tokens']} supervised tokens",
             f"  token accuracy  base {base['token_accuracy']:.4f}  ->  adapter {ours['token_accuracy']:.4f}",
             f"  loss            base {base['loss']:.4f}  ->  adapter {ours['loss']:.4f}",
-            "  (a small random model: this shows the path learns, not an EO model)",
+            "  (a small random model trained a few steps: the path end to end, not an EO model)",
             f"adapter:  {adapter}  (eogym_run.json beside it: config, versions, data hash)",
             f"report:   {output / 'validation.json'}",
             f"manifest: {output / 'prepared' / 'manifest.jsonl'}  (every input line: kept, split or dropped, and why)",
