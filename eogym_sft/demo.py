@@ -77,7 +77,7 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
     return script, training, model
 
 
-def run_demo(output: str | Path = "runs/demo", steps: int = 8, learning_rate: float = 2e-2, overwrite: bool = False) -> dict:
+def run_demo(output: str | Path = "runs/demo", steps: int = 24, learning_rate: float = 1e-2, overwrite: bool = False) -> dict:
     """Small model, LoRA training on the bundled sample, validation on its held-out traces; returns the report."""
     from .guards import refuse_nonempty_output
     from .sft import train
