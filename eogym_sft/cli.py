@@ -137,8 +137,10 @@ def run_rollout(args: argparse.Namespace) -> dict:
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
-    parser.add_argument("--steps", type=int, default=24, help="optimizer steps (of 2 samples)")
-    parser.add_argument("--learning-rate", type=float, default=1e-2, help="high, so a few steps move a small random model")
+    from .demo import LEARNING_RATE, STEPS
+
+    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (of 2 samples)")
+    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="high, so a few steps move a small random model")
     add_overwrite_arg(parser)
 
 

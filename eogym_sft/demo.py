@@ -17,9 +17,11 @@ SAMPLE_JSONL = SAMPLE_DIR / "eogym_sample.jsonl"
 
 EVAL_FRACTION = 0.15  # share of the sample's traces held out: trained on never, validated on
 MAX_PIXELS = 200704  # 196 visual tokens an image: a CPU run in minutes (the recipe's cap is 1,003,520)
+STEPS = 16  # optimizer steps of 2 samples: held-out accuracy clearly above the base's, in under 2 minutes
+LEARNING_RATE = 1e-2  # high, so that a few steps move a small random model
 
 
-def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False):
+def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False, max_pixels: int = MAX_PIXELS):
     """The recipe's ``(script, training, model)`` configs shrunk to a CPU smoke run: the published LoRA and
     the speed path (packed batches, variable-length attention, token-balanced micro-batches), few steps."""
     from trl import ModelConfig, SFTConfig
@@ -33,7 +35,7 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
         prepared_dir=str(output / "prepared"),
         eval_fraction=EVAL_FRACTION,
         prep_num_proc=1,
-        max_pixels=MAX_PIXELS,
+        max_pixels=max_pixels,
         samples_per_step=2,
         overwrite_output_dir=overwrite,
     )
@@ -77,7 +79,13 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
     return script, training, model
 
 
-def run_demo(output: str | Path = "runs/demo", steps: int = 24, learning_rate: float = 1e-2, overwrite: bool = False) -> dict:
+def run_demo(
+    output: str | Path = "runs/demo",
+    steps: int = STEPS,
+    learning_rate: float = LEARNING_RATE,
+    overwrite: bool = False,
+    max_pixels: int = MAX_PIXELS,
+) -> dict:
     """Small model, LoRA training on the bundled sample, validation on its held-out traces; returns the report."""
     from .guards import refuse_nonempty_output
     from .sft import train
@@ -87,7 +95,7 @@ def run_demo(output: str | Path = "runs/demo", steps: int = 24, learning_rate: f
     output = Path(output)
     refuse_nonempty_output(output, overwrite, "eogym-sft demo")
     model_dir = save_tiny_model(output / "small-qwen3-vl", config=DEMO_QWEN3_VL_CONFIG)
-    script, training, model = demo_configs(model_dir, output, steps, learning_rate, overwrite)
+    script, training, model = demo_configs(model_dir, output, steps, learning_rate, overwrite, max_pixels)
     adapter = train(script, training, model)
     report = validate(
         ValidateConfig(
@@ -98,7 +106,7 @@ def run_demo(output: str | Path = "runs/demo", steps: int = 24, learning_rate: f
             output=str(output / "validation.json"),
             with_base=True,
             batch_size=4,
-            max_pixels=MAX_PIXELS,
+            max_pixels=max_pixels,
             held_out_fraction=EVAL_FRACTION,
             seed=training.seed,
             overwrite=overwrite,
