@@ -44,7 +44,16 @@ class SampleConfig(ImageConfig):
 
 
 @dataclass
-class EOGymScriptArguments(ImageConfig):
+class OutputDirConfig:
+    """What a training run may do with an ``output_dir`` that holds an earlier run (:mod:`eogym_sft.resume`)."""
+
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they are removed)"}
+    )
+
+
+@dataclass
+class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     """Data and image settings of an EO-Gym SFT run (the token budget is ``SFTConfig.max_length``)."""
 
     dataset_path: str = field(
@@ -69,9 +78,6 @@ class EOGymScriptArguments(ImageConfig):
             "samples_per_step / (per_device_train_batch_size x world size), and a split that does not divide is "
             "refused; None keeps gradient_accumulation_steps as given"
         },
-    )
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they are removed)"}
     )
     compile_layers: bool = field(
         default=False,

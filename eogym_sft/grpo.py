@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ImageConfig
+from .config import ImageConfig, OutputDirConfig
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .tiny import qwen3_vl_chat_template
 from .episodes import canonical_prompt, question_messages
@@ -34,7 +34,7 @@ RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own me
 
 
 @dataclass
-class GRPOScriptArguments(ImageConfig):
+class GRPOScriptArguments(ImageConfig, OutputDirConfig):
     """Data, environment and reward settings of an EO-Gym GRPO run; images as in SFT (:class:`ImageConfig`,
     crops included); the rest are TRL's ``GRPOConfig`` and ``ModelConfig``."""
 
@@ -355,28 +355,41 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
 def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     """GRPO from ``--sft_adapter`` (trained further) or a new LoRA adapter on the base model; save the
     adapter, its processor and ``eogym_run.json`` to ``output_dir`` and return that folder."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
     from .data import file_sha256
     from .modeling import apply_lora, continue_lora, load_base_model
     from .processor import load_processor
-    from .run_info import save_run
-    from .sft import resume_checkpoint
+    from .resume import CheckpointIdentity, claim_output_dir, finished, resolve_resume, run_identity
+    from .run_info import as_dict, save_run
 
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    claim_output_dir(training_args, script_args.overwrite_output_dir)
     processor = load_processor(model_args.model_name_or_path, script_args.max_pixels, script_args.min_pixels)
     data = load_episodes(script_args.dataset_path, script_args.data_root, script_args.limit)
+    stats = {"content_hash": file_sha256(script_args.dataset_path), **data.stats()}
+    stats.update(samples_out=len(data.records), rows_dropped=sum(data.skipped.values()))
+    # Resume only a complete checkpoint of this same run (configs and data hash), as the SFT recipe does.
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, stats["content_hash"])
+    checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
+    if checkpoint is not None and finished(checkpoint):
+        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
+        return training_args.output_dir
+
+    # A new adapter's A matrices are drawn when it is added, before the Trainer seeds anything.
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
     model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
     if script_args.sft_adapter:
         model = continue_lora(model, script_args.sft_adapter)
     else:
         model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
     trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
-    trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
+    trainer.add_callback(CheckpointIdentity(identity))
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
-    stats = {"content_hash": file_sha256(script_args.dataset_path), **data.stats()}
-    stats.update(samples_out=len(data.records), rows_dropped=sum(data.skipped.values()))
-    configs = {"script": script_args, "training": training_args, "model": model_args}
     output_dir = save_run(trainer, processor, configs, stats)
     logger.info("adapter saved to %s", output_dir)
     return output_dir

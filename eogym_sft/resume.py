@@ -125,3 +125,20 @@ def refuse_used_output_dir(output_dir: str | Path, overwrite: bool, resuming: bo
             f"{folder} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass --resume_from_checkpoint last "
             "to continue it, --overwrite_output_dir true to start over in it, or another --output_dir"
         )
+
+
+def clear_earlier_run(output_dir: str | Path) -> None:
+    """``overwrite_output_dir``: remove an earlier run's checkpoints, so that resuming later never meets them."""
+    import shutil
+
+    for folder in checkpoints(output_dir):
+        logger.warning("overwrite_output_dir: removing %s", folder)
+        shutil.rmtree(folder)
+
+
+def claim_output_dir(training_args, overwrite: bool) -> None:
+    """Before a run writes anything: a new run refuses a used ``output_dir``, or with ``overwrite`` clears it."""
+    resuming = wants_resume(training_args.resume_from_checkpoint)
+    refuse_used_output_dir(training_args.output_dir, overwrite, resuming)
+    if overwrite and not resuming and training_args.process_index == 0:
+        clear_earlier_run(training_args.output_dir)

@@ -15,28 +15,12 @@ from .data import load_or_prepare, split_by_trace
 from .modeling import apply_lora, compile_language_layers, load_base_model
 from .prepare import PrepConfig
 from .processor import load_processor
-from .resume import CheckpointIdentity, checkpoints, finished, refuse_used_output_dir, resolve_resume, run_identity, wants_resume
+from .resume import CheckpointIdentity, claim_output_dir, finished, resolve_resume, run_identity
 from .run_info import as_dict, save_run
 from .sampler import accumulation_steps
 from .trainer import EOGymSFTTrainer
 
 logger = logging.getLogger(__name__)
-
-
-def resume_checkpoint(training_args) -> str | None:
-    """``--resume_from_checkpoint PATH``, or ``true``/``last`` for the newest ``checkpoint-*`` in ``output_dir``,
-    unchecked. The GRPO recipe still uses this; SFT runs resume through :func:`eogym_sft.resume.resolve_resume`."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    wanted = training_args.resume_from_checkpoint
-    if not wants_resume(wanted):
-        return None
-    if str(wanted).lower() in ("true", "last"):
-        last = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
-        if last is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: no checkpoint-* folder in {training_args.output_dir}")
-        return last
-    return wanted
 
 
 def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
@@ -52,25 +36,13 @@ def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTCo
     )
 
 
-def clear_earlier_run(output_dir: str) -> None:
-    """``overwrite_output_dir``: remove an earlier run's checkpoints, so that resuming later never meets them."""
-    import shutil
-
-    for folder in checkpoints(output_dir):
-        logger.warning("overwrite_output_dir: removing %s", folder)
-        shutil.rmtree(folder)
-
-
 def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
     """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder."""
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
     sample = script_args.sample_config(training_args.max_length)
-    resuming = wants_resume(training_args.resume_from_checkpoint)
-    refuse_used_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming)
-    if script_args.overwrite_output_dir and not resuming and training_args.process_index == 0:
-        clear_earlier_run(training_args.output_dir)
+    claim_output_dir(training_args, script_args.overwrite_output_dir)
     set_samples_per_step(script_args, training_args)
 
     ################

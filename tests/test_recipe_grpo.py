@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+
+import pytest
 from pathlib import Path
 
 from conftest import make_row, save_image
@@ -61,3 +63,31 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir):
     assert info["config"]["training"]["num_generations"] == 2
     assert info["data"]["samples"] == 1 and info["data"]["rows_dropped"] == 0
     assert info["processor"]["size"] == {"longest_edge": 4096, "shortest_edge": 1024}
+
+
+def test_grpo_resumes_only_its_own_run_and_refuses_a_used_output_dir(tmp_path, tiny_model_dir):
+    """The SFT recipe's resume rules hold for GRPO: a finished run is a no-op on `last`, another run's
+    checkpoint is refused with what differs, and a new run does not write into a used output_dir."""
+    root = tmp_path / "data"
+    save_image(root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(make_row(n_steps=1)) + "\n")
+    out = tmp_path / "grpo"
+    recipe = load_recipe()
+
+    def run(*extra):
+        flags = [
+            "--model_name_or_path", str(tiny_model_dir), "--dataset_path", str(rows), "--data_root", str(root),
+            "--output_dir", str(out), "--use_cpu", "true", "--bf16", "false", "--max_steps", "1", "--num_generations", "2",
+            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "4",
+            "--max_pixels", "4096", "--min_pixels", "1024", "--gradient_checkpointing", "false", "--save_steps", "1",
+        ]
+        return recipe.train(*recipe.parse_args([*flags, *extra]))
+
+    run()
+    assert (out / "checkpoint-1" / "eogym_checkpoint.json").is_file()
+    with pytest.raises(FileExistsError, match="holds an earlier run"):
+        run()
+    assert run("--resume_from_checkpoint", "last") == str(out)  # finished: nothing to train
+    with pytest.raises(ValueError, match="learning_rate"):
+        run("--resume_from_checkpoint", "last", "--learning_rate", "1e-3")
