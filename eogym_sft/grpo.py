@@ -360,8 +360,8 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     from .data import file_sha256
     from .modeling import apply_lora, continue_lora, load_base_model
     from .processor import load_processor
-    from .resume import CheckpointIdentity, claim_output_dir, finished, resolve_resume, run_identity
-    from .run_info import as_dict, save_run
+    from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
+    from .run_info import save_run
 
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
@@ -373,10 +373,8 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     stats.update(samples_out=len(data.records), rows_dropped=sum(data.skipped.values()))
     # Resume only a complete checkpoint of this same run (configs and data hash), as the SFT recipe does.
     configs = {"script": script_args, "training": training_args, "model": model_args}
-    identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, stats["content_hash"])
-    checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
+    identity, checkpoint = resume_point(training_args, configs, stats["content_hash"])
     if checkpoint is not None and finished(checkpoint):
-        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
         return training_args.output_dir
 
     # A new adapter's A matrices are drawn when it is added, before the Trainer seeds anything.

@@ -142,3 +142,16 @@ def claim_output_dir(training_args, overwrite: bool) -> None:
     refuse_used_output_dir(training_args.output_dir, overwrite, resuming)
     if overwrite and not resuming and training_args.process_index == 0:
         clear_earlier_run(training_args.output_dir)
+
+
+def resume_point(training_args, configs: dict, data_hash: str | None) -> tuple[dict, Path | None]:
+    """This run's identity (resolved ``configs`` and ``data_hash``) and the checkpoint it resumes from
+    (``None``: from the start). A checkpoint that already finished the run is returned too, with a warning:
+    :func:`finished` tells the caller there is nothing to train."""
+    from .run_info import as_dict
+
+    identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, data_hash)
+    checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
+    if checkpoint is not None and finished(checkpoint):
+        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
+    return identity, checkpoint

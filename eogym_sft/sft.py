@@ -15,8 +15,8 @@ from .data import load_or_prepare, split_by_trace
 from .modeling import apply_lora, compile_language_layers, load_base_model
 from .prepare import PrepConfig
 from .processor import load_processor
-from .resume import CheckpointIdentity, claim_output_dir, finished, resolve_resume, run_identity
-from .run_info import as_dict, save_run
+from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
+from .run_info import save_run
 from .sampler import accumulation_steps
 from .trainer import EOGymSFTTrainer
 
@@ -64,10 +64,8 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     logger.info("samples: %d train, %d eval", len(train_dataset), 0 if eval_dataset is None else len(eval_dataset))
 
     configs = {"script": script_args, "training": training_args, "model": model_args}
-    identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, data_stats.get("content_hash"))
-    checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
+    identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
     if checkpoint is not None and finished(checkpoint):
-        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
         return training_args.output_dir
 
     ################
