@@ -220,9 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": runs,
         }
         print(format_table(result))
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
-        return result
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from prep_throughput import write_result
+
+        return write_result(result, args.json)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

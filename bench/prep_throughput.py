@@ -496,6 +496,15 @@ def breakdown(jsonl: Path, model_dir: Path, cfg) -> dict:
     }
 
 
+def write_result(result: dict, json_path) -> dict:
+    """Write a bench's result as JSON (its folder made as needed), say where, and return it; every bench ends so."""
+    json_path = Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    return result
+
+
 def format_breakdown(b: dict) -> str:
     lines = [f"where the time goes (num_proc=1, {b['rows']} rows, {b['rows_cpu_s']:.2f} CPU s after the processor load "
              f"= {b['ms_per_row']:.1f} ms/row; exclusive CPU time):"]
@@ -596,10 +605,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.breakdown:
             print()
             print(format_breakdown(result["breakdown"]))
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {json_path}")
-        return result
+        return write_result(result, json_path)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

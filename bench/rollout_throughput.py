@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from eval_throughput import machine_info
-    from prep_throughput import generate_sample
+    from prep_throughput import generate_sample, write_result
 
     from eogym_sft.modeling import load_inference_model, resolve_device
     from eogym_sft.processor import load_processor
@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": runs,
         }
         print(format_table(result))
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
-        return result
+        return write_result(result, args.json)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

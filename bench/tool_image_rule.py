@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import shutil
 import sys
 import tempfile
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="where to write the JSON result")
     args = parser.parse_args(argv)
 
-    from prep_throughput import generate_sample
+    from prep_throughput import generate_sample, write_result
 
     from eogym_sft.tiny import build_offline_processor
 
@@ -107,11 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": runs,
         }
         print(format_table(result))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-            print(f"wrote {args.json}")
-        return result
+        return write_result(result, args.json) if args.json else result
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
