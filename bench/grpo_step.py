@@ -75,6 +75,7 @@ class StepClock(TrainerCallback):
             self.steps[-1]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.steps[-1]["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             torch.cuda.reset_peak_memory_stats()
+        print(f"step {state.global_step}: " + json.dumps(self.steps[-1]), flush=True)  # survives a time limit
         self._start, self.generate_s = now, 0.0
 
 

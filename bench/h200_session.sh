@@ -110,6 +110,6 @@ rollout_bench_compile)
 grpo)
   make_model
   CUDA_VISIBLE_DEVICES=0 timeout 450 python bench/grpo_step.py --model $model --rows 32 --steps 2 --warmup 1 --num-generations 8 --batch 8 \
-    --grad-accum 2 --max-completion-length 512 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -30 || echo "grpo: exit $?"
+    --grad-accum 2 --max-completion-length 512 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "grpo: exit $?"
   ;;
 esac
