@@ -11,7 +11,7 @@
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
 #   bash bench/h200_session.sh perf         # the recipe as launched (ZeRO-2, 64-sample steps) beside
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; ~7 min (estimate), 1 GPU
-#   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder
+#   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (~5 min)
 set -euo pipefail
@@ -31,7 +31,7 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
-  python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_collator.py 2>&1 | tail -5 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_collator.py tests/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --json $OUT/train_1gpu.json
@@ -100,7 +100,7 @@ perf)
 rollout_bench)
   make_model
   CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --serial-episodes 2 --concurrency 32 \
-    --turns 3 --new-tokens 128 --workdir /tmp/rb --json $OUT/rollout.json
+    --turns 3 --new-tokens 128 --cuda-graphs --workdir /tmp/rb --json $OUT/rollout.json
   ;;
 rollout_bench_compile)
   make_model

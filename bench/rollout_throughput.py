@@ -25,10 +25,14 @@ Arms:
   conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
 * ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
   for its last episode before the next batch starts), left-padded;
-* ``slots``: :class:`eogym_sft.generation.SlotDecoder` with ``--concurrency`` slots, as
-  ``eogym-sft rollout`` runs it: each episode keeps its KV cache across turns (a turn computes only its
-  new tokens), images are preprocessed once, a finished episode's slot takes the next at once;
-* ``slots-compiled`` (with ``--compile MODE``): the same with the decode step under ``torch.compile``.
+* ``slots``: :class:`eogym_sft.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
+  run eagerly (``eogym-sft rollout --no-cuda-graphs``): each episode keeps its KV cache across turns (a
+  turn computes only its new tokens), images are preprocessed once, a finished episode's slot takes the
+  next at once;
+* ``slots-cuda-graphs`` (with ``--cuda-graphs``): the same with the decode step replayed from CUDA
+  graphs, captured during the timed run as each attention span is first needed: ``eogym-sft rollout``
+  on a GPU as shipped;
+* ``slots-MODE`` (with ``--compile MODE``): the same with the decode step under ``torch.compile``.
 
 Figures: generated tokens/s, episodes/min and peak GPU memory per arm, over the arm's wall time
 (model loading, data generation and a short warm-up excluded); ``speedup`` is each arm's episodes/min
@@ -190,6 +194,8 @@ def slot_decoder(model, slots: int, max_context: int, mode):
 
     if not mode:
         return SlotDecoder(model, slots, max_context)
+    if mode == "cuda-graphs":  # graphs captured per attention span as the run first needs them: timed
+        return SlotDecoder(model, slots, max_context, cuda_graphs=True)
     decoder = SlotDecoder(model, slots, max_context, compile=mode, attn_bucket=max_context)
     start = time.perf_counter()
     decoder.warm_up()
@@ -249,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-prompt-tokens", type=int, default=8192)
     parser.add_argument("--max-context", type=int, default=14336, help="tokens per slot")
     parser.add_argument("--compile", default=None, choices=("default", "reduce-overhead"), help="also time the slot arm with a compiled decode step")
+    parser.add_argument("--cuda-graphs", action="store_true", help="also time the slot arm with its decode step replayed from CUDA graphs")
     parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
     parser.add_argument("--data", default=None, help="EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
     parser.add_argument("--data-root", default=".", help="data root of --data")
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             eps = make_episodes(selected, args.turns, "batched")
             batch = args.concurrency
             run_arm(runs, f"batched{batch}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, batch), eps, device)
-        modes = ([None] if "slots" in arms else []) + ([args.compile] if args.compile else [])
+        modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else []) + ([args.compile] if args.compile else [])
         for mode in modes:
             name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
             try:

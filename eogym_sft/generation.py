@@ -115,9 +115,15 @@ class SlotDecoder:
             ``"default"`` or ``"reduce-overhead"`` (CUDA graphs); ``None`` runs it eagerly.
         attn_bucket (`int`): decode attends over the cache up to the longest busy slot rounded up to a
             multiple of this: short episodes do not read the whole cache, and a compiled step sees few shapes.
+        cuda_graphs (`bool`): replay the eager decode step as CUDA graphs, one captured per attention span
+            the first time that span is used (milliseconds each; no compiler). A 4B model's decode step is
+            a thousand small kernels, so launching them one by one from Python costs more than running them.
+            Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
     """
 
-    def __init__(self, model, slots: int, max_len: int, compile: str | None = None, attn_bucket: int = 512):
+    def __init__(
+        self, model, slots: int, max_len: int, compile: str | None = None, attn_bucket: int = 512, cuda_graphs: bool = False
+    ):
         self.model = model
         self.inner, self.lm_head = _text_parts(model)
         self.text = self.inner.language_model
@@ -148,6 +154,12 @@ class SlotDecoder:
             # one graph per attention span bucket
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, max_len // attn_bucket + 8)
             self._step = torch.compile(self._decode_step, mode=compile, dynamic=False)
+        if cuda_graphs:
+            if compile:
+                raise ValueError("cuda_graphs and compile both take over the decode step: choose one")
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+            self._step = GraphedStep(self._decode_step, slots, self.device)
 
     # ------------------------------------------------------------ prefill
 
@@ -157,6 +169,14 @@ class SlotDecoder:
     def release(self, slot: int) -> None:
         self.tokens[slot] = []
         self.next_pos[slot] = 0
+
+    def reset(self) -> None:
+        """Empty every slot and forget captured graphs: call it after the model's weights or active
+        adapter change (a graph replays the kernels, and so the adapter, it was captured with)."""
+        for slot in range(self.slots):
+            self.release(slot)
+        if isinstance(self._step, GraphedStep):
+            self._step.graphs.clear()
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
@@ -289,6 +309,43 @@ class SlotDecoder:
             hidden = hidden + attn.o_proj(out.reshape(self.slots, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.text.norm(hidden[:, 0])).float()
+
+
+class GraphedStep:
+    """A decode step ``step(tokens, write, pos, length, span)`` replayed from CUDA graphs, one per ``span``.
+
+    The four ``(slots,)`` inputs are copied into fixed buffers that the graphs read; the returned logits are
+    the graph's own output tensor, overwritten by the next replay (callers index it, which copies). All
+    graphs share one memory pool: they never run at the same time."""
+
+    def __init__(self, step, slots: int, device):
+        self.step = step
+        self.inputs = [torch.zeros(slots, dtype=torch.long, device=device) for _ in range(4)]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def __call__(self, tokens, write, pos, length, span: int) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, (tokens, write, pos, length)):
+            buffer.copy_(value, non_blocking=True)
+        if span not in self.graphs:
+            self.graphs[span] = self._capture(span)
+        graph, logits = self.graphs[span]
+        graph.replay()
+        return logits
+
+    def _capture(self, span: int):
+        # One eager run first, on a side stream as capture requires: kernels and cuBLAS workspaces get
+        # set up outside the capture. It writes this step's keys and values, which the replay writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(*self.inputs, span)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # image threads run meanwhile
+            logits = self.step(*self.inputs, span)
+        self.pool = graph.pool()
+        return graph, logits
 
 
 @dataclass

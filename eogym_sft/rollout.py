@@ -39,6 +39,7 @@ class RolloutConfig(ArmsConfig):
     max_turns: int = 8
     slots: int = 32
     compile: str | None = None
+    cuda_graphs: bool = True  # replay the decode step from CUDA graphs on a CUDA device (unless compile is set)
     judge_url: str | None = None
     judge_model: str = "gpt-4.1-mini"
     judge_retries: int = 3
@@ -152,7 +153,8 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     loop = LoopConfig(cfg.max_turns, cfg.max_new_tokens, cfg.tool_images, cfg.seed)
-    decoder = SlotDecoder(model, min(cfg.slots, max(1, len(rows) * cfg.samples)), cfg.max_length, cfg.compile)
+    graphs = cfg.cuda_graphs and device.type == "cuda" and not cfg.compile
+    decoder = SlotDecoder(model, min(cfg.slots, max(1, len(rows) * cfg.samples)), cfg.max_length, cfg.compile, cuda_graphs=graphs)
     records, timing = [], {}
     bar = tqdm(total=len(rows) * cfg.samples * len(arms), unit="episode", desc="rollout", disable=not progress)
     with open(out / "episodes.jsonl", "w") as fh:
@@ -162,8 +164,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
             episodes = (start_episode(row, source, arm.name, k, env_factory) for source, row in rows for k in range(cfg.samples))
             with use_arm(model, arm):
                 stats = run_episodes(decoder, processor, episodes, sampling, loop, cfg.data_root, lambda ep: done.append(ep.record()), bar)
-            for slot in range(decoder.slots):  # the next arm's weights make these caches stale
-                decoder.release(slot)
+            decoder.reset()  # the next arm's weights make these caches and graphs stale
             score_episodes(done, judge)
             for r in done:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
@@ -177,6 +178,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
             }
     bar.close()
     settings = recorded_settings(cfg, arms, device, dtype)
+    settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
     settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     counts = {
         "rows_in": len(rows) + len(failures),
@@ -230,6 +232,7 @@ def add_rollout_args(parser) -> None:
     add("--slots", type=int, default=32, help="episodes decoded at once")
     add("--max-length", type=int, default=RolloutConfig.max_length, help="tokens per episode, images included (the KV cache holds --slots x this)")
     add("--compile", default=None, choices=("default", "reduce-overhead"), help="torch.compile the decode step")
+    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the decode step eagerly, not from CUDA graphs (on by default on a GPU)")
     add("--judge-url", default=None, help="OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)")
     add("--judge-model", default="gpt-4.1-mini", help="model name sent to --judge-url")
     add("--judge-retries", type=int, default=3, help="retries of a failed judge request before it is counted")
@@ -241,7 +244,7 @@ def run_rollout(args) -> dict:
         cfg = RolloutConfig(
             **shared_settings(args, "eogym-sft rollout"), tools=[t for t in args.tools.split(",") if t],
             tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
-            max_length=args.max_length, compile=args.compile, judge_url=args.judge_url,
+            max_length=args.max_length, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
             judge_model=args.judge_model, judge_retries=args.judge_retries,
         )
     except ValueError as err:

@@ -106,3 +106,48 @@ def test_vision_token_ids_are_the_qwen3_vl_vision_specials(processor):
     ids = vision_token_ids(tokenizer)
     assert tokenizer.convert_ids_to_tokens(ids) == ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
     assert IMAGE_TOKEN_ID in ids
+
+
+def test_cuda_graphs_need_a_cuda_model_and_exclude_compile(model):
+    if next(model.parameters()).device.type != "cuda":
+        with pytest.raises(ValueError, match="CUDA device, not cpu"):
+            SlotDecoder(model, slots=2, max_len=128, cuda_graphs=True)
+    with pytest.raises(ValueError, match="choose one"):
+        SlotDecoder(model, slots=2, max_len=128, compile="default", cuda_graphs=True)
+
+
+def test_reset_empties_every_slot(model):
+    decoder = SlotDecoder(model, slots=2, max_len=128, attn_bucket=64)
+    decoder.prefill(0, [1, 2, 3], [])
+    decoder.prefill(1, [4, 5], [])
+    decoder.reset()
+    assert decoder.tokens == [[], []] and decoder.next_pos == [0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_replay_the_eager_step_exactly(processor):
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    config["text_config"]["initializer_range"] = 1.0
+    model = build_tiny_model(0, config).eval().cuda()
+    pictures = _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    tok = processor.tokenizer
+    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
+    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    eager = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    graphed = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64, cuda_graphs=True)
+    for decoder in (eager, graphed):
+        decoder.prefill(0, first, images[:1])
+        decoder.prefill(2, second, images)
+    # slots at different lengths, one idle, spans crossing a 64-token bucket: several graphs, each replayed
+    for step in range(80):
+        feed = {0: 5 + step, 2: 900 + step} if step % 3 else {2: 900 + step}
+        order_e, logits_e = eager.decode(feed)
+        order_g, logits_g = graphed.decode(feed)
+        assert order_e == order_g
+        torch.testing.assert_close(logits_g, logits_e, atol=1e-5, rtol=1e-5)
+    assert len(graphed._step.graphs) >= 2
+    for index in range(len(model.model.language_model.layers)):
+        torch.testing.assert_close(graphed.keys[index][[0, 2]], eager.keys[index][[0, 2]], atol=1e-5, rtol=1e-5)
+    graphed.reset()
+    assert graphed._step.graphs == {} and graphed.tokens == [[], [], []]

@@ -237,6 +237,7 @@ def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, 
     assert (overall["questions"], overall["episodes"]) == (2, 4)
     assert set(overall) >= {"pass@1", "pass@2", "mean_score", "tool_any", "tool_error_rate", "stop_reasons", "turns_per_episode"}
     assert summary["counts"]["rows_failed"] == 1 and summary["settings"]["ks"] == [1, 2]
+    assert summary["settings"]["cuda_graphs"] is False  # asked for by default, replayed only on a GPU
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert skipped[0]["reason"] == "malformed_json" and skipped[0]["source"].endswith(":3")
     assert "pass@2" in capsys.readouterr().out
@@ -264,3 +265,15 @@ def test_an_environment_that_fails_ends_its_episodes_only(tmp_path, data_root, r
     assert episodes["ok"]["stop_reason"] != "error" and summary["counts"]["episode_errors"] == 1
     skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
     assert [(s["episode"], s["reason"]) for s in skipped] == [("refused:base:0", "episode_error")]
+
+
+def test_cuda_graphs_flag():
+    import argparse
+
+    from eogym_sft.rollout import add_rollout_args
+
+    parser = argparse.ArgumentParser()
+    add_rollout_args(parser)
+    base = ["--model", "m", "--data", "d.jsonl", "--output", "o"]
+    assert parser.parse_args(base).cuda_graphs is True
+    assert parser.parse_args([*base, "--no-cuda-graphs"]).cuda_graphs is False
