@@ -8,7 +8,8 @@ Commands (from the repository root)::
         --steps 1 --warmup 0 --num-generations 2 --batch 2 --grad-accum 1 --max-completion-length 16 --max-pixels 16384
 
     # the Qwen3-VL-4B architecture with random weights on one GPU (bench/h200_session.sh grpo)
-    PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --rows 32 --steps 3 --warmup 1 --json grpo.json
+    PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --rows 16 --steps 2 --warmup 1 --num-generations 8 \
+        --batch 8 --grad-accum 1 --max-completion-length 256 --workdir /tmp/grpo_bench --json grpo_1gpu.json
 
 What it does: (a) writes the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (or takes ``--data``);
 (b) reads the recipe's YAML with the flags here as overrides; (c) loads the model, adds a new LoRA
