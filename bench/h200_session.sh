@@ -101,7 +101,7 @@ perf)
   ;;
 rollout_bench)
   make_model
-  CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --serial-episodes 2 --concurrency 32 \
+  CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --serial-episodes 1 --concurrency 32 \
     --turns 3 --new-tokens 128 --cuda-graphs --workdir /tmp/rb --json $OUT/rollout.json
   ;;
 rollout_bench_compile)

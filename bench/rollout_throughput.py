@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     from eval_throughput import machine_info
     from prep_throughput import generate_sample, write_result
 
+    import torch
+
     from eogym_sft.modeling import load_inference_model, resolve_device
     from eogym_sft.processor import load_processor
 
@@ -305,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
         modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else []) + ([args.compile] if args.compile else [])
         for mode in modes:
             name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
+            # The previous arm's decoder (63 GiB of KV cache at the H200 settings) sits in a reference cycle
+            # (its step is a bound method): collect it before this arm allocates its own.
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             try:
                 decoder = slot_decoder(model, args.concurrency, args.max_context, mode)
             except Exception as err:  # a compile failure must not lose the arms already timed
