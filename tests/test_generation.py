@@ -33,6 +33,14 @@ def _conversation(processor, turns: int):
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _two_turns(processor, images):
+    """Token ids of the one-image first turn and of the two-image second turn, image pads expanded."""
+    tok = processor.tokenizer
+    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
+    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    return first, second
+
+
 def _reference_logits(model, processor, text, pictures, extra=()):
     inputs = processor(text=[text], images=pictures, return_tensors="pt")
     ids = inputs["input_ids"][0].tolist() + list(extra)
@@ -60,9 +68,7 @@ def test_ids_and_positions_equal_the_processor_and_get_rope_index(model, process
 def test_prefill_turns_and_batched_decode_match_the_model(model, processor):
     pictures = _pictures()
     images = [image_input(processor, p) for p in pictures]
-    tok = processor.tokenizer
-    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
-    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    first, second = _two_turns(processor, images)
     decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
     expected, _ = _reference_logits(model, processor, _conversation(processor, 1), pictures[:1])
     torch.testing.assert_close(decoder.prefill(1, first, images[:1]), expected, atol=1e-4, rtol=1e-4)
@@ -131,9 +137,7 @@ def test_cuda_graphs_replay_the_eager_step_exactly(processor):
     model = build_tiny_model(0, config).eval().cuda()
     pictures = _pictures()
     images = [image_input(processor, p) for p in pictures]
-    tok = processor.tokenizer
-    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
-    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    first, second = _two_turns(processor, images)
     eager = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
     graphed = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64, cuda_graphs=True)
     for decoder in (eager, graphed):
