@@ -193,21 +193,33 @@ def classify(event, lora_rank: int, vocab: int) -> str:
     return "other_kernels"
 
 
-def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = None) -> dict:
-    """Seconds per component over the profiled window: each op's own kernel time on the GPU (its own
-    CPU time on a CPU run), so nothing is counted twice; plus the host's wait on the dataloader, and
-    with ``window_s`` (the window's wall time) how busy the GPU was: well under 1 means it waited on
-    the host (launch overhead, host syncs), which no kernel time shows."""
-    on_gpu = torch.cuda.is_available()
+def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = None, on_gpu: bool | None = None) -> dict:
+    """Seconds per component over the profiled window, each kernel counted once; plus the host's wait on
+    the dataloader, and with ``window_s`` (the window's wall time) how busy the GPU was: well under 1
+    means it waited on the host (launch overhead, host syncs), which no kernel time shows.
+
+    On a GPU, torch.profiler lists every kernel twice: as an event of its own (named after the kernel)
+    and inside the op that launched it (that op's ``self_device_time_total``). A kernel is classified by
+    its launching op (so by module and shape), and the kernel events give the total: kernels that no
+    op launched (linked by no correlation id) are ``unattributed_kernels``. On a CPU run an op's own
+    CPU time stands in for kernel time."""
+    from torch.autograd import DeviceType
+
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     seconds = dict.fromkeys(COMPONENTS, 0.0)
-    data_wait = 0.0
+    kernels = data_wait = 0.0
     for event in prof.events():
         if event.name.startswith("enumerate(DataLoader)"):
             data_wait += event.cpu_time_total / 1e6
             continue
+        if event.device_type != DeviceType.CPU:  # a kernel's own event: counted in the total only
+            kernels += event.self_device_time_total / 1e6
+            continue
         own = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6
         if own > 0:
             seconds[classify(event, lora_rank, vocab)] += own
+    if on_gpu:
+        seconds["unattributed_kernels"] = max(0.0, kernels - sum(seconds.values()))
     total = sum(seconds.values())
     return {
         "clock": "gpu kernel time" if on_gpu else "cpu op time",

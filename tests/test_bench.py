@@ -105,3 +105,30 @@ def test_determinism_bench_reads_two_runs(tmp_path):
     }
     assert result["curves"]["loss"]["steps"] == [1, 2] and result["curves"]["loss"]["max_abs_diff"] == 0.25
     assert result["curves"]["grad_norm"]["max_abs_diff"] == 0.0 and result["curves"]["eval_loss"]["max_abs_diff"] == 0.0
+
+
+def test_profile_counts_each_kernel_once():
+    """torch.profiler lists a kernel both as its own event and inside the op that launched it: the
+    breakdown classifies it by the op and takes the total from the kernel events, so a kernel no op
+    launched is shown as unattributed, and nothing is counted twice."""
+    from step_probe import component_times
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def op(id, name, shapes):
+        return FunctionEvent(id, name, thread=0, start_us=0, end_us=100, input_shapes=shapes, use_device="cuda")
+
+    def kernel(id, name, us):
+        return FunctionEvent(id, name, thread=0, start_us=0, end_us=us, use_device="cuda", device_type=DeviceType.CUDA)
+
+    mm, lora, attn = op(1, "aten::mm", [[64, 2560], [2560, 9728]]), op(2, "aten::mm", [[64, 2560], [2560, 16]]), op(3, "flash_attn", [])
+    mm.append_kernel("sm90_gemm", 0, 300)
+    lora.append_kernel("gemv", 0, 20)
+    attn.append_kernel("flash_fwd_kernel", 0, 500)
+    events = EventList([mm, lora, attn, kernel(4, "sm90_gemm", 300), kernel(5, "gemv", 20), kernel(6, "flash_fwd_kernel", 500),
+                        kernel(7, "triton_poi_fused_add_0", 80)])  # the last: launched by no op in the trace
+    prof = type("Trace", (), {"events": lambda self: events})()
+    result = component_times(prof, lora_rank=16, vocab=151936, window_s=0.001, on_gpu=True)
+    seconds = {k: round(v * 1e6) for k, v in result["seconds"].items() if v}
+    assert seconds == {"base_matmul": 300, "lora_matmul": 20, "attention": 500, "unattributed_kernels": 80}
+    assert round(result["total_s"] * 1e6) == 900 and result["gpu_busy_fraction"] == pytest.approx(0.9)
