@@ -83,16 +83,16 @@ perf)
   # One call. A step is 64 samples (~400k tokens, ~30 s), so each run has 1 warm-up step and PERF_STEPS
   # timed ones (default 1; the issue asks 20), arm B one more under the profiler. Measured 8m41s wall at
   # PERF_STEPS=2 (2026-11-30, one H200), when both parts still ran into a 260-s limit in their teardown,
-  # after writing their JSON; each part now has 300 s, together the whole of a 10-minute call. About
+  # after writing their JSON; each part now has 280 s (together 560 s, within a 10-minute call). About
   # 1 min more per extra step (estimate): PERF_STEPS above 2 needs longer limits than one call has.
   # PERF_FIXEDCOUNT=1 adds fixed-count micro-batches (~2.5 min more, estimate).
   df -h /dev/shm | tail -1; nproc
   steps=${PERF_STEPS:-1}
   p="--rows 220 --warmup 1 --steps $steps --grad-accum 32 --workdir /tmp/bt --parity-samples 0"
   make_model > $OUT/perf_make_model.log 2>&1 & maker=$!   # written while arm B sets up; the recipe loads it
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json || echo "arm B: exit $?"
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json || echo "arm B: exit $?"
   wait $maker || { echo "make_model failed"; tail -5 $OUT/perf_make_model.log; }
-  CUDA_VISIBLE_DEVICES=0 timeout 300 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+  CUDA_VISIBLE_DEVICES=0 timeout 280 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
     bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps $steps \
     --baseline $OUT/perf_train.json --json $OUT/perf_recipe.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "recipe: exit $?"
   if [ "${PERF_FIXEDCOUNT:-0}" = 1 ]; then
