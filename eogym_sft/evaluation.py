@@ -7,7 +7,8 @@ the messages, and arms are compared pairwise on identical turns. ``docs/evaluati
 
 :func:`evaluate` runs everything and writes ``results.jsonl``, ``skipped.jsonl``, ``summary.json`` and
 ``report.txt``; the steps (:func:`read_traces`, :func:`plan_turns`, :func:`load_model`,
-:func:`generate_turns`, :func:`score_turns`, :func:`summarize`) are public for benchmarks and notebooks.
+:func:`generate_turns`, :func:`score_turns`) are public for benchmarks and notebooks; the summary and the
+report are :func:`eogym_sft.report.summarize_turns` and :func:`eogym_sft.report.format_turn_report`.
 """
 
 from __future__ import annotations
@@ -26,35 +27,19 @@ from .encoding import render
 from .guards import refuse_nonempty_output
 from .judge import judge_all, load_judge
 from .modeling import Arm, use_arm
+from .report import format_turn_report, summarize_turns
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .prepare import image_factor, image_token_count, resized_hw
 from .scoring import (
     END_MARKERS,
-    POSITIVE_METRICS,
     Reference,
     combine_samples,
     extract_final_answer,
-    mean_scores,
-    paired_stats,
     parse_output,
     score_output,
 )
 from .traces import Trace, TraceError, count_images, normalize_row
-
-GROUP_FIELDS = ("EO_task", "question_type")
-PAIRED_REPORT_METRICS = ("turn_correct", "call_match", "answer_normalized", "answer_judge")
-REPORT_METRICS = (
-    "turn_correct",
-    "action_match",
-    "name_match",
-    "call_match",
-    "invalid_call",
-    "unknown_tool",
-    "answer_exact",
-    "answer_normalized",
-    "no_answer",
-)
 
 
 @dataclass(kw_only=True)
@@ -375,121 +360,6 @@ def score_turns(
     return records
 
 
-def _by_group(records: list[dict], key: str) -> dict:
-    groups = defaultdict(list)
-    for r in records:
-        groups[r[key] or "(none)"].append(r["scores"])
-    return {name: mean_scores(scores) for name, scores in sorted(groups.items())}
-
-
-def paired_comparisons(records: list[dict], arms: list[str]) -> list[dict]:
-    """Every later arm against every earlier one, per positive metric, on the turns both have scored."""
-    by_arm = {a: {(r["trace_id"], r["turn"]): r for r in records if r["arm"] == a} for a in arms}
-    metrics = [
-        m for m in dict.fromkeys(k for r in records for k in r["scores"]) if m.split("@")[0] in POSITIVE_METRICS
-    ]
-    out = []
-    for i, a in enumerate(arms):
-        for b in arms[i + 1 :]:
-            keys = sorted(by_arm[a].keys() & by_arm[b].keys())
-            for key in keys:
-                if by_arm[a][key]["prompt_sha256"] != by_arm[b][key]["prompt_sha256"]:
-                    raise RuntimeError(f"turn {key} has different prompts in arms {a} and {b}")
-            for metric in metrics:
-                units = [
-                    k
-                    for k in keys
-                    if by_arm[a][k]["scores"].get(metric) is not None
-                    and by_arm[b][k]["scores"].get(metric) is not None
-                ]
-                if not units:
-                    continue
-                xs = [by_arm[a][k]["scores"][metric] for k in units]
-                ys = [by_arm[b][k]["scores"][metric] for k in units]
-                out.append({"a": a, "b": b, "metric": metric, **paired_stats(xs, ys, clusters=[k[0] for k in units])})
-    return out
-
-
-def summarize(records: list[dict], arms: list[Arm], counts: dict, settings: dict, timing: dict) -> dict:
-    """``summary.json``: settings, counts, per-arm metrics overall and per group, paired comparisons."""
-    per_arm = {}
-    for arm in arms:
-        mine = [r for r in records if r["arm"] == arm.name]
-        per_arm[arm.name] = {
-            "adapter": arm.adapter,
-            "overall": mean_scores([r["scores"] for r in mine]),
-            **{f"by_{key}": _by_group(mine, key) for key in GROUP_FIELDS},
-            "timing": timing.get(arm.name, {}),
-        }
-    return {
-        "settings": settings,
-        "counts": counts,
-        "arms": per_arm,
-        "paired": paired_comparisons(records, [a.name for a in arms]),
-    }
-
-
-def _metric_table(title: str, rows: list[tuple[str, dict]], metrics: list[str]) -> list[str]:
-    width = max([len(title)] + [len(name) for name, _ in rows])
-    lines = [f"{title:<{width}} {'turns':>6} " + " ".join(f"{m:>{max(len(m), 6)}}" for m in metrics)]
-    for name, scores in rows:
-        n = max((v["n"] for v in scores.values()), default=0)
-        cells = [scores.get(m, {}).get("mean") for m in metrics]
-        lines.append(
-            f"{name:<{width}} {n:>6} "
-            + " ".join(f"{'-' if v is None else f'{v:.3f}':>{max(len(m), 6)}}" for m, v in zip(metrics, cells))
-        )
-    return lines
-
-
-def _paired_table(paired: list[dict]) -> list[str]:
-    head = (
-        f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
-        f"{'95% CI, normal approx.':>22} {'SE (trace-cl.)':>14} {'W/L/T':>13}"
-    )
-    lines = [
-        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
-        "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal;",
-        "headline metrics only: summary.json has every positive metric",
-        head,
-    ]
-    for p in paired:
-        ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
-        se = "-" if p["se"] is None else f"{p['se']:.4f}"
-        sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
-        names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5}"
-        means = f"{p['mean_a']:>7.3f} {p['mean_b']:>7.3f} {p['delta']:>+8.3f}"
-        lines.append(f"{names} {means} {se:>7} {ci:>22} {sec:>14} {p['wins']:>4}/{p['losses']}/{p['ties']}")
-    return lines
-
-
-def format_report(summary: dict) -> str:
-    """The printed table: counts, per-arm metrics overall and per group, then the paired comparisons."""
-    counts, arms = summary["counts"], summary["arms"]
-    k = summary["settings"]["samples"]
-    metrics = [m for m in REPORT_METRICS if any(m in a["overall"] for a in arms.values())]
-    metrics += [
-        m
-        for m in ("answer_judge", f"turn_correct@{k}", f"answer_normalized@{k}")
-        if any(m in a["overall"] for a in arms.values())
-    ]
-    lines = [
-        f"rows {counts['rows_in']} (failed {counts['rows_failed']}), turns {counts['turns_total']} "
-        f"(scored {counts['turns_scored']}, skipped {counts['turns_skipped']}), "
-        f"arms {len(arms)}, samples per turn {k}",
-        "",
-    ]
-    lines += _metric_table("overall", [(name, a["overall"]) for name, a in arms.items()], metrics)
-    for key in GROUP_FIELDS:
-        groups = sorted({g for a in arms.values() for g in a[f"by_{key}"]})
-        rows = [(f"{g} | {name}", a[f"by_{key}"].get(g, {})) for g in groups for name, a in arms.items()]
-        lines += ["", *_metric_table(f"by {key} | arm", rows, metrics)]
-    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in PAIRED_REPORT_METRICS]
-    if headline:
-        lines += ["", *_paired_table(headline)]
-    return "\n".join(lines)
-
-
 def _write_jsonl(path: Path, items: list[dict], mode: str = "w") -> None:
     with open(path, mode) as fh:
         for item in items:
@@ -567,10 +437,10 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     }
     device, dtype = resolve_device(cfg)
     settings = recorded_settings(cfg, arms, device, dtype)
-    summary = summarize(records, arms, counts, settings, timing)
+    summary = summarize_turns(records, arms, settings, counts, timing)
     _write_jsonl(out / "skipped.jsonl", failures + skipped)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    report = format_report(summary)
+    report = format_turn_report(summary)
     (out / "report.txt").write_text(report + "\n")
     print(report)
     return summary

@@ -303,32 +303,6 @@ def test_paired_stats_one_unit_per_cluster_equals_plain_se():
         paired_stats([1.0], [])
 
 
-def test_paired_comparisons_align_turns_by_key():
-    from eogym_sft.evaluation import paired_comparisons
-
-    def rec(arm, trace, turn, value, sha="h"):
-        return {
-            "arm": arm,
-            "trace_id": trace,
-            "turn": turn,
-            "prompt_sha256": sha + trace + str(turn),
-            "scores": {"turn_correct": value},
-        }
-
-    records = [
-        rec("base", "t", 0, 0.0),
-        rec("base", "t", 1, 1.0),
-        rec("lora", "t", 1, 1.0),
-        rec("lora", "t", 0, 1.0),
-        rec("lora", "u", 0, 1.0),
-    ]
-    (out,) = paired_comparisons(records, ["base", "lora"])
-    assert (out["a"], out["b"], out["n"], out["delta"], out["wins"], out["ties"]) == ("base", "lora", 2, 0.5, 1, 1)
-    records[2]["prompt_sha256"] = "different"
-    with pytest.raises(RuntimeError, match="different prompts"):
-        paired_comparisons(records, ["base", "lora"])
-
-
 # ---------------------------------------------------------------- planning and end to end
 
 

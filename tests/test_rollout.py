@@ -1,6 +1,6 @@
 """Closed-loop rollouts: the prompt equals SFT's, a scripted policy through the real decoder and tools,
-Pass@k and paired deltas by hand, the chat-completions judge against a local server, the CLI end to end
-on the tiny model, and episodes back through data prep."""
+the chat-completions judge against a local server, the CLI end to end on the tiny model, and episodes
+back through data prep. Pass@k and the summary are in test_report.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from eogym_sft.episodes import LoopConfig, canonical_prompt, new_episode, run_ep
 from eogym_sft.generation import Sampling, SlotDecoder
 from eogym_sft.judge import ChatJudge, JudgeError, judge_all, parse_verdict
 from eogym_sft.prepare import PrepConfig, prepare_line
-from eogym_sft.report import pass_at_k, questions, summarize_rollouts
 from eogym_sft.tiny import IMAGE_TOKEN_ID, build_tiny_model
 
 CROP_CALL = {"name": "crop_optical_or_sar_image", "arguments": {"image_url": "EO_GYM_DATA/aaaa0000/scene.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]}}
@@ -114,50 +113,6 @@ def test_scripted_policy_runs_tools_reuses_the_cache_and_round_trips_through_pre
     assert sample["input_ids"][: len(held)] == held
     assert processor.tokenizer.decode(sample["input_ids"][len(held) :]) == "<|im_end|>\n"
     assert len(sample["images"]) == 2
-
-
-def test_pass_at_k_exact_values():
-    assert pass_at_k(3, 1, 1) == pytest.approx(1 / 3)
-    assert pass_at_k(3, 1, 3) == 1.0
-    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    assert pass_at_k(10, 3, 3) == pytest.approx(1 - 35 / 120)
-    assert pass_at_k(5, 0, 2) == 0.0
-    with pytest.raises(ValueError):
-        pass_at_k(2, 1, 3)
-
-
-def _record(arm, q, correct, calls=0, task="Counting", stop="final_answer"):
-    return {
-        "arm": arm, "source_id": q, "correct": correct, "tool_calls": calls, "tool_errors": 0, "tool_error_codes": {},
-        "turns": calls + 1, "new_tokens": 10, "final_answer": "x", "stop_reason": stop, "judge_error": None,
-        "EO_task": task, "question_type": "qt",
-    }
-
-
-def test_summary_pass_at_k_and_paired_deltas_by_hand():
-    # question q1: base 0/3, lora 2/3; q2: base 1/3, lora 3/3; q3: base 1/3 (one unscored), lora 1/3
-    outcomes = {("base", "q1"): [0, 0, 0], ("lora", "q1"): [1, 1, 0], ("base", "q2"): [1, 0, 0],
-                ("lora", "q2"): [1, 1, 1], ("base", "q3"): [1, 0, None], ("lora", "q3"): [0, 1, 0]}
-    records = [_record(a, q, None if c is None else bool(c), calls=int(a == "lora")) for (a, q), cs in outcomes.items() for c in cs]
-    per_q = questions(records, [1, 3])
-    assert per_q[("base", "q3")]["n"] == 2 and per_q[("base", "q3")]["pass@3"] is None
-    assert per_q[("lora", "q1")]["pass@1"] == pytest.approx(2 / 3) and per_q[("lora", "q1")]["pass@3"] == 1.0
-    summary = summarize_rollouts(records, ["base", "lora"], [1, 3], {"ks": [1, 3], "samples": 3}, {}, {})
-    base, lora = summary["arms"]["base"]["overall"], summary["arms"]["lora"]["overall"]
-    assert base["pass@1"] == pytest.approx((0 + 1 / 3 + 1 / 2) / 3)
-    assert (base["pass@3"], base["pass@3_questions"]) == (pytest.approx(0.5), 2)
-    assert lora["pass@1"] == pytest.approx((2 / 3 + 1 + 1 / 3) / 3) and lora["pass@3"] == 1.0
-    assert (base["tool_any"], lora["tool_any"], lora["calls_per_episode"]) == (0.0, 1.0, 1.0)
-    paired = {p["metric"]: p for p in summary["paired"]}
-    p1 = paired["pass@1"]
-    diffs = [2 / 3, 2 / 3, 1 / 3 - 1 / 2]
-    mean = sum(diffs) / 3
-    se = (sum((d - mean) ** 2 for d in diffs) / 2 / 3) ** 0.5
-    assert (p1["a"], p1["b"], p1["n"], p1["wins"], p1["losses"]) == ("base", "lora", 3, 2, 1)
-    assert p1["delta"] == pytest.approx(mean) and p1["se"] == pytest.approx(se)
-    assert p1["ci95_normal_approx"] == pytest.approx([mean - 1.959964 * se, mean + 1.959964 * se], rel=1e-5)
-    assert paired["pass@3"]["n"] == 2 and paired["pass@3"]["delta"] == pytest.approx(0.5)
-    assert summary["arms"]["lora"]["by_EO_task"]["Counting"]["pass@1"] == lora["pass@1"]
 
 
 class _JudgeHandler(BaseHTTPRequestHandler):
