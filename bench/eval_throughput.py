@@ -31,13 +31,14 @@ import argparse
 import datetime as dt
 import json
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from eogym_sft.config import SampleConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prep_throughput import generate_sample, scratch_dir, write_result  # noqa: E402 (the bench folder)
 
 
 def machine_info(device) -> dict:
@@ -60,11 +61,28 @@ def machine_info(device) -> dict:
     return info
 
 
+def runs_table(result: dict, subtitle: str, columns: list[tuple]) -> str:
+    """A GPU bench's printed table: where and when it ran (:func:`machine_info`), ``subtitle``, then a line
+    per run of ``result["runs"]`` with ``(header, width, key)`` columns right-aligned, ``key`` a run's
+    field or a function of the run (``-`` for None); a run that failed shows its error instead."""
+    m = result["machine"]
+    lines = [
+        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
+        subtitle,
+        " ".join(f"{head:>{width}}" for head, width, _ in columns),
+    ]
+    for r in result["runs"]:
+        if "error" in r:
+            _, width, key = columns[0]
+            lines.append(f"{r[key]:>{width}} failed: {r['error'][:80]}")
+            continue
+        cells = [key(r) if callable(key) else r[key] for _, _, key in columns]
+        lines.append(" ".join(f"{'-' if v is None else v:>{width}}" for v, (_, width, _) in zip(cells, columns)))
+    return "\n".join(lines)
+
+
 def sample_data(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
     """The EO-Gym-shaped sample of ``bench/prep_throughput.py`` (same generator, same seed rules)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from prep_throughput import generate_sample
-
     return generate_sample(workdir / "sample", rows, seed)
 
 
@@ -148,12 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     from eogym_sft.processor import load_processor
 
-    tmp = tempfile.mkdtemp(prefix="eogym_eval_bench_") if args.workdir is None and args.data is None else None
-    try:
+    with scratch_dir(args.workdir, "eogym_eval_bench_") as workdir:
         if args.data:
             data, root = Path(args.data), Path(args.data_root)
         else:
-            data, root = sample_data(Path(args.workdir or tmp), args.rows, args.seed)
+            data, root = sample_data(workdir, args.rows, args.seed)
         cfg = EvalConfig(
             model=args.model,
             data=[str(data)],
@@ -219,33 +236,19 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": machine_info(device),
             "runs": runs,
         }
-        print(format_table(result))
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from prep_throughput import write_result
-
-        return write_result(result, args.json)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return write_result(result, args.json, format_table(result))
 
 
 def format_table(result: dict) -> str:
-    m = result["machine"]
-    lines = [
-        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} "
-        f"| {m['date']}",
+    subtitle = (
         f"{result['turns']} turns (mean prompt {result['mean_prompt_tokens']} tokens), "
-        f"max_new_tokens {result['max_new_tokens']}",
-        f"{'batch':>5} {'arm':>10} {'turns/s':>9} {'new tok/s':>10} {'new tok/turn':>12} {'wall s':>8} "
-        f"{'peak GiB':>9}",
+        f"max_new_tokens {result['max_new_tokens']}"
+    )
+    columns = [
+        ("batch", 5, "batch_size"), ("arm", 10, "arm"), ("turns/s", 9, "turns_per_s"), ("new tok/s", 10, "new_tokens_per_s"),
+        ("new tok/turn", 12, "mean_new_tokens"), ("wall s", 8, "wall_s"), ("peak GiB", 9, "peak_gpu_mem_gib"),
     ]
-    for r in result["runs"]:
-        peak = "-" if r["peak_gpu_mem_gib"] is None else r["peak_gpu_mem_gib"]
-        lines.append(
-            f"{r['batch_size']:>5} {r['arm']:>10} {r['turns_per_s']:>9} {r['new_tokens_per_s']:>10} "
-            f"{r['mean_new_tokens']:>12} {r['wall_s']:>8} {peak:>9}"
-        )
-    return "\n".join(lines)
+    return runs_table(result, subtitle, columns)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from eogym_sft.config import SampleConfig
@@ -496,13 +497,29 @@ def breakdown(jsonl: Path, model_dir: Path, cfg) -> dict:
     }
 
 
-def write_result(result: dict, json_path) -> dict:
-    """Write a bench's result as JSON (its folder made as needed), say where, and return it; every bench ends so."""
+def write_result(result: dict, json_path, table: str | None = None) -> dict:
+    """Print ``table`` (when given), write a bench's result as JSON (its folder made as needed), say where,
+    and return it; every bench ends so."""
+    if table is not None:
+        print(table)
     json_path = Path(json_path)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {json_path}")
     return result
+
+
+@contextmanager
+def scratch_dir(workdir: str | None, prefix: str):
+    """A bench's work folder: ``workdir`` when given (kept), else a temp folder removed on exit."""
+    if workdir is not None:
+        yield Path(workdir)
+        return
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield Path(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def format_breakdown(b: dict) -> str:

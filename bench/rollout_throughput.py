@@ -45,11 +45,13 @@ import argparse
 import gc
 import json
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_throughput import machine_info, runs_table  # noqa: E402 (the bench folder)
+from prep_throughput import generate_sample, scratch_dir, write_result  # noqa: E402
 
 SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?think>")
 
@@ -267,21 +269,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default="rollout_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from eval_throughput import machine_info
-    from prep_throughput import generate_sample, write_result
-
     import torch
 
     from eogym_sft.modeling import load_inference_model, resolve_device
     from eogym_sft.processor import load_processor
 
-    tmp = tempfile.mkdtemp(prefix="eogym_rollout_bench_") if args.workdir is None and args.data is None else None
-    try:
+    with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:
         if args.data:
             jsonl, data_root = Path(args.data), Path(args.data_root)
         else:
-            jsonl, data_root = generate_sample(Path(args.workdir or tmp) / "sample", args.rows, args.seed)
+            jsonl, data_root = generate_sample(workdir / "sample", args.rows, args.seed)
         device, dtype = resolve_device(args.device, args.dtype)
         processor = load_processor(args.model)
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -338,30 +335,16 @@ def main(argv: list[str] | None = None) -> dict:
             "machine": machine_info(device),
             "runs": runs,
         }
-        print(format_table(result))
-        return write_result(result, args.json)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return write_result(result, args.json, format_table(result))
 
 
 def format_table(result: dict) -> str:
-    m = result["machine"]
-    lines = [
-        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
-        f"{result['episodes']} episodes, mean prompt {result['mean_prompt_tokens']} tokens, <= {result['turns_max']} turns of "
-        f"{result['new_tokens_per_turn']} new tokens",
-        f"{'arm':>22} {'episodes':>8} {'turns':>6} {'eps/min':>8} {'gen tok/s':>10} {'wall s':>8} {'peak GiB':>9} {'speedup':>8}",
-    ]
-    for r in result["runs"]:
-        if "error" in r:
-            lines.append(f"{r['arm']:>22} failed: {r['error'][:80]}")
-            continue
-        peak = "-" if r["peak_gpu_mem_gib"] is None else r["peak_gpu_mem_gib"]
-        speed = "-" if r["speedup_vs_batched"] is None else f"{r['speedup_vs_batched']}x"
-        lines.append(f"{r['arm']:>22} {r['episodes']:>8} {r['turns']:>6} {r['episodes_per_min']:>8} {r['new_tokens_per_s']:>10} "
-                     f"{r['wall_s']:>8} {peak:>9} {speed:>8}")
-    return "\n".join(lines)
+    subtitle = (f"{result['episodes']} episodes, mean prompt {result['mean_prompt_tokens']} tokens, <= {result['turns_max']} turns of "
+                f"{result['new_tokens_per_turn']} new tokens")
+    speedup = lambda r: None if r["speedup_vs_batched"] is None else f"{r['speedup_vs_batched']}x"  # noqa: E731
+    columns = [("arm", 22, "arm"), ("episodes", 8, "episodes"), ("turns", 6, "turns"), ("eps/min", 8, "episodes_per_min"),
+               ("gen tok/s", 10, "new_tokens_per_s"), ("wall s", 8, "wall_s"), ("peak GiB", 9, "peak_gpu_mem_gib"), ("speedup", 8, speedup)]
+    return runs_table(result, subtitle, columns)
 
 
 if __name__ == "__main__":
