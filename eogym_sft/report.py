@@ -64,16 +64,20 @@ def _cell(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def table(title: str, columns: list[tuple[str, int]], metrics: list[str], rows: list[tuple[str, list[int], dict]]) -> list[str]:
+def table(
+    title: str, columns: list[tuple[str, int]], metrics: list[str], rows: list[tuple[str, list[int], dict]]
+) -> list[str]:
     """Text lines: a header, then per ``(name, counts, values)`` row the counts right-aligned under
     ``columns`` (``(header, width)`` each) and the ``metrics`` of ``values`` to 3 decimals (``-`` if none)."""
     width = max([len(title)] + [len(name) for name, _, _ in rows])
     widths = [max(len(m), 6) for m in metrics]
-    lines = [" ".join([f"{title:<{width}}", *(f"{h:>{w}}" for h, w in columns)]) + " " + " ".join(f"{m:>{w}}" for m, w in zip(metrics, widths))]
-    for name, counts, values in rows:
+
+    def line(name: str, counts: list, cells: list[str]) -> str:
         lead = " ".join([f"{name:<{width}}", *(f"{c:>{w}}" for c, (_, w) in zip(counts, columns))])
-        lines.append(lead + " " + " ".join(f"{_cell(values.get(m)):>{w}}" for m, w in zip(metrics, widths)))
-    return lines
+        return lead + " " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+
+    lines = [line(title, [head for head, _ in columns], metrics)]
+    return lines + [line(name, counts, [_cell(values.get(m)) for m in metrics]) for name, counts, values in rows]
 
 
 def arm_tables(arms: dict, columns: list[tuple[str, int]], metrics: list[str], row) -> list[str]:
@@ -88,17 +92,20 @@ def arm_tables(arms: dict, columns: list[tuple[str, int]], metrics: list[str], r
     return lines
 
 
-def paired_table(paired: list[dict], unit: str = "questions", cluster: str | None = None, notes: tuple[str, ...] = ()) -> list[str]:
+def paired_table(
+    paired: list[dict], unit: str = "questions", cluster: str | None = None, notes: tuple[str, ...] = ()
+) -> list[str]:
     """The paired comparisons as text lines (SE = sd(diff)/sqrt(n); 95% CI = delta +/- 1.96 SE); with
     ``cluster`` (what units cluster in, e.g. ``"trace"``) a column of the clustered SE; ``notes`` go
     under the legend."""
     wlt = f"W/L/T = {unit} where B is better/worse/equal"
+    clustered_head = f" {f'SE ({cluster}-cl.)':>14}" if cluster else ""
     lines = [
         f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
         f"SE ({cluster}-clustered) allows for correlated {unit} of one {cluster}; {wlt};" if cluster else wlt,
         *notes,
         f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
-        f"{'95% CI, normal approx.':>22}" + (f" {f'SE ({cluster}-cl.)':>14}" if cluster else "") + f" {'W/L/T':>13}",
+        f"{'95% CI, normal approx.':>22}{clustered_head} {'W/L/T':>13}",
     ]
     for p in paired:
         ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
@@ -118,7 +125,8 @@ def paired_turns(records: list[dict], arms: list[str]) -> list[dict]:
     """Every later arm against every earlier one, per positive metric, on the turns both have scored
     (a turn is ``(trace_id, turn)``; SEs also clustered by trace). Turns must have identical prompts."""
     by_arm = {a: {(r["trace_id"], r["turn"]): r for r in records if r["arm"] == a} for a in arms}
-    metrics = [m for m in dict.fromkeys(k for r in records for k in r["scores"]) if m.split("@")[0] in POSITIVE_METRICS]
+    names = dict.fromkeys(k for r in records for k in r["scores"])
+    metrics = [m for m in names if m.split("@")[0] in POSITIVE_METRICS]
     out = []
     for a, b in combinations(arms, 2):
         for key in sorted(by_arm[a].keys() & by_arm[b].keys()):
@@ -145,7 +153,8 @@ def summarize_turns(records: list[dict], arms: list, settings: dict, counts: dic
             },
             "timing": timing.get(arm.name, {}),
         }
-    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired_turns(records, [a.name for a in arms])}
+    paired = paired_turns(records, [a.name for a in arms])
+    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired}
 
 
 def _turn_row(name: str, scores: dict | None) -> tuple[str, list[int], dict]:
@@ -261,7 +270,9 @@ def summarize_rollouts(records: list[dict], arms: list[str], ks: list[int], sett
         entry = {"overall": episode_metrics(eps, qs, ks), "timing": timing.get(arm, {})}
         for field in GROUP_FIELDS:
             qs_by_group = by_group(qs, field)
-            entry[f"by_{field}"] = {g: episode_metrics(members, qs_by_group.get(g, []), ks) for g, members in by_group(eps, field).items()}
+            entry[f"by_{field}"] = {
+                g: episode_metrics(members, qs_by_group.get(g, []), ks) for g, members in by_group(eps, field).items()
+            }
         per_arm[arm] = entry
     return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired_arms(per_q, arms, ks)}
 
