@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
                 continue
             eps = make_episodes(selected, args.turns, name)
-            run_arm(runs, name, lambda e: run_slots(decoder, processor, e, data_root, args.new_tokens), eps, device)
-            del decoder
+            run_arm(runs, name, lambda e, d=decoder: run_slots(d, processor, e, data_root, args.new_tokens), eps, device)
+            del decoder  # the lambda went with run_arm: nothing else holds this arm's decoder
         base = next((r for r in runs if r["arm"].startswith("batched") and "error" not in r), None)
         for r in runs:
             if "error" in r:

@@ -4,7 +4,6 @@ hand, turn planning, and an end-to-end run of a tiny Qwen3-VL with two LoRA adap
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 from PIL import Image
