@@ -11,6 +11,7 @@
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
 #   bash bench/h200_session.sh perf         # the recipe as launched (ZeRO-2, 64-sample steps) beside
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; 8m41s at PERF_STEPS=2, 1 GPU
+#   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
@@ -98,6 +99,20 @@ perf)
   if [ "${PERF_FIXEDCOUNT:-0}" = 1 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/train_throughput.py $p --arms B-fixedcount --json $OUT/perf_fixedcount.json || echo "B-fixedcount: exit $?"
   fi
+  ;;
+relaunch)
+  # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1
+  # warm-up and 1 timed step, both with the same fresh Inductor and Triton caches, so the first launch
+  # compiles cold and the second finds its compiled layers on disk. Run after `perf` in the same
+  # machine session (it uses perf's /tmp/bt sample and the model). ~5 min (estimate, not measured).
+  export TORCHINDUCTOR_CACHE_DIR=/tmp/relaunch_inductor TRITON_CACHE_DIR=/tmp/relaunch_triton
+  rm -rf $TORCHINDUCTOR_CACHE_DIR $TRITON_CACHE_DIR
+  for run in cold warm; do
+    rm -rf /tmp/relaunch_$run
+    CUDA_VISIBLE_DEVICES=0 timeout 270 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+      bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps 1 \
+      --output-dir /tmp/relaunch_$run --json $OUT/relaunch_$run.json 2>&1 | grep -E "time_to_first_step|compile_s" | tail -4 || echo "$run: exit $?"
+  done
   ;;
 rollout_bench)
   make_model
