@@ -108,7 +108,8 @@ def time_arm(model, processor, prompts, cfg, arm, device) -> dict:
     """Generate and score every prompt with ``arm`` active; wall time, rates and peak memory."""
     import torch
 
-    from eogym_sft.evaluation import ImageCache, generate_turns, score_turns, use_arm
+    from eogym_sft.evaluation import generate_turns, score_turns, use_arm
+    from eogym_sft.images import ImageCache
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -29,6 +29,7 @@ from .tool_result import CannotAnswer, ToolCallError, ToolResult
 from .traces import TraceError, normalize_tools, parse_arguments
 
 BACKENDS = ("crop", "replay", "http")
+DEFAULT_BACKENDS = ("crop", "replay")  # offline: computed crops, the rest answered from the row's own trace
 JSON_TYPES = {
     "string": str,
     "number": (int, float),
@@ -71,7 +72,7 @@ class EOGymEnvironment:
         self,
         row: dict,
         data_root: str | os.PathLike,
-        backends=("crop", "replay"),
+        backends=DEFAULT_BACKENDS,
         *,
         cache_dir: str | os.PathLike | None = None,
         http: HttpToolServer | str | None = None,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .encoding import render
 from .generation import ImageInput, Sampling, SlotDecoder, expand_image_pads, image_input, vision_token_ids
-from .images import load_rgb, resolve_image_path
+from .images import ImageCache, load_rgb, resolve_image_path
 from .scoring import END_MARKERS, parse_output, strip_end_markers
 from .traces import normalize_row
 
@@ -43,6 +43,20 @@ def question_messages(row: dict) -> list[dict]:
         return messages  # normalize_row names the problem
     first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), len(messages))
     return messages[:first]
+
+
+# Preprocessed images shared by the episodes of a run, in bytes of pixel values (a capped image is about
+# 24 MB): the samples of one question and their common crops are decoded and resized once.
+PICTURE_CACHE_BYTES = 4 * 2**30
+
+
+def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
+    """An :class:`~eogym_sft.images.ImageCache` of :class:`~eogym_sft.generation.ImageInput` by resolved path."""
+    return ImageCache(
+        budget,
+        load=lambda path: image_input(processor, load_rgb(path)),
+        cost=lambda picture: picture.pixel_values.numel() * picture.pixel_values.element_size(),
+    )
 
 
 def canonical_prompt(row: dict, tool_images="produced"):
@@ -77,24 +91,29 @@ class Episode:
     images_seen: list[str] = field(default_factory=list)
     _pictures: dict = field(default_factory=dict, repr=False)
 
-    def prompt(self, processor, data_root, tool_images="produced") -> tuple[list[int], list[ImageInput]]:
-        """The token ids (image pads expanded) and images of the next prompt."""
+    def prompt(
+        self, processor, data_root, tool_images="produced", pictures: ImageCache | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The token ids (image pads expanded) and images of the next prompt; images come from ``pictures``
+        (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own)."""
         trace = canonical_prompt(self.row, tool_images)
         text = render(processor, trace.messages, trace.tools, add_generation_prompt=True)
-        images = [self._picture(processor, rel, data_root) for rel in trace.images]
+        pictures = pictures or picture_cache(processor)
+        images = [self._picture(pictures, rel, data_root) for rel in trace.images]
         self.images_seen = list(trace.images)
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         return expand_image_pads(ids, images, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
-    def preload(self, processor, data_root, tool_images="produced") -> None:
+    def preload(self, pictures: ImageCache, data_root, tool_images="produced") -> None:
         """Decode and preprocess the images of the next prompt ahead of time (from a worker thread);
         a failure here shows again, named, when :meth:`prompt` runs."""
         for rel in canonical_prompt(self.row, tool_images).images:
-            self._picture(processor, rel, data_root)
+            self._picture(pictures, rel, data_root)
 
-    def _picture(self, processor, rel: str, data_root) -> ImageInput:
+    def _picture(self, pictures: ImageCache, rel: str, data_root) -> ImageInput:
+        # Held here too, so the shared cache may drop it while this episode still needs it.
         if rel not in self._pictures:
-            self._pictures[rel] = image_input(processor, load_rgb(resolve_image_path(rel, data_root)))
+            self._pictures[rel] = pictures.get(resolve_image_path(rel, data_root))
         return self._pictures[rel]
 
     def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
@@ -195,7 +214,8 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
     banned_ids = vision_token_ids(tokenizer)
     generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
     pool = ThreadPoolExecutor(max_workers=4)
-    pending = _prefetched(episodes, lambda ep: ep.preload(processor, data_root, cfg.tool_images), pool, decoder.slots)
+    pictures = picture_cache(processor)
+    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
     stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0}
@@ -203,7 +223,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
 
     def begin_turn(s: int, ep: Episode) -> bool:
         try:
-            ids, images = ep.prompt(processor, data_root, cfg.tool_images)
+            ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
             if len(ids) + cfg.max_new_tokens >= decoder.max_len:
                 return ep.stop_with("context_full")
             before = decoder.tokens[s]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from .judge import judge_all, load_judge
 from .modeling import Arm, use_arm
 from .report import format_turn_report, summarize_turns
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
-from .images import ImageError, image_size, load_rgb, resolve_image_path
+from .images import ImageCache, ImageError, image_size, resolve_image_path
 from .prepare import image_factor, image_token_count, resized_hw
 from .scoring import (
     END_MARKERS,
@@ -189,27 +189,6 @@ def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> t
                 )
             )
     return prompts, skipped
-
-
-class ImageCache:
-    """Decoded RGB images by path, least recently used first out, within a budget of pixels."""
-
-    def __init__(self, max_pixels: int = 200_000_000):
-        self.max_pixels = max_pixels
-        self._images: OrderedDict = OrderedDict()
-        self._pixels = 0
-
-    def get(self, path: Path):
-        if path in self._images:
-            self._images.move_to_end(path)
-            return self._images[path]
-        image = load_rgb(path)
-        self._images[path] = image
-        self._pixels += image.width * image.height
-        while self._pixels > self.max_pixels and len(self._images) > 1:
-            _, old = self._images.popitem(last=False)
-            self._pixels -= old.width * old.height
-        return image
 
 
 # ---------------------------------------------------------------- model

@@ -116,8 +116,8 @@ class SlotDecoder:
         attn_bucket (`int`): decode attends over the cache up to the longest busy slot rounded up to a
             multiple of this: short episodes do not read the whole cache, and a compiled step sees few shapes.
         cuda_graphs (`bool`): replay the eager decode step as CUDA graphs, one captured per attention span
-            the first time that span is used (milliseconds each; no compiler). A 4B model's decode step is
-            a thousand small kernels, so launching them one by one from Python costs more than running them.
+            the first time that span is used (no compiler). A 4B model's decode step is many small kernels (36
+            layers of a few dozen each), and launching them one by one from Python costs more than running them.
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
     """
 

@@ -26,6 +26,8 @@ from .config import ImageConfig, OutputDirConfig
 from .images import ImageError, image_size, load_rgb, resolve_image_path
 from .tiny import qwen3_vl_chat_template
 from .episodes import canonical_prompt, question_messages
+from .environment import DEFAULT_BACKENDS
+from .judge import DEFAULT_JUDGE_MODEL
 from .traces import TraceError
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
         metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"},
     )
     tool_backends: str = field(
-        default="crop,replay",
+        default=",".join(DEFAULT_BACKENDS),
         metadata={"help": "environment backends, first that can answer wins: crop, replay, http"},
     )
     crop_cache_dir: str | None = field(
@@ -76,7 +78,7 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
         default=None,
         metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
     )
-    judge_model: str = field(default="gpt-4.1-mini", metadata={"help": "model name sent to judge_url"})
+    judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to judge_url"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
 
     def __post_init__(self):
@@ -266,7 +268,7 @@ def _tool_method(name: str):
     return tool
 
 
-def environment_class(tool_names: list[str], data_root: str | Path, backends=("crop", "replay"), **env_kwargs) -> type:
+def environment_class(tool_names: list[str], data_root: str | Path, backends=DEFAULT_BACKENDS, **env_kwargs) -> type:
     """An :class:`EOGymToolEnvironment` subclass with one method per tool name.
 
     TRL executes a call by looking up a public method of the environment's class by the tool's name. A call

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +130,38 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
             return to_rgb8(img)
     except (OSError, SyntaxError, ValueError) as err:
         raise ImageError("corrupt_image", str(path), f"cannot decode ({err})") from None
+
+
+def _pixels(image: Image.Image) -> int:
+    return image.width * image.height
+
+
+class ImageCache:
+    """Images loaded by path, least recently used first out, within a budget; safe to share between threads.
+
+    ``load(path)`` makes an entry (by default the decoded RGB image of :func:`load_rgb`) and ``cost(entry)``
+    says how much of ``budget`` it takes (by default its pixels). The entry just loaded always stays, even
+    over budget. Two threads asking for the same new path may both load it; the second result is kept.
+    """
+
+    def __init__(self, budget: int = 200_000_000, load=load_rgb, cost=_pixels):
+        self.budget, self.load, self.cost = budget, load, cost
+        self._entries: OrderedDict = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def get(self, path: Path):
+        with self._lock:
+            if path in self._entries:
+                self._entries.move_to_end(path)
+                return self._entries[path]
+        entry = self.load(path)  # outside the lock: decoding is the slow part, and threads share it
+        with self._lock:
+            if path in self._entries:
+                self._used -= self.cost(self._entries.pop(path))
+            self._entries[path] = entry
+            self._used += self.cost(entry)
+            while self._used > self.budget and len(self._entries) > 1:
+                _, old = self._entries.popitem(last=False)
+                self._used -= self.cost(old)
+        return entry

@@ -26,6 +26,9 @@ JUDGE_SYSTEM_PROMPT = (
 JUDGE_USER_TEMPLATE = "Question:\n{question}\n\nReference answer:\n{reference}\n\nCandidate answer:\n{prediction}"
 
 
+DEFAULT_JUDGE_MODEL = "gpt-4.1-mini"  # the paper's judge
+
+
 class JudgeError(RuntimeError):
     """A judge request that failed (HTTP error, timeout, a reply that is neither CORRECT nor INCORRECT)."""
 

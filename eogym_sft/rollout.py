@@ -10,17 +10,19 @@ same ``--data-root``), ``skipped.jsonl``, ``summary.json`` and ``report.txt``.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data import read_rows
-from .environment import BACKENDS
+from .environment import BACKENDS, DEFAULT_BACKENDS
 from .episodes import LoopConfig, canonical_prompt, new_episode, question_messages, run_episodes
 from .generation import Sampling, SlotDecoder
 from .guards import refuse_nonempty_output
 from .images import ImageError, image_size, resolve_image_path
-from .judge import ChatJudge, judge_all, load_judge
+from .judge import ChatJudge, DEFAULT_JUDGE_MODEL, judge_all, load_judge
 from .report import format_rollout_report, summarize_rollouts
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
 from .scoring import normalize_answer
@@ -33,7 +35,7 @@ class RolloutConfig(ArmsConfig):
     token budget, image tokens included (the KV cache holds ``slots`` x ``max_length`` tokens)."""
 
     max_length: int = 16384  # an episode is prompt and turns: longer than a training sample's default
-    tools: list[str] = field(default_factory=lambda: ["crop", "replay"])
+    tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     tool_url: str | None = None  # the tool server of the http backend
     ks: list[int] | None = None  # Pass@k reported for these k (default: 1 and samples)
     max_turns: int = 8
@@ -41,7 +43,7 @@ class RolloutConfig(ArmsConfig):
     compile: str | None = None
     cuda_graphs: bool = True  # replay the decode step from CUDA graphs on a CUDA device (unless compile is set)
     judge_url: str | None = None
-    judge_model: str = "gpt-4.1-mini"
+    judge_model: str = DEFAULT_JUDGE_MODEL
     judge_retries: int = 3
 
     def __post_init__(self):
@@ -225,17 +227,18 @@ def add_rollout_args(parser) -> None:
     add = parser.add_argument
     add("--data", nargs="+", required=True, help="EO-Gym JSONL file(s); rows may carry only the question")
     add("--output", required=True, help="folder for episodes.jsonl, skipped.jsonl, summary.json, report.txt")
-    add("--tools", default="crop,replay", help="tool backends, first that answers wins (comma-separated: crop,replay,http)")
+    add("--tools", default=",".join(DEFAULT_BACKENDS), help="tool backends, first that answers wins (comma-separated: crop,replay,http)")
     add("--tool-url", default=None, help="URL of a running tool server for the http backend (docs/environment.md)")
     add("--pass-k", type=int, nargs="+", default=None, metavar="K", help="report Pass@k for these k (default: 1 and --samples)")
-    add("--max-turns", type=int, default=8, help="assistant turns per episode")
-    add("--slots", type=int, default=32, help="episodes decoded at once")
+    add("--max-turns", type=int, default=RolloutConfig.max_turns, help="assistant turns per episode")
+    add("--slots", type=int, default=RolloutConfig.slots, help="episodes decoded at once")
     add("--max-length", type=int, default=RolloutConfig.max_length, help="tokens per episode, images included (the KV cache holds --slots x this)")
     add("--compile", default=None, choices=("default", "reduce-overhead"), help="torch.compile the decode step")
-    add("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the decode step eagerly, not from CUDA graphs (on by default on a GPU)")
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=RolloutConfig.cuda_graphs,
+        help="replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)")
     add("--judge-url", default=None, help="OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)")
-    add("--judge-model", default="gpt-4.1-mini", help="model name sent to --judge-url")
-    add("--judge-retries", type=int, default=3, help="retries of a failed judge request before it is counted")
+    add("--judge-model", default=RolloutConfig.judge_model, help="model name sent to --judge-url")
+    add("--judge-retries", type=int, default=RolloutConfig.judge_retries, help="retries of a failed judge request before it is counted")
 
 
 def run_rollout(args) -> dict:

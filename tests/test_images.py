@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from eogym_sft import images
-from eogym_sft.images import ImageError, checked_image_size, image_size, load_rgb, resolve_image_path, to_rgb8
+from eogym_sft.images import ImageCache, ImageError, checked_image_size, image_size, load_rgb, resolve_image_path, to_rgb8
 
 
 def _reason(fn, *args):
@@ -239,3 +239,31 @@ def test_exif_orientation_is_ignored_so_sizes_match_headers(tmp_path):
 def test_to_rgb8_keeps_rgb_untouched():
     img = Image.new("RGB", (3, 3), (1, 2, 3))
     assert to_rgb8(img) is img
+
+
+def test_image_cache_loads_once_and_drops_the_least_recently_used():
+    loads = []
+
+    def load(path):
+        loads.append(path)
+        return f"image {path}"
+
+    cache = ImageCache(budget=2, load=load, cost=lambda entry: 1)
+    assert cache.get("a") == "image a" and cache.get("b") == "image b" and cache.get("a") == "image a"
+    assert loads == ["a", "b"]  # "a" came from the cache
+    cache.get("c")  # over budget: "b", the least recently used, goes
+    cache.get("a")
+    cache.get("b")
+    assert loads == ["a", "b", "c", "b"]
+    big = ImageCache(budget=1, load=load, cost=lambda entry: 5)
+    assert big.get("x") == "image x" and big.get("x") == "image x" and loads[-1] == "x" and loads.count("x") == 1
+
+
+def test_image_cache_default_decodes_rgb_within_a_pixel_budget(tmp_path):
+    for name, size in (("a.png", (10, 10)), ("b.png", (10, 20))):
+        Image.new("RGBA", size).save(tmp_path / name)
+    cache = ImageCache(budget=250)
+    a = cache.get(tmp_path / "a.png")
+    assert a.mode == "RGB" and cache.get(tmp_path / "a.png") is a
+    cache.get(tmp_path / "b.png")  # 100 + 200 pixels > 250: a goes
+    assert cache.get(tmp_path / "a.png") is not a

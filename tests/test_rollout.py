@@ -58,6 +58,17 @@ def test_prompt_equals_the_sft_rendering_prefix(processor, data_root, row_factor
     assert full.input_ids[:header_end] == encoded.input_ids[:header_end]
 
 
+def test_episodes_of_one_question_share_its_preprocessed_images(processor, data_root, row_factory):
+    from eogym_sft.episodes import picture_cache
+
+    row = row_factory()
+    pictures = picture_cache(processor)
+    first, second = (new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in (0, 1))
+    _, images_first = first.prompt(processor, data_root, pictures=pictures)
+    _, images_second = second.prompt(processor, data_root, pictures=pictures)
+    assert len(images_first) == 1 and images_second[0] is images_first[0]  # decoded and resized once
+
+
 def row_assistant(row):
     return {"role": "assistant", "content": "x"}
 
