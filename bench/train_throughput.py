@@ -302,7 +302,7 @@ def _restore(base, model) -> None:
 def build_base(config_path: Path, workdir: Path):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from eogym_sft.attention import register_varlen_attention
+    from eogym_sft.attention import add_sample_boundaries, register_varlen_attention
     from eogym_sft.tiny import build_offline_processor
 
     register_varlen_attention()
@@ -315,6 +315,7 @@ def build_base(config_path: Path, workdir: Path):
         base = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(cfg))
     base = base.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
     base.config.use_cache = False
+    add_sample_boundaries(base)  # as load_base_model does; acts only while the text tower runs eogym_varlen
     return base, cfg, model_dir
 
 

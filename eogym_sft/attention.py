@@ -1,11 +1,14 @@
 """Variable-length causal attention for the text tower, so packed batches cost what their samples cost.
 
 With a packed (padding-free) batch, SDPA needs a dense block-diagonal mask and then never takes a
-flash kernel (docs/benchmarks.md has what packing with this attention gains). ``eogym_varlen`` finds the sample boundaries
-where the text position row restarts at 0 (the collator's 4-row position ids) and calls
-``torch.nn.attention.varlen.varlen_attn`` with a causal window on CUDA; on CPU it runs causal SDPA
+flash kernel (docs/benchmarks.md has what packing with this attention gains). ``eogym_varlen`` finds the
+sample boundaries where the text position row restarts at 0 (the collator's 4-row position ids) and
+calls ``torch.nn.attention.varlen.varlen_attn`` with a causal window on CUDA; on CPU it runs causal SDPA
 per sample, the same arithmetic, so tests can check it. Right-padded batches work too: a pad token's
 position is 0, so it is a sample of its own that nothing real attends to.
+
+Finding the boundaries needs a host sync. :func:`add_sample_boundaries` does it once per forward, before
+the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph.
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -43,11 +46,18 @@ class SampleBoundaries:
         return cu, max_len
 
 
-def _varlen_cuda(q, k, v, cu, max_len, scale):
+def takes_gqa_flag() -> bool:
+    """Whether this torch's ``varlen_attn`` has ``enable_gqa`` (older ones take grouped heads without it)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag: bool):
     from torch.nn.attention.varlen import varlen_attn
 
     kwargs = {"scale": scale, "window_size": (-1, 0)}
-    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+    if gqa_flag:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
@@ -61,28 +71,128 @@ def _varlen_reference(q, k, v, cu, scale):
     return out
 
 
-# Finding the boundaries is data-dependent (a host sync and an int length), so under regional
-# torch.compile this function runs eagerly between the compiled halves of each decoder layer.
-@torch.compiler.disable
+def _varlen_reference_backward(grad, q, k, v, cu, scale):
+    """Gradients of :func:`_varlen_reference` by hand (a custom op's body runs below autograd), sample by sample:
+    with ``P = softmax(scale * q k^T)`` causal, ``dV = P^T dO``, ``dS = P * (dO v^T - rowsum(dO * O))``,
+    ``dQ = scale * dS k``, ``dK = scale * dS^T q``; grouped query heads add up onto their key/value head."""
+    group, compute = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, do = (t[start:end].transpose(0, 1).to(compute) for t in (q, grad))  # [heads, length, dim]
+        ks, vs = (t[start:end].transpose(0, 1).to(compute).repeat_interleave(group, 0) for t in (k, v))
+        causal = torch.ones(end - start, end - start, dtype=torch.bool, device=q.device).tril()
+        probs = (scale * qs @ ks.transpose(1, 2)).masked_fill(~causal, float("-inf")).softmax(-1)
+        out = probs @ vs
+        d_scores = probs * (do @ vs.transpose(1, 2) - (do * out).sum(-1, keepdim=True))
+        parts = (scale * d_scores @ ks, scale * d_scores.transpose(1, 2) @ qs, probs.transpose(1, 2) @ do)
+        for full, part, heads in zip(grads, parts, (1, group, group)):
+            part = part.unflatten(0, (-1, heads)).sum(1)  # sum the query heads of each key/value head
+            full[start:end] = part.transpose(0, 1).to(full.dtype)
+    return tuple(grads)
+
+
+@functools.cache
+def reference_op():
+    """The CPU reference as one custom op with its own backward, defined on first use (not at import).
+
+    Like the CUDA kernel (torch's ``varlen_attn`` is a custom op too), it is then one opaque node to
+    ``torch.compile``: its per-sample loop reads the boundaries on the host, which would otherwise break
+    the compiled layer's graph on CPU. So a compiled layer is one graph on both devices, and the CPU tests
+    count the graphs that the GPU compiles.
+    """
+
+    @torch.library.custom_op("eogym::varlen_attention_reference", mutates_args=())
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+        return _varlen_reference(q, k, v, cu, scale)
+
+    @torch.library.custom_op("eogym::varlen_attention_reference_backward", mutates_args=())
+    def attend_backward(
+        grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _varlen_reference_backward(grad, q, k, v, cu, scale)
+
+    @attend.register_fake
+    def _(q, k, v, cu, scale):
+        return torch.empty_like(q)
+
+    @attend_backward.register_fake
+    def _(grad, q, k, v, cu, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, cu)
+
+    def backward(ctx, grad):
+        return (*attend_backward(grad, *ctx.saved_tensors, ctx.scale), None, None)
+
+    attend.register_autograd(backward, setup_context=setup_context)
+    return attend
+
+
+@torch.compiler.disable  # a host sync and a data-dependent length: eager, between the compiled halves of a layer
+def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> tuple[torch.Tensor, int]:
+    return (boundaries or SampleBoundaries())(position_ids)
+
+
 def varlen_attention_forward(
-    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, boundaries: SampleBoundaries | None = None, **kwargs
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, boundaries: SampleBoundaries | None = None,
+    gqa_flag: bool = True, reference=None, cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
-    """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``; ``boundaries``
-    is bound by :func:`register_varlen_attention` (a fresh :class:`SampleBoundaries` when called without one)."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise ValueError(f"attn_implementation={NAME!r} needs position_ids (EOGymCollator provides them)")
+    """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
+
+    The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
+    ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
+    compiled layer has no graph break); without them they are found from ``position_ids`` here, which
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag`` and ``reference`` (the CPU op) are bound by :func:`register_varlen_attention`.
+    """
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
+    if cu_seq_lens_q is None:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError(f"attn_implementation={NAME!r} needs position_ids (EOGymCollator provides them)")
+        cu_seq_lens_q, max_length_q = _boundaries_in_layer(boundaries, position_ids)
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    cu, max_len = (boundaries or SampleBoundaries())(position_ids)
-    cu = cu.to(q.device)
+    cu = cu_seq_lens_q.to(q.device)
+    scale = scaling if scaling is not None else dim**-0.5
     if q.is_cuda:
-        out = _varlen_cuda(q, k, v, cu, max_len, scaling)
+        out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     else:
-        out = _varlen_reference(q, k, v, cu, scaling)
+        out = (reference or reference_op())(q, k, v, cu, scale)
     return out.view(batch, length, heads, dim), None
+
+
+def _text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The text row of the position ids a Qwen3-VL text model is given (4 rows: text, then mRoPE t/h/w)."""
+    if position_ids is None:
+        return None
+    if position_ids.dim() == 3:
+        return position_ids[0] if position_ids.shape[0] == 4 else None
+    return position_ids
+
+
+def add_sample_boundaries(model) -> None:
+    """Find the packed samples' boundaries once per forward pass, before the decoder layers.
+
+    A forward pre-hook on the text model (``model.get_decoder()``) adds ``cu_seq_lens_q/k`` and
+    ``max_length_q/k`` (transformers' names for packed sequences) from the text position row; the text
+    model hands them to every layer's attention. The one host sync of a forward then happens outside the
+    compiled layers, which compile to a single graph. Arguments the caller passes itself are kept, and
+    nothing is added while the text model runs another attention (``set_attn_implementation`` switches freely).
+    """
+    boundaries = SampleBoundaries()
+
+    def add(module, args, kwargs):
+        positions = _text_positions(kwargs.get("position_ids"))
+        if module.config._attn_implementation != NAME or positions is None or kwargs.get("cu_seq_lens_q") is not None:
+            return None
+        cu, max_len = boundaries(positions)
+        cu = cu.to(positions.device)
+        return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+
+    model.get_decoder().register_forward_pre_hook(add, with_kwargs=True)
 
 
 def register_varlen_attention() -> None:
@@ -90,5 +200,9 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    AttentionInterface.register(NAME, functools.partial(varlen_attention_forward, boundaries=SampleBoundaries()))
+    # Looked up (and the CPU op defined) here rather than inside a compiled layer, where either breaks the graph.
+    attend = functools.partial(
+        varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op()
+    )
+    AttentionInterface.register(NAME, attend)
     AttentionMaskInterface.register(NAME, flash_attention_mask)

@@ -24,9 +24,10 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training."""
     from transformers import AutoModelForImageTextToText
 
-    from .attention import NAME as VARLEN, register_varlen_attention
+    from .attention import NAME as VARLEN, add_sample_boundaries, register_varlen_attention
 
-    if attn_implementation == VARLEN:
+    varlen = attn_implementation == VARLEN
+    if varlen:
         # The vision tower has its own per-image varlen attention; only the text tower is switched.
         register_varlen_attention()
         attn_implementation = {"text_config": VARLEN, "vision_config": "sdpa", "": "sdpa"}
@@ -35,6 +36,8 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     )
     # Packed (padding-free) batches are told apart by their position ids only when no cache is built.
     model.config.use_cache = False
+    if varlen:
+        add_sample_boundaries(model)
     return model
 
 

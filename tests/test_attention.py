@@ -105,7 +105,7 @@ def test_reference_path_is_causal_per_segment():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_varlen_matches_the_reference_and_is_causal():
-    from eogym_sft.attention import _varlen_cuda
+    from eogym_sft.attention import _varlen_cuda, takes_gqa_flag
 
     torch.manual_seed(0)
     lengths = [37, 128, 91]
@@ -115,7 +115,7 @@ def test_cuda_varlen_matches_the_reference_and_is_causal():
     k = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     scale = 1 / math.sqrt(dim)
-    got = _varlen_cuda(q, k, v, cu, max(lengths), scale)
+    got = _varlen_cuda(q, k, v, cu, max(lengths), scale, takes_gqa_flag())
     want = _varlen_reference(q.float(), k.float(), v.float(), cu, scale)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
@@ -125,7 +125,84 @@ def test_cuda_varlen_matches_the_reference_and_is_causal():
     last = lengths[0] + lengths[1] - 1
     k2[last:] = torch.randn_like(k2[last:])
     v2[last:] = torch.randn_like(v2[last:])
-    again = _varlen_cuda(q, k2, v2, cu, max(lengths), scale)
+    again = _varlen_cuda(q, k2, v2, cu, max(lengths), scale, takes_gqa_flag())
     assert torch.equal(again[:last], got[:last])
     assert not torch.equal(again[last], got[last])
     assert (again[last + 1 :] != got[last + 1 :]).any(-1).any(-1).all()
+
+
+def test_reference_backward_is_the_autograd_gradient():
+    """The CPU op's hand-written backward against autograd through the per-sample SDPA reference (float64),
+    and torch's own checks of the op (fake tensor, autograd registration, schema)."""
+    from eogym_sft.attention import _varlen_reference_backward, reference_op
+
+    torch.manual_seed(0)
+    q = torch.randn(9, 4, 8, dtype=torch.float64)
+    k, v = torch.randn(9, 2, 8, dtype=torch.float64), torch.randn(9, 2, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    grad = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(_varlen_reference(*leaves, cu, 0.3), leaves, grad)
+    got = _varlen_reference_backward(grad, q, k, v, cu, 0.3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    torch.library.opcheck(reference_op(), ([t.clone().requires_grad_() for t in (q, k, v)] + [cu, 0.3]))
+
+
+def _layer_kwargs(model, batch) -> dict:
+    """The keyword arguments the first decoder layer is called with."""
+    seen = {}
+    layer = model.get_decoder().layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    with torch.no_grad():
+        model(**batch, use_cache=False)
+    handle.remove()
+    return seen
+
+
+def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
+    """``load_base_model(..., "eogym_varlen")`` finds the packed samples once, before the layers, from the
+    text row of the collator's 4-row position ids; a model switched to SDPA gets nothing added."""
+    from eogym_sft.collator import EOGymCollator
+
+    _, varlen = models
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)(_examples())
+    starts = (batch["position_ids"][0, 0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+    assert len(starts) == 4  # three samples
+    seen = _layer_kwargs(varlen, batch)
+    assert seen["cu_seq_lens_q"].tolist() == starts and seen["cu_seq_lens_k"] is seen["cu_seq_lens_q"]
+    assert seen["max_length_q"] == seen["max_length_k"] == max(b - a for a, b in zip(starts, starts[1:]))
+    varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
+    try:
+        assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch)
+    finally:
+        varlen.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(sharp_model_dir, processor):
+    """On the GPU's kernel (torch's varlen_attn) and Inductor: no graph break in a compiled layer, one graph
+    for micro-batches of several lengths, and the eager loss up to bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import apply_lora, compile_language_layers, load_base_model
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    batches = [{k: v.cuda() for k, v in collator(examples).items()} for examples in (_examples(), _examples()[1:], _examples()[:1])]
+    eager = apply_lora(load_base_model(str(sharp_model_dir), attn_implementation="eogym_varlen").cuda(), dropout=0.0).train()
+    want = [eager(**b, use_cache=False).loss.item() for b in batches]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = apply_lora(load_base_model(str(sharp_model_dir), attn_implementation="eogym_varlen").cuda(), dropout=0.0).train()
+    compile_language_layers(compiled)
+    got = []
+    for b in batches:
+        loss = compiled(**b, use_cache=False).loss
+        loss.backward()
+        got.append(loss.item())
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert got == pytest.approx(want, rel=2e-2)
+    torch._dynamo.reset()

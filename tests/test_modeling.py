@@ -156,16 +156,23 @@ def _packed_batch(processor):
     return EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)(examples)
 
 
+def _varlen(model):
+    """What ``load_base_model(..., attn_implementation="eogym_varlen")`` does, on a built model."""
+    from eogym_sft.attention import add_sample_boundaries, register_varlen_attention
+
+    register_varlen_attention()
+    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    add_sample_boundaries(model)
+    return model
+
+
 def _tiny_lora_model(compiled: bool):
     from helpers import perturb_lora_b
 
-    from eogym_sft.attention import register_varlen_attention
     from eogym_sft.modeling import compile_language_layers
     from eogym_sft.tiny import build_tiny_model
 
-    register_varlen_attention()
-    model = build_tiny_model(seed=3)
-    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    model = _varlen(build_tiny_model(seed=3))
     model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=3).train()
     if compiled:
         # aot_eager: Dynamo's capture and AOTAutograd's joint graph as on the GPU, without Inductor's
@@ -189,11 +196,13 @@ def compiled_run(processor):
     from helpers import chat_example
     from PIL import Image
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
 
     from eogym_sft.collator import EOGymCollator
     from eogym_sft.modeling import DECODER_LAYER_RE
 
     torch._dynamo.reset()
+    counters.clear()
     batch = _packed_batch(processor)
     eager, compiled = _tiny_lora_model(compiled=False), _tiny_lora_model(compiled=True)
     run = {"eager": _loss_and_grads(eager, batch), "compiled": _loss_and_grads(compiled, batch)}
@@ -207,6 +216,7 @@ def compiled_run(processor):
         compiled(**micro, use_cache=False).loss.backward()
         run["lengths"].append(micro["input_ids"].shape[1])
         run["entries"].append(entries())
+    run["graph_breaks"], run["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     yield run
     torch._dynamo.reset()
 
@@ -226,6 +236,14 @@ def test_compiled_layers_compile_once_for_every_micro_batch_length(compiled_run)
     micro-batch, 3 after the second)."""
     assert compiled_run["entries"] == [1, 1, 1]
     assert len(set(compiled_run["lengths"])) == 3
+
+
+def test_compiled_layer_is_one_graph_attention_included(compiled_run):
+    """The sample boundaries are found before the layers (``add_sample_boundaries``) and the attention kernel
+    is one custom op, so nothing splits a layer: one graph for all layers and micro-batches. (Found inside
+    the attention, as before, they broke every layer in two, and Dynamo compiled each half apart.)"""
+    assert compiled_run["graph_breaks"] == 0
+    assert compiled_run["graphs"] == 1
 
 
 def test_compile_language_layers_needs_decoder_layers():
@@ -259,15 +277,11 @@ def test_compiled_layers_do_not_recompile_between_training_and_evaluation(proces
     from PIL import Image
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from eogym_sft.attention import register_varlen_attention
     from eogym_sft.collator import EOGymCollator
     from eogym_sft.modeling import DECODER_LAYER_RE, compile_language_layers
     from eogym_sft.tiny import build_tiny_model
 
-    register_varlen_attention()
-    model = build_tiny_model(seed=3)
-    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
-    model = apply_lora(model)
+    model = apply_lora(_varlen(build_tiny_model(seed=3)))
     torch._dynamo.reset()
     compile_language_layers(model, backend="aot_eager")
     layer = next(m for n, m in model.named_modules() if DECODER_LAYER_RE.search(n))
