@@ -11,6 +11,8 @@
 #   bash bench/h200_session.sh eval_bench   # scored turns/s of eogym-sft evaluate
 #   bash bench/h200_session.sh perf         # the recipe as launched (ZeRO-2, 64-sample steps) beside
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; 8m41s at PERF_STEPS=2, 1 GPU
+#   bash bench/h200_session.sh perf_x2      # 2 GPUs, at the same time: arm B (profiled) then fixed-count micro-batches
+#                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
@@ -99,6 +101,31 @@ perf)
   if [ "${PERF_FIXEDCOUNT:-0}" = 1 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/train_throughput.py $p --arms B-fixedcount --json $OUT/perf_fixedcount.json || echo "B-fixedcount: exit $?"
   fi
+  ;;
+perf_x2)
+  # perf's comparison on a 2-GPU host, its parts side by side in time rather than one after the other, so
+  # that the recipe gets a whole call for more timed steps: GPU 0 runs arm B (profiled) and then B with
+  # fixed-count micro-batches, GPU 1 the recipe as launched (ZeRO-2, 64-sample steps as 32 micro-batches).
+  # The recipe reads its own copy of the prepared data. Steps ~30 s each; the first step ~80-120 s.
+  steps=${PERF_STEPS:-3}; recipe_steps=${RECIPE_STEPS:-12}
+  p="--rows 220 --warmup 1 --steps $steps --grad-accum 32 --workdir /tmp/bt --parity-samples 0"
+  CUDA_VISIBLE_DEVICES=1 make_model > $OUT/perf_make_model.log 2>&1 & maker=$!
+  python -c "
+import sys; from pathlib import Path; sys.path.insert(0, 'bench')
+import train_throughput as t
+from eogym_sft.tiny import build_offline_processor
+work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
+(proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > $OUT/perf_prep.log 2>&1 || { tail -5 $OUT/perf_prep.log; exit 1; }
+  rm -rf /tmp/bt_recipe && cp -r /tmp/bt/prepared /tmp/bt_recipe
+  wait $maker || { echo "make_model failed"; tail -5 $OUT/perf_make_model.log; }
+  ( CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json > $OUT/perf_train.log 2>&1 || echo "arm B: exit $?"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python bench/train_throughput.py $p --arms B-fixedcount --json $OUT/perf_fixedcount.json > $OUT/perf_fixedcount.log 2>&1 || echo "B-fixedcount: exit $?" ) &
+  gpu0=$!
+  CUDA_VISIBLE_DEVICES=1 timeout 510 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+    bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps $recipe_steps \
+    --json $OUT/perf_recipe.json > $OUT/perf_recipe.log 2>&1 || echo "recipe: exit $?"
+  wait $gpu0
+  for f in perf_train perf_fixedcount perf_recipe; do echo "== $f"; grep -vE "Warning|warn" $OUT/$f.log | tail -25; done
   ;;
 relaunch)
   # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1
