@@ -13,6 +13,7 @@
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; 8m41s at PERF_STEPS=2, 1 GPU
 #   bash bench/h200_session.sh perf_x2      # 2 GPUs, at the same time: arm B (profiled) then fixed-count micro-batches
 #                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
+#   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
@@ -27,6 +28,14 @@ data=/tmp/eo_synth
 bench="--rows 160 --steps 6 --warmup 2 --grad-accum 2 --workdir /tmp/bt"
 
 make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
+make_bench_data() {  # perf's /tmp/bt sample (220 rows, prepared), without building arm B's model
+  [ -f /tmp/bt/prepared/stats.json ] || python -c "
+import sys; from pathlib import Path; sys.path.insert(0, 'bench')
+import train_throughput as t
+from eogym_sft.tiny import build_offline_processor
+work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
+(proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > $OUT/bench_data.log 2>&1 || { tail -5 $OUT/bench_data.log; exit 1; }
+}
 make_data() { [ -f $data/train.jsonl ] || python -c "import sys; sys.path.insert(0, 'bench'); from prep_throughput import generate_sample; generate_sample('$data', rows=${1:-240}, seed=0)"; }
 
 case "$1" in
@@ -110,12 +119,7 @@ perf_x2)
   steps=${PERF_STEPS:-3}; recipe_steps=${RECIPE_STEPS:-12}
   p="--rows 220 --warmup 1 --steps $steps --grad-accum 32 --workdir /tmp/bt --parity-samples 0"
   CUDA_VISIBLE_DEVICES=1 make_model > $OUT/perf_make_model.log 2>&1 & maker=$!
-  python -c "
-import sys; from pathlib import Path; sys.path.insert(0, 'bench')
-import train_throughput as t
-from eogym_sft.tiny import build_offline_processor
-work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
-(proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > $OUT/perf_prep.log 2>&1 || { tail -5 $OUT/perf_prep.log; exit 1; }
+  make_bench_data
   rm -rf /tmp/bt_recipe && cp -r /tmp/bt/prepared /tmp/bt_recipe
   wait $maker || { echo "make_model failed"; tail -5 $OUT/perf_make_model.log; }
   ( CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/train_throughput.py $p --arms B --profile B --json $OUT/perf_train.json > $OUT/perf_train.log 2>&1 || echo "arm B: exit $?"
@@ -127,14 +131,25 @@ work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().sav
   wait $gpu0
   for f in perf_train perf_fixedcount perf_recipe; do echo "== $f"; grep -vE "Warning|warn" $OUT/$f.log | tail -25; done
   ;;
+relaunch_x2)
+  # relaunch on a fresh 2-GPU host: the cold launch alone on GPU 0, then the warm one there while GPU 1
+  # profiles arm B (1 timed step, then the profiled one), so that no compile shares the CPU with the cold one.
+  CUDA_VISIBLE_DEVICES=0 make_model > $OUT/make_model.log 2>&1 & maker=$!
+  make_bench_data; wait $maker
+  RELAUNCH_RUNS=cold bash $0 relaunch
+  CUDA_VISIBLE_DEVICES=1 timeout 300 python bench/train_throughput.py --rows 220 --warmup 1 --steps 1 --grad-accum 32 --workdir /tmp/bt \
+    --parity-samples 0 --arms B --profile B --json $OUT/profile_train.json > $OUT/profile_train.log 2>&1 & prof=$!
+  RELAUNCH_RUNS=warm RELAUNCH_KEEP_CACHE=1 bash $0 relaunch
+  wait $prof || echo "profile: exit $?"; grep -vE "Warning|warn" $OUT/profile_train.log | tail -3
+  ;;
 relaunch)
   # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1
   # warm-up and 1 timed step, both with the same fresh Inductor and Triton caches, so the first launch
   # compiles cold and the second finds its compiled layers on disk. Run after `perf` in the same
   # machine session (it uses perf's /tmp/bt sample and the model). ~5 min (estimate, not measured).
   export TORCHINDUCTOR_CACHE_DIR=/tmp/relaunch_inductor TRITON_CACHE_DIR=/tmp/relaunch_triton
-  rm -rf $TORCHINDUCTOR_CACHE_DIR $TRITON_CACHE_DIR
-  for run in cold warm; do
+  [ -n "${RELAUNCH_KEEP_CACHE:-}" ] || rm -rf $TORCHINDUCTOR_CACHE_DIR $TRITON_CACHE_DIR
+  for run in ${RELAUNCH_RUNS:-cold warm}; do
     rm -rf /tmp/relaunch_$run
     CUDA_VISIBLE_DEVICES=0 timeout 270 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
       bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps 1 \

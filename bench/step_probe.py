@@ -140,6 +140,20 @@ HEAD_RANGE = "eogym::lm_head"
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_forward_kernel", "_backward_kernel")
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa")
+# Kernel names by family, for the kernels Inductor launches without an aten op above them (its Triton
+# kernels, and in compiled backward graphs much else): checked in order, so flash kernels are attention.
+KERNEL_FAMILIES = (
+    ("attention", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "gemv")),
+    ("inductor_fused", ("triton_",)),
+    ("optimizer", ("multi_tensor_apply", "fused_adam")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The family of a GPU kernel from its name (see ``KERNEL_FAMILIES``); ``other`` when none matches."""
+    lower = name.lower()
+    return next((family for family, words in KERNEL_FAMILIES if any(w in lower for w in words)), "other")
 
 
 def annotate(model) -> list:
@@ -201,19 +215,23 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
     On a GPU, torch.profiler lists every kernel twice: as an event of its own (named after the kernel)
     and inside the op that launched it (that op's ``self_device_time_total``). A kernel is classified by
     its launching op (so by module and shape), and the kernel events give the total: kernels that no
-    op launched (linked by no correlation id) are ``unattributed_kernels``. On a CPU run an op's own
-    CPU time stands in for kernel time."""
+    op launched (linked by no correlation id) are ``unattributed_kernels``. Under ``torch.compile`` most
+    kernels are such (Inductor's Triton kernels, and much of a compiled backward), so every kernel is also
+    summed by its name's family (``kernel_families_s``: matmul, attention, Inductor-fused, optimizer,
+    other). On a CPU run an op's own CPU time stands in for kernel time."""
     from torch.autograd import DeviceType
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     seconds = dict.fromkeys(COMPONENTS, 0.0)
+    families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
     kernels = data_wait = 0.0
     for event in prof.events():
         if event.name.startswith("enumerate(DataLoader)"):
             data_wait += event.cpu_time_total / 1e6
             continue
-        if event.device_type != DeviceType.CPU:  # a kernel's own event: counted in the total only
+        if event.device_type != DeviceType.CPU:  # a kernel's own event: in the total and by its name only
             kernels += event.self_device_time_total / 1e6
+            families[kernel_family(event.name)] += event.self_device_time_total / 1e6
             continue
         own = (event.self_device_time_total if on_gpu else event.self_cpu_time_total) / 1e6
         if own > 0:
@@ -226,6 +244,7 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
         "seconds": seconds,
         "share": {k: v / total if total else 0.0 for k, v in seconds.items()},
         "total_s": total,
+        "kernel_families_s": families if on_gpu else None,  # every kernel by its name: complete where ops are not
         "host_dataloader_wait_s": data_wait,
         "window_s": window_s,
         "gpu_busy_fraction": total / window_s if on_gpu and window_s else None,  # kernels on several streams can overlap

@@ -132,3 +132,6 @@ def test_profile_counts_each_kernel_once():
     seconds = {k: round(v * 1e6) for k, v in result["seconds"].items() if v}
     assert seconds == {"base_matmul": 300, "lora_matmul": 20, "attention": 500, "unattributed_kernels": 80}
     assert round(result["total_s"] * 1e6) == 900 and result["gpu_busy_fraction"] == pytest.approx(0.9)
+    # by kernel name, every kernel once, the unattributed Triton one included
+    families = {k: round(v * 1e6) for k, v in result["kernel_families_s"].items() if v}
+    assert families == {"matmul": 320, "attention": 500, "inductor_fused": 80}
