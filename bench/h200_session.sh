@@ -14,6 +14,7 @@
 #   bash bench/h200_session.sh perf_x2      # 2 GPUs, at the same time: arm B (profiled) then fixed-count micro-batches
 #                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
+#   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: varlen_attn vs SDPA's flash/cuDNN/efficient
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
@@ -155,6 +156,11 @@ relaunch)
       bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps 1 \
       --output-dir /tmp/relaunch_$run --json $OUT/relaunch_$run.json 2>&1 | grep -E "time_to_first_step|compile_s" | tail -4 || echo "$run: exit $?"
   done
+  ;;
+attention_probe)
+  # not run yet: attention is the largest kernel family of arm B's step (profile of 2026-11-30), so is
+  # another kernel faster on these shapes? two samples of 6,000 tokens, Qwen3-VL-4B's heads. ~1 min (estimate)
+  CUDA_VISIBLE_DEVICES=0 python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json
   ;;
 rollout_bench)
   make_model

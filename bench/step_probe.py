@@ -229,6 +229,8 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
         if event.name.startswith("enumerate(DataLoader)"):
             data_wait += event.cpu_time_total / 1e6
             continue
+        if event.device_type != DeviceType.CPU and getattr(event, "is_user_annotation", False):
+            continue  # a record_function range drawn on the GPU timeline: it spans kernels, it is not one
         if event.device_type != DeviceType.CPU:  # a kernel's own event: in the total and by its name only
             kernels += event.self_device_time_total / 1e6
             families[kernel_family(event.name)] += event.self_device_time_total / 1e6

@@ -110,7 +110,8 @@ def test_determinism_bench_reads_two_runs(tmp_path):
 def test_profile_counts_each_kernel_once():
     """torch.profiler lists a kernel both as its own event and inside the op that launched it: the
     breakdown classifies it by the op and takes the total from the kernel events, so a kernel no op
-    launched is shown as unattributed, and nothing is counted twice."""
+    launched is shown as unattributed, and nothing is counted twice; a record_function range that the
+    profiler also draws on the GPU timeline is not a kernel (the H200 profile of 2026-11-30 counted them)."""
     from step_probe import component_times
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
@@ -125,8 +126,10 @@ def test_profile_counts_each_kernel_once():
     mm.append_kernel("sm90_gemm", 0, 300)
     lora.append_kernel("gemv", 0, 20)
     attn.append_kernel("flash_fwd_kernel", 0, 500)
+    annotation = FunctionEvent(8, "eogym::vision_tower", thread=0, start_us=0, end_us=900, use_device="cuda",
+                               device_type=DeviceType.CUDA, is_user_annotation=True)  # a range on the GPU timeline, not a kernel
     events = EventList([mm, lora, attn, kernel(4, "sm90_gemm", 300), kernel(5, "gemv", 20), kernel(6, "flash_fwd_kernel", 500),
-                        kernel(7, "triton_poi_fused_add_0", 80)])  # the last: launched by no op in the trace
+                        kernel(7, "triton_poi_fused_add_0", 80), annotation])  # the Triton one: launched by no op in the trace
     prof = type("Trace", (), {"events": lambda self: events})()
     result = component_times(prof, lora_rank=16, vocab=151936, window_s=0.001, on_gpu=True)
     seconds = {k: round(v * 1e6) for k, v in result["seconds"].items() if v}
