@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import RecompileLog, StepProbe  # noqa: E402
+from step_probe import RecompileLog, StepProbe, compile_phases  # noqa: E402
 
 
 def load_recipe():
@@ -62,14 +62,33 @@ class TokenLog:
         raise AttributeError(name)
 
 
+class StopAfter:
+    """Trainer callback: end training after optimizer step ``step`` (the run's ``save_steps`` puts a
+    checkpoint there), so that a run longer than one call can be timed in resumed halves."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
 def recipe_argv(args, extra: list[str]) -> list[str]:
     """The recipe's flags: the caller's extra ones first, so that the bench's own (which decide what is
-    timed) come last and win."""
-    steps = args.warmup + args.steps
+    timed) come last and win. ``--total-steps`` is the run's length when it is timed in halves (both
+    halves must agree on it: it is part of what a resumed run is checked against)."""
+    total = args.total_steps or args.warmup + args.steps
+    save = args.stop_after or 10 * total
     return [
         *extra, "--model_name_or_path", args.model, "--dataset_path", args.dataset, "--data_root", args.data_root,
-        "--max_steps", str(steps), "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", str(steps),
-        "--save_steps", str(10 * steps), "--output_dir", args.output_dir,
+        "--max_steps", str(total), "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", str(total),
+        "--save_steps", str(save), "--output_dir", args.output_dir,
     ]
 
 
@@ -85,6 +104,8 @@ def run(args, extra: list[str]) -> dict:
             super().__init__(*a, **k)
             self.add_callback(probe)
             self.add_callback(tokens)
+            if args.stop_after:
+                self.add_callback(StopAfter(args.stop_after))
             made.append(self)
 
     argv = recipe_argv(args, extra)
@@ -119,6 +140,7 @@ def run(args, extra: list[str]) -> dict:
         "graphs_per_step": probe.graphs,
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
+        "compile_phases_s": compile_phases(),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
     }
@@ -151,6 +173,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--data-root", required=True)
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed (compilation happens here)")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps of 64 samples")
+    parser.add_argument("--total-steps", type=int, default=None, help="the run's max_steps (default: warmup + steps)")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="end after this optimizer step with a checkpoint; time the rest with `-- --resume_from_checkpoint last`")
     parser.add_argument("--output-dir", default="/tmp/recipe_bench")
     parser.add_argument("--baseline", default=None, help="train_throughput.py JSON with arm B, run in the same session")
     parser.add_argument("--json", default=None)

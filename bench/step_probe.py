@@ -15,6 +15,7 @@ launched), so that both report the same figures the same way:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 
@@ -34,6 +35,20 @@ def compile_stats() -> dict:
 
     spent = calculate_time_spent()
     return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": spent.get("total_wall_time", 0.0)}
+
+
+COMPILE_TIME_LINE = re.compile(r"^(?P<phase>.+), (?P<seconds>\d+(?:\.\d+)?)$")
+
+
+def compile_phases(top: int = 12) -> dict[str, float]:
+    """Seconds by compile phase over the process so far, the largest first (Dynamo's own timers: its
+    tracing, AOTAutograd, Inductor's lowering and code generation, the wait for Triton kernels to
+    compile): where a first step's compile time goes. Phases nest, so they do not add up."""
+    from torch._dynamo.utils import compile_times
+
+    lines = (COMPILE_TIME_LINE.match(line) for line in compile_times(repr="str", aggregate=True).splitlines())
+    phases = {m["phase"]: float(m["seconds"]) for m in lines if m}
+    return dict(sorted(phases.items(), key=lambda kv: -kv[1])[:top])
 
 
 class RecompileLog(logging.Handler):

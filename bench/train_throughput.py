@@ -38,7 +38,7 @@ import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, component_times  # noqa: E402
+from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, compile_phases, component_times  # noqa: E402
 
 from eogym_sft.config import ImageConfig  # noqa: E402
 
@@ -276,6 +276,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "time_to_first_step_s": probe.ends[0] - t0,  # from the call to train(): dataloader and optimizer set-up included
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
+        "compile_phases_s": compile_phases(),  # the process's so far: this arm's and those before it
     }
     if profiler:
         result["profile"] = component_times(profiler.prof, RECIPE["lora_r"], cfg["text_config"]["vocab_size"], profiler.window_s)

@@ -75,6 +75,25 @@ def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
     assert json.loads(out.read_text())["side_by_side"] is None
 
 
+def test_recipe_bench_times_a_run_in_resumed_halves(tiny_model_dir, tmp_path):
+    """A run longer than one GPU call: the first half stops with a checkpoint after step 2 of 4, the second
+    resumes there (same --total-steps, so the same run to the resume check) and times the rest."""
+    import recipe_throughput
+    from test_recipe import recipe_args, write_rows
+
+    data = write_rows(tmp_path / "data")
+    cpu = recipe_args(tiny_model_dir, data, tmp_path / "unused", tmp_path / "prepared", steps=0)
+    common = ["--model", str(tiny_model_dir), "--dataset", str(data), "--data-root", str(data.parent), "--warmup", "1",
+              "--steps", "1", "--total-steps", "4", "--output-dir", str(tmp_path / "run")]
+    first = recipe_throughput.main([*common, "--stop-after", "2", "--", *cpu])["recipe"]
+    assert len(first["step_s"]) == 2 and first["timed_steps"] == 1 and first["eval_s"] == []
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    second = recipe_throughput.main([*common, "--", *cpu, "--resume_from_checkpoint", "last"])["recipe"]
+    assert len(second["step_s"]) == 2 and second["timed_steps"] == 1 and len(second["eval_s"]) == 1
+    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+
+
 def test_side_by_side_puts_arm_b_beside_the_recipe(tmp_path):
     from recipe_throughput import side_by_side
 
@@ -138,3 +157,16 @@ def test_profile_counts_each_kernel_once():
     # by kernel name, every kernel once, the unattributed Triton one included
     families = {k: round(v * 1e6) for k, v in result["kernel_families_s"].items() if v}
     assert families == {"matmul": 320, "attention": 500, "inductor_fused": 80}
+
+
+def test_compile_phases_reads_dynamos_timers():
+    """Where compile time goes, from Dynamo's own timers: a compile on CPU shows its tracing phase."""
+    import torch
+    from step_probe import compile_phases
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.sin() + 1).relu(), backend="aot_eager")(torch.randn(4))
+    phases = compile_phases()
+    assert phases["_compile.compile_inner"] > 0
+    assert list(phases.values()) == sorted(phases.values(), reverse=True)
+    torch._dynamo.reset()
