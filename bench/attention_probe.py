@@ -51,6 +51,14 @@ def main(argv=None) -> dict:
     def varlen():
         varlen_attn(q, k, v, cu, cu, length, length, window_size=(-1, 0), **gqa).backward(grad)
 
+    def varlen_op_causal_full_window():
+        # torch >= 2.14's private op picks cuDNN (cuDNN >= 9.18, sm90/sm100) for a causal call only when
+        # the window is the full one and heads are not grouped, which the public varlen_attn never asks for
+        group = heads // kv_heads
+        ek, ev = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = torch.ops.torch_attn._varlen_attn(q, ek, ev, cu, cu, length, length, True, None, [-1, -1], False, None, None, None)
+        out[0].backward(grad)
+
     def dense(backend, expand: bool):
         def run():
             bq = q.view(n, length, heads, dim).transpose(1, 2)
@@ -64,7 +72,7 @@ def main(argv=None) -> dict:
         return run
 
     flops = 3.5 * n * 2 * 2 * length * length * heads * dim / 2
-    arms = {"varlen_attn (flash)": varlen}
+    arms = {"varlen_attn (flash)": varlen, "varlen op, causal, full window, k/v expanded (cuDNN where it can)": varlen_op_causal_full_window}
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         arms[f"sdpa {name}"] = dense(backend, expand=False)
         arms[f"sdpa {name}, k/v expanded"] = dense(backend, expand=True)
@@ -77,7 +85,7 @@ def main(argv=None) -> dict:
             results.append({"arm": name, "error": f"{type(err).__name__}: {str(err)[:160]}"})
         print(json.dumps(results[-1]), flush=True)
     report = {"command": "python bench/attention_probe.py " + " ".join(sys.argv[1:] if argv is None else argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "shape": {"samples": n, "length": length, "heads": heads, "kv_heads": kv_heads, "dim": dim},
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "shape": {"samples": n, "length": length, "heads": heads, "kv_heads": kv_heads, "dim": dim},
               "results": results}
     if args.json:
         with open(args.json, "w") as fh:

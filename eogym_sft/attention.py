@@ -136,15 +136,17 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
 
 
 def varlen_attention_forward(
-    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, boundaries: SampleBoundaries | None = None,
-    gqa_flag: bool = True, reference=None, cu_seq_lens_q=None, max_length_q=None, **kwargs
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None,
+    cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
 
     The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
-    splits a compiled layer in two. ``boundaries``, ``gqa_flag`` and ``reference`` (the CPU op) are bound by :func:`register_varlen_attention`.
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag`` and ``reference`` (the CPU op) are bound
+    by :func:`register_varlen_attention`.
     """
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
@@ -190,7 +192,8 @@ def add_sample_boundaries(model) -> None:
             return None
         cu, max_len = boundaries(positions)
         cu = cu.to(positions.device)
-        return args, {**kwargs, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+        return args, {**kwargs, **packed}
 
     model.get_decoder().register_forward_pre_hook(add, with_kwargs=True)
 
