@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import RecompileLog, StepProbe, compile_phases  # noqa: E402
+from step_probe import CacheBypassLog, RecompileLog, StepProbe, compile_caches, compile_phases  # noqa: E402
 
 
 def load_recipe():
@@ -114,7 +114,7 @@ def run(args, extra: list[str]) -> dict:
         torch.cuda.reset_peak_memory_stats()
     original, sft.EOGymSFTTrainer = sft.EOGymSFTTrainer, ProbedTrainer
     try:
-        with RecompileLog() as recompiles:
+        with RecompileLog() as recompiles, CacheBypassLog() as bypasses:
             recipe.train(script_args, training_args, model_args)
     finally:
         sft.EOGymSFTTrainer = original
@@ -141,6 +141,8 @@ def run(args, extra: list[str]) -> dict:
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
         "compile_phases_s": compile_phases(),
+        "compile_caches": compile_caches(),
+        "cache_bypass_reasons": sorted(set(bypasses.reasons)),
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
     }

@@ -51,6 +51,48 @@ def compile_phases(top: int = 12) -> dict[str, float]:
     return dict(sorted(phases.items(), key=lambda kv: -kv[1])[:top])
 
 
+CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+
+def compile_caches() -> dict[str, dict[str, int]]:
+    """Hits, misses and bypasses of Inductor's FX graph cache and of AOTAutograd's cache so far: on a
+    relaunch with warm caches every graph should hit both; a bypass names its reason in ``CacheBypassLog``."""
+    from torch._dynamo.utils import counters
+
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "fx_graph": {k: int(fx[f"fxgraph_cache_{k}"]) for k in ("hit", "miss", "bypass")},
+        "aot_autograd": {k: int(aot[f"autograd_cache_{k}"]) for k in ("hit", "miss", "bypass", "guard_miss")},
+    }
+
+
+class CacheBypassLog(logging.Handler):
+    """Collects why a compile cache was bypassed (Inductor's and AOTAutograd's INFO messages)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Bypassing"):
+            self.reasons.append(message)
+
+    def __enter__(self):
+        self._levels = []
+        for name in CACHE_LOGGERS:
+            logger = logging.getLogger(name)
+            self._levels.append(logger.level)
+            logger.setLevel(logging.INFO)
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name, level in zip(CACHE_LOGGERS, self._levels):
+            logging.getLogger(name).removeHandler(self)
+            logging.getLogger(name).setLevel(level)
+
+
 class RecompileLog(logging.Handler):
     """Collects Dynamo's recompile messages (``TORCH_LOGS=recompiles``) as they happen: each names the
     function and the guard that failed (a new shape, grad mode, a tensor that now requires grad)."""

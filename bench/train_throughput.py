@@ -38,7 +38,9 @@ import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, compile_phases, component_times  # noqa: E402
+from step_probe import (  # noqa: E402
+    CacheBypassLog, ProfileLastStep, RecompileLog, StepProbe, annotate, compile_caches, compile_phases, component_times,
+)
 
 from eogym_sft.config import ImageConfig  # noqa: E402
 
@@ -244,7 +246,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     counted = Counted(trainer, 2)
     t0 = time.perf_counter()
     try:
-        with RecompileLog() as recompiles:
+        with RecompileLog() as recompiles, CacheBypassLog() as bypasses:
             trainer.train()
     finally:
         for handle in hooks:
@@ -277,6 +279,8 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
         "compile_phases_s": compile_phases(),  # the process's so far: this arm's and those before it
+        "compile_caches": compile_caches(),  # likewise
+        "cache_bypass_reasons": sorted(set(bypasses.reasons)),
     }
     if profiler:
         result["profile"] = component_times(profiler.prof, RECIPE["lora_r"], cfg["text_config"]["vocab_size"], profiler.window_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -169,4 +170,30 @@ def test_compile_phases_reads_dynamos_timers():
     phases = compile_phases()
     assert phases["_compile.compile_inner"] > 0
     assert list(phases.values()) == sorted(phases.values(), reverse=True)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on CPU needs a C++ compiler")
+def test_compile_caches_count_inductors_cache_and_name_a_bypass():
+    """A CPU Inductor compile goes through the FX graph cache: a miss the first time, a hit once Dynamo forgets
+    the graph; the counters and a bypass's logged reason are what the benches report for a warm relaunch."""
+    import logging
+
+    import torch
+    from step_probe import CacheBypassLog, compile_caches
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    fn = lambda x: (x.cos() * 3).relu()  # noqa: E731
+    with torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        torch.compile(fn, backend="inductor")(torch.randn(8))
+        torch._dynamo.reset()
+        torch.compile(fn, backend="inductor")(torch.randn(8))
+    caches = compile_caches()
+    assert caches["fx_graph"]["miss"] + caches["fx_graph"]["hit"] == 2 and caches["fx_graph"]["hit"] >= 1
+    with CacheBypassLog() as log:
+        logging.getLogger("torch._inductor.codecache").info("Bypassing FX Graph Cache because '%s'", "a reason")
+        logging.getLogger("torch._inductor.codecache").info("something else")
+    assert log.reasons == ["Bypassing FX Graph Cache because 'a reason'"]
     torch._dynamo.reset()
