@@ -75,6 +75,7 @@ ARMS = {
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},
     "B-workers0": {"workers": 0},
+    "B-workers8": {"workers": 8},  # the first step's wait for its 32 micro-batches (11-14 s with 4 workers on an H200 host)
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
 }
 
