@@ -95,10 +95,11 @@ def _varlen_reference_backward(grad, q, k, v, cu, scale):
 def reference_op():
     """The CPU reference as one custom op with its own backward, defined on first use (not at import).
 
-    Like the CUDA kernel (torch's ``varlen_attn`` is a custom op too), it is then one opaque node to
-    ``torch.compile``: its per-sample loop reads the boundaries on the host, which would otherwise break
-    the compiled layer's graph on CPU. So a compiled layer is one graph on both devices, and the CPU tests
-    count the graphs that the GPU compiles.
+    Under ``torch.compile`` it is, like the CUDA kernel (torch's ``varlen_attn`` is a custom op too), one
+    opaque node: its per-sample loop reads the boundaries on the host, which would otherwise break the
+    compiled layer's graph on CPU. So a compiled layer is one graph on both devices, and the CPU tests
+    count the graphs that the GPU compiles. Eager code calls the reference itself: its backward
+    recomputes the forward, which autograd through SDPA does not (the CPU demo ran 10 s longer).
     """
 
     @torch.library.custom_op("eogym::varlen_attention_reference", mutates_args=())
@@ -161,8 +162,10 @@ def varlen_attention_forward(
     scale = scaling if scaling is not None else dim**-0.5
     if q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
-    else:
+    elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
         out = (reference or reference_op())(q, k, v, cu, scale)
+    else:  # eager: autograd through SDPA keeps what the op's backward would recompute
+        out = _varlen_reference(q, k, v, cu, scale)
     return out.view(batch, length, heads, dim), None
 
 
