@@ -15,6 +15,7 @@
 #                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
 #   bash bench/h200_session.sh recipe22_a; bash bench/h200_session.sh recipe22_b   # 2 GPUs, two calls back to back:
 #                                           # the recipe for 22 timed steps in resumed halves, beside arm B's 11
+#   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: varlen_attn vs SDPA's flash/cuDNN/efficient
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
@@ -133,6 +134,15 @@ perf_x2)
     --json $OUT/perf_recipe.json > $OUT/perf_recipe.log 2>&1 || echo "recipe: exit $?"
   wait $gpu0
   for f in perf_train perf_fixedcount perf_recipe; do echo "== $f"; grep -vE "Warning|warn" $OUT/$f.log | tail -25; done
+  ;;
+balance_x2)
+  # Issue 13: do token-balanced micro-batches pay on 2 GPUs? The recipe's 64-sample step there is 16
+  # micro-batches of 2 a GPU; balancing also evens out the ranks' work before each gradient all-reduce.
+  # Arm B then B-fixedcount, 1 warm-up and 3 timed steps each. ~7 min (estimate).
+  make_bench_data
+  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 bench/train_throughput.py \
+    --rows 220 --warmup 1 --steps 3 --grad-accum 16 --workdir /tmp/bt --parity-samples 0 --arms B,B-fixedcount \
+    --json $OUT/balance_x2.json 2>&1 | grep -vE "Warning|warn" | tail -6
   ;;
 recipe22_a)
   # Issue 13 asks for 20+ timed steps of the recipe as launched; at ~28.5 s a step after a ~100-s first
