@@ -51,20 +51,20 @@ def main(argv=None) -> dict:
     def varlen():
         varlen_attn(q, k, v, cu, cu, length, length, window_size=(-1, 0), **gqa).backward(grad)
 
+    # Expanded key/value heads (for kernels without grouped heads) are made once, outside the timing.
+    ek, ev = (t.detach().repeat_interleave(heads // kv_heads, 1).requires_grad_() for t in (k, v))
+
     def varlen_op_causal_full_window():
         # torch >= 2.14's private op picks cuDNN (cuDNN >= 9.18, sm90/sm100) for a causal call only when
         # the window is the full one and heads are not grouped, which the public varlen_attn never asks for
-        group = heads // kv_heads
-        ek, ev = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         out = torch.ops.torch_attn._varlen_attn(q, ek, ev, cu, cu, length, length, True, None, [-1, -1], False, None, None, None)
         out[0].backward(grad)
 
     def dense(backend, expand: bool):
         def run():
             bq = q.view(n, length, heads, dim).transpose(1, 2)
-            bk, bv = (t.view(n, length, kv_heads, dim).transpose(1, 2) for t in (k, v))
-            if expand:
-                bk, bv = bk.repeat_interleave(heads // kv_heads, 1), bv.repeat_interleave(heads // kv_heads, 1)
+            kv_source, kv_count = ((ek, ev), heads) if expand else ((k, v), kv_heads)
+            bk, bv = (t.view(n, length, kv_count, dim).transpose(1, 2) for t in kv_source)
             with sdpa_kernel(backend):
                 out = torch.nn.functional.scaled_dot_product_attention(bq, bk, bv, is_causal=True, enable_gqa=not expand)
             out.transpose(1, 2).reshape_as(q).backward(grad)

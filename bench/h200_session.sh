@@ -13,8 +13,8 @@
 #                                           # arm B at the recipe's 32 micro-batches, B's profile; 8m41s at PERF_STEPS=2, 1 GPU
 #   bash bench/h200_session.sh perf_x2      # 2 GPUs, at the same time: arm B (profiled) then fixed-count micro-batches
 #                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
-#   bash bench/h200_session.sh recipe22_a; bash bench/h200_session.sh recipe22_b   # 2 GPUs, two calls back to back:
-#                                           # the recipe for 22 timed steps in resumed halves, beside arm B's 11
+#   bash bench/h200_session.sh recipe20_a; bash bench/h200_session.sh recipe20_b   # 2 GPUs, two calls back to back:
+#                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 10
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: varlen_attn vs SDPA's flash/cuDNN/efficient
@@ -140,43 +140,41 @@ balance_x2)
   # micro-batches of 2 a GPU; balancing also evens out the ranks' work before each gradient all-reduce.
   # Arm B then B-fixedcount, 1 warm-up and 3 timed steps each. ~7 min (estimate).
   make_bench_data
-  accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 bench/train_throughput.py \
-    --rows 220 --warmup 1 --steps 3 --grad-accum 16 --workdir /tmp/bt --parity-samples 0 --arms B,B-fixedcount \
-    --json $OUT/balance_x2.json 2>&1 | grep -vE "Warning|warn" | tail -6
+  timeout $((585 - SECONDS)) accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 2 \
+    bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 16 --workdir /tmp/bt --parity-samples 0 \
+    --arms B,B-fixedcount --json $OUT/balance_x2.json > $OUT/balance_x2.log 2>&1 || echo "balance_x2: exit $?"
+  grep -vE "Warning|warn" $OUT/balance_x2.log | tail -6
   ;;
-recipe22_a)
-  # Issue 13 asks for 20+ timed steps of the recipe as launched; at ~28.5 s a step after a ~100-s first
-  # step they do not fit one 10-minute call. So the run (24 steps) is timed in two halves, each 1 warm-up
-  # + 11 timed steps: this call's half stops with a checkpoint at step 12, recipe22_b (the next call, on the
-  # same warm host: /tmp must survive) resumes there. Arm B runs 11 timed steps on GPU 0 beside it. The
-  # sample has 4 steps an epoch, so both time the same share of epoch-start steps. ~8 min each (estimate).
+recipe20_a)
+  # Issue 13 asks for 20+ timed steps of the recipe as launched; at ~28.5 s a step (~43 s when it begins an
+  # epoch) after a ~100-s first step they do not fit one 10-minute call. So the run (22 steps) is timed in
+  # two halves, each 1 warm-up + 10 timed steps: this call's half stops with a checkpoint at step 11,
+  # recipe20_b (the next call, on the same warm host early in its lease: /tmp must survive) resumes there.
+  # Arm B runs 10 timed steps on GPU 0 beside it. ~8-9 min each (estimate); limits count from the call's start.
   CUDA_VISIBLE_DEVICES=1 make_model > $OUT/make_model.log 2>&1 & maker=$!
   make_bench_data; wait $maker
-  rm -rf /tmp/bt_recipe /tmp/recipe22 && cp -r /tmp/bt/prepared /tmp/bt_recipe
-  CUDA_VISIBLE_DEVICES=0 timeout 560 python bench/train_throughput.py --rows 220 --warmup 1 --steps 11 --grad-accum 32 --workdir /tmp/bt \
-    --parity-samples 0 --arms B --json $OUT/recipe22_train.json > $OUT/recipe22_train.log 2>&1 & armb=$!
-  CUDA_VISIBLE_DEVICES=1 timeout 560 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
-    bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 11 \
-    --total-steps 24 --stop-after 12 --output-dir /tmp/recipe22 --json $OUT/recipe22_first.json > $OUT/recipe22_first.log 2>&1 || echo "recipe: exit $?"
+  rm -rf /tmp/bt_recipe /tmp/recipe20 && cp -r /tmp/bt/prepared /tmp/bt_recipe
+  CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 10 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B --json $OUT/recipe20_train.json > $OUT/recipe20_train.log 2>&1 & armb=$!
+  CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+    bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 10 \
+    --total-steps 22 --stop-after 11 --output-dir /tmp/recipe20 --json $OUT/recipe20_first.json > $OUT/recipe20_first.log 2>&1 || echo "recipe: exit $?"
   wait $armb || echo "arm B: exit $?"
-  grep -vE "Warning|warn" $OUT/recipe22_train.log | tail -3; ls /tmp/recipe22
+  grep -vE "Warning|warn" $OUT/recipe20_train.log | tail -3; ls /tmp/recipe20
   ;;
-recipe22_b)
-  CUDA_VISIBLE_DEVICES=1 timeout 570 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
-    bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 11 \
-    --total-steps 24 --output-dir /tmp/recipe22 --json $OUT/recipe22_second.json -- --resume_from_checkpoint last 2>&1 \
-    | grep -E "real_tokens_per_s|Error|error" | tail -5 || echo "recipe: exit $?"
+recipe20_b)
+  CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
+    bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 10 \
+    --total-steps 22 --output-dir /tmp/recipe20 --json $OUT/recipe20_second.json -- --resume_from_checkpoint last \
+    > $OUT/recipe20_second.log 2>&1 || echo "recipe: exit $?"
+  grep -E "real_tokens_per_s|Error|error" $OUT/recipe20_second.log | tail -5
   ;;
 relaunch_x2)
-  # relaunch on a fresh 2-GPU host: the cold launch alone on GPU 0, then the warm one there while GPU 1
-  # profiles arm B (1 timed step, then the profiled one), so that no compile shares the CPU with the cold one.
+  # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm
+  # B profiled on GPU 1 beside the warm launch, whose compile then shared the CPUs; no longer.
   CUDA_VISIBLE_DEVICES=0 make_model > $OUT/make_model.log 2>&1 & maker=$!
   make_bench_data; wait $maker
-  RELAUNCH_RUNS=cold bash $0 relaunch
-  CUDA_VISIBLE_DEVICES=1 timeout 300 python bench/train_throughput.py --rows 220 --warmup 1 --steps 1 --grad-accum 32 --workdir /tmp/bt \
-    --parity-samples 0 --arms B --profile B --json $OUT/profile_train.json > $OUT/profile_train.log 2>&1 & prof=$!
-  RELAUNCH_RUNS=warm RELAUNCH_KEEP_CACHE=1 bash $0 relaunch
-  wait $prof || echo "profile: exit $?"; grep -vE "Warning|warn" $OUT/profile_train.log | tail -3
+  bash $0 relaunch
   ;;
 relaunch)
   # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1
@@ -195,7 +193,9 @@ relaunch)
 attention_probe)
   # not run yet: attention is the largest kernel family of arm B's step (profile of 2026-11-30), so is
   # another kernel faster on these shapes? two samples of 6,000 tokens, Qwen3-VL-4B's heads. ~1 min (estimate)
-  CUDA_VISIBLE_DEVICES=0 python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json \
+    > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
+  grep -vE "Warning|warn" $OUT/attention.log | tail -12
   ;;
 rollout_bench)
   make_model

@@ -79,18 +79,21 @@ class CacheBypassLog(logging.Handler):
             self.reasons.append(message)
 
     def __enter__(self):
-        self._levels = []
+        self._saved = []
         for name in CACHE_LOGGERS:
             logger = logging.getLogger(name)
-            self._levels.append(logger.level)
+            self._saved.append((logger.level, logger.propagate))
             logger.setLevel(logging.INFO)
+            logger.propagate = False  # INFO here is a line per graph: collected, not printed by torch's handler
             logger.addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        for name, level in zip(CACHE_LOGGERS, self._levels):
-            logging.getLogger(name).removeHandler(self)
-            logging.getLogger(name).setLevel(level)
+        for name, (level, propagate) in zip(CACHE_LOGGERS, self._saved):
+            logger = logging.getLogger(name)
+            logger.removeHandler(self)
+            logger.setLevel(level)
+            logger.propagate = propagate
 
 
 class RecompileLog(logging.Handler):

@@ -24,7 +24,8 @@ NAME = "eogym_varlen"
 
 
 class SampleBoundaries:
-    """``(cu_seqlens, max_len)`` of the samples in flattened ``position_ids``, computed once per forward pass.
+    """``(cu_seqlens, max_len)`` of the samples in flattened ``position_ids``, computed once per forward pass:
+    a sample starts where the position is 0 and at the start of every batch row.
 
     Every decoder layer of a forward pass gets the same ``position_ids`` tensor, and finding the
     boundaries costs a host sync, so the result for the last tensor is kept, together with that tensor
@@ -38,9 +39,10 @@ class SampleBoundaries:
     def __call__(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         if self._last is not None and self._last[0] is position_ids:
             return self._last[1], self._last[2]
-        flat = position_ids.reshape(-1)
-        starts = (flat == 0).nonzero().flatten()
-        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+        is_start = position_ids.reshape(-1, position_ids.shape[-1]) == 0
+        is_start[:, 0] = True  # a batch row always starts a sample, whatever its first position
+        starts = is_start.flatten().nonzero().flatten()
+        cu = torch.cat([starts, starts.new_tensor([is_start.numel()])]).to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max())
         self._last = (position_ids, cu, max_len)
         return cu, max_len
@@ -151,11 +153,19 @@ def varlen_attention_forward(
     """
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"attn_implementation={NAME!r} runs whole sequences without a KV cache (training, scoring); "
+                         "generate with sdpa")
     if cu_seq_lens_q is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(f"attn_implementation={NAME!r} needs position_ids (EOGymCollator provides them)")
         cu_seq_lens_q, max_length_q = _boundaries_in_layer(boundaries, position_ids)
+    elif max_length_q is None:  # a caller's own boundaries without their longest sample
+        max_length_q = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_seq_lens_q and not torch.equal(cu_k, cu_seq_lens_q):
+        raise ValueError(f"attn_implementation={NAME!r} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     cu = cu_seq_lens_q.to(q.device)

@@ -87,6 +87,26 @@ def testboundaries_from_a_position_row():
     # cached per tensor object, recomputed for a new one
     assert boundaries(padded)[0] is cu
     assert boundaries(padded.clone())[0] is not cu
+    # a row that does not start at position 0 still starts a sample: nothing attends across rows
+    offset = torch.tensor([[0, 1, 2, 0, 1], [5, 6, 7, 8, 9]])
+    cu, max_len = boundaries(offset)
+    assert cu.tolist() == [0, 3, 5, 10] and max_len == 5
+
+
+def test_varlen_refuses_what_it_cannot_compute():
+    """A KV cache (queries shorter than keys: generation) and key boundaries other than the queries' are
+    refused by name rather than computed wrongly; a caller's boundaries without a length get one."""
+    from eogym_sft.attention import varlen_attention_forward
+
+    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="KV cache"):
+        varlen_attention_forward(None, q[:, :, :1], kv, kv, None, cu_seq_lens_q=torch.tensor([0, 1], dtype=torch.int32))
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_k must equal"):
+        varlen_attention_forward(None, q, kv, kv, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 1, 3], dtype=torch.int32))
+    out, _ = varlen_attention_forward(None, q, kv, kv, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone())
+    want = _varlen_reference(*(t.transpose(1, 2)[0] for t in (q, kv, kv)), cu, 8**-0.5)
+    torch.testing.assert_close(out[0], want)
 
 
 def test_reference_path_is_causal_per_segment():
@@ -147,12 +167,17 @@ def test_reference_backward_is_the_autograd_gradient():
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     torch.library.opcheck(reference_op(), ([t.clone().requires_grad_() for t in (q, k, v)] + [cu, 0.3]))
+    # bf16 in, bf16 out: computed in float32 and rounded once
+    low = [t.bfloat16() for t in (grad, q, k, v)]
+    for g, w in zip(_varlen_reference_backward(*low, cu, 0.3), want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.double(), w, rtol=2e-2, atol=2e-2)
 
 
-def _layer_kwargs(model, batch) -> dict:
-    """The keyword arguments the first decoder layer is called with."""
+def _layer_kwargs(model, batch, layer=None) -> dict:
+    """The keyword arguments a layer (the first decoder layer unless given) is called with."""
     seen = {}
-    layer = model.get_decoder().layers[0]
+    layer = layer or model.get_decoder().layers[0]
     handle = layer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
     with torch.no_grad():
         model(**batch, use_cache=False)
@@ -172,6 +197,8 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
     seen = _layer_kwargs(varlen, batch)
     assert seen["cu_seq_lens_q"].tolist() == starts and seen["cu_seq_lens_k"] is seen["cu_seq_lens_q"]
     assert seen["max_length_q"] == seen["max_length_k"] == max(b - a for a, b in zip(starts, starts[1:]))
+    vision_block = varlen.model.visual.blocks[0]  # the vision tower keeps its own per-image boundaries
+    assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch, vision_block)
     varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
     try:
         assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch)
