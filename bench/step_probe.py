@@ -127,7 +127,8 @@ class RecompileLog(logging.Handler):
 
 class StepProbe:
     """Trainer callback: per optimizer step its wall time, the wait before it, its optimizer step,
-    the graphs Dynamo compiled during it; and the time of each evaluation. CUDA is synchronized at
+    the graphs Dynamo compiled since training began (not before: another arm in the same process);
+    and the time of each evaluation. CUDA is synchronized at
     each mark, so the times are the GPU's."""
 
     def __init__(self):
@@ -139,6 +140,7 @@ class StepProbe:
         _sync()
         self.train_start = time.perf_counter()
         self._last_end = self.train_start
+        self._compiled_before = compile_stats()  # Dynamo's totals are the process's: count this run's own
 
     def on_step_begin(self, *a, **k):
         _sync()
@@ -156,9 +158,9 @@ class StepProbe:
         _sync()
         self.ends.append(time.perf_counter())
         self._last_end = self.ends[-1]
-        stats = compile_stats()
-        self.graphs.append(stats["graphs"])
-        self.compile_s.append(stats["compile_s"])
+        stats, before = compile_stats(), self._compiled_before
+        self.graphs.append(stats["graphs"] - before["graphs"])
+        self.compile_s.append(stats["compile_s"] - before["compile_s"])
 
     def on_evaluate(self, *a, **k):
         _sync()
