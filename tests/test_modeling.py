@@ -211,9 +211,13 @@ def compiled_run(processor):
     entries = lambda: len(_debug_get_cache_entry_list(type(layer).forward.__code__))  # noqa: E731
     collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
     run["lengths"], run["entries"] = [batch["input_ids"].shape[1]], [entries()]
+    run["later_losses"] = []  # (eager, compiled) on micro-batches of other lengths, run by the same graph
     for k in range(2):
         micro = collator([chat_example("Ships?" * (1 + 3 * k), "Final Answer: 2", [Image.new("RGB", (32 + 32 * k, 64))])])
-        compiled(**micro, use_cache=False).loss.backward()
+        loss = compiled(**micro, use_cache=False).loss
+        loss.backward()
+        with torch.no_grad():
+            run["later_losses"].append((eager(**micro, use_cache=False).loss.item(), loss.item()))
         run["lengths"].append(micro["input_ids"].shape[1])
         run["entries"].append(entries())
     run["graph_breaks"], run["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
@@ -228,6 +232,13 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(compiled_run):
     assert eager_grads.keys() == compiled_grads.keys()
     for name, grad in eager_grads.items():
         torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_graph_gives_the_eager_loss_at_other_lengths(compiled_run):
+    """The one graph, compiled on the first micro-batch, computes the eager loss on the later ones too
+    (other lengths, other sample boundaries): nothing of the first batch was baked into it."""
+    for eager_loss, compiled_loss in compiled_run["later_losses"]:
+        assert compiled_loss == pytest.approx(eager_loss, rel=1e-6, abs=1e-6)
 
 
 def test_compiled_layers_compile_once_for_every_micro_batch_length(compiled_run):
