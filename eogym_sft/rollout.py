@@ -11,7 +11,6 @@ same ``--data-root``), ``skipped.jsonl``, ``summary.json`` and ``report.txt``.
 from __future__ import annotations
 
 import argparse
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
