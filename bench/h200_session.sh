@@ -14,7 +14,7 @@
 #   bash bench/h200_session.sh perf_x2      # 2 GPUs, at the same time: arm B (profiled) then fixed-count micro-batches
 #                                           # on GPU 0, the recipe as launched for RECIPE_STEPS timed steps on GPU 1
 #   bash bench/h200_session.sh recipe20_a; bash bench/h200_session.sh recipe20_b   # 2 GPUs, two calls back to back:
-#                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 10
+#                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 6; then GPU tests, attention probe
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: varlen_attn vs SDPA's flash/cuDNN/efficient
@@ -150,23 +150,38 @@ recipe20_a)
   # epoch) after a ~100-s first step they do not fit one 10-minute call. So the run (22 steps) is timed in
   # two halves, each 1 warm-up + 10 timed steps: this call's half stops with a checkpoint at step 11,
   # recipe20_b (the next call, on the same warm host early in its lease: /tmp must survive) resumes there.
-  # Arm B runs 10 timed steps on GPU 0 beside it. ~8-9 min each (estimate); limits count from the call's start.
+  # Arm B (1 warm-up + 6 timed steps) starts on GPU 0 once the recipe's first step is logged, so that the
+  # recipe's cold first step and compile are timed alone on the host. Limits count from the call's start.
   CUDA_VISIBLE_DEVICES=1 make_model > $OUT/make_model.log 2>&1 & maker=$!
   make_bench_data; wait $maker
   rm -rf /tmp/bt_recipe /tmp/recipe20 && cp -r /tmp/bt/prepared /tmp/bt_recipe
-  CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 10 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B --json $OUT/recipe20_train.json > $OUT/recipe20_train.log 2>&1 & armb=$!
   CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
     bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 10 \
-    --total-steps 22 --stop-after 11 --output-dir /tmp/recipe20 --json $OUT/recipe20_first.json > $OUT/recipe20_first.log 2>&1 || echo "recipe: exit $?"
-  wait $armb || echo "arm B: exit $?"
+    --total-steps 22 --stop-after 11 --output-dir /tmp/recipe20 --json $OUT/recipe20_first.json > $OUT/recipe20_first.log 2>&1 & recipe=$!
+  for _ in $(seq 100); do grep -q "'loss'" $OUT/recipe20_first.log && break; sleep 2; done
+  echo "arm B starts at ${SECONDS}s"
+  CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 6 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B --json $OUT/recipe20_train.json > $OUT/recipe20_train.log 2>&1 || echo "arm B: exit $?"
+  wait $recipe || echo "recipe: exit $?"
   grep -vE "Warning|warn" $OUT/recipe20_train.log | tail -3; ls /tmp/recipe20
   ;;
 recipe20_b)
+  # The second half, resumed in a new process on the warm host (its compile caches from recipe20_a: the
+  # relaunch's first step). Once its first step is logged, GPU 0 runs the attention and modeling GPU
+  # tests and the attention probe (the probe: ~1 min, estimate).
   CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
     bench/recipe_throughput.py --model $model --dataset /tmp/bt_recipe --data-root /tmp/bt/sample/data --warmup 1 --steps 10 \
     --total-steps 22 --output-dir /tmp/recipe20 --json $OUT/recipe20_second.json -- --resume_from_checkpoint last \
-    > $OUT/recipe20_second.log 2>&1 || echo "recipe: exit $?"
+    > $OUT/recipe20_second.log 2>&1 & recipe=$!
+  for _ in $(seq 100); do grep -q "'loss'" $OUT/recipe20_second.log && break; sleep 2; done
+  echo "GPU 0 starts at ${SECONDS}s"
+  CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_modeling.py \
+    > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
+  tail -3 $OUT/gpu_tests.log
+  CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json \
+    > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
+  grep -vE "Warning|warn" $OUT/attention.log | tail -12
+  wait $recipe || echo "recipe: exit $?"
   grep -E "real_tokens_per_s|Error|error" $OUT/recipe20_second.log | tail -5
   ;;
 relaunch_x2)
