@@ -15,7 +15,6 @@ launched), so that both report the same figures the same way:
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 
@@ -37,17 +36,16 @@ def compile_stats() -> dict:
     return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": spent.get("total_wall_time", 0.0)}
 
 
-COMPILE_TIME_LINE = re.compile(r"^(?P<phase>.+), (?P<seconds>\d+(?:\.\d+)?)$")
-
-
 def compile_phases(top: int = 12) -> dict[str, float]:
     """Seconds by compile phase over the process so far, the largest first (Dynamo's own timers: its
     tracing, AOTAutograd, Inductor's lowering and code generation, the wait for Triton kernels to
     compile): where a first step's compile time goes. Phases nest, so they do not add up."""
     from torch._dynamo.utils import compile_times
 
-    lines = (COMPILE_TIME_LINE.match(line) for line in compile_times(repr="str", aggregate=True).splitlines())
-    phases = {m["phase"]: float(m["seconds"]) for m in lines if m}
+    # The "csv" form: the "str" one is a table whose layout depends on whether `tabulate` is installed
+    # (the H200 image has it, so a parser of the plain form found nothing there on 2026-11-30).
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    phases = {name: float(value) for name, value in zip(names, seconds)}
     return dict(sorted(phases.items(), key=lambda kv: -kv[1])[:top])
 
 

@@ -173,6 +173,25 @@ def test_compile_phases_reads_dynamos_timers():
     torch._dynamo.reset()
 
 
+def test_compile_phases_do_not_depend_on_the_table_layout(monkeypatch):
+    """With the `tabulate` package installed (the H200 image has it) Dynamo's printable table is aligned
+    with spaces; a parser of the plain comma form found no phase there. The phases must not change."""
+    import torch
+    import torch._dynamo.utils as dynamo_utils
+    from step_probe import compile_phases
+
+    def spaced_table(rows, headers):
+        return "\n".join(f"{name:<40}{value:>12}" for name, value in [headers, *rows])
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.cos() * 2).relu(), backend="aot_eager")(torch.randn(4))
+    plain = compile_phases()
+    monkeypatch.setattr(dynamo_utils, "tabulate", spaced_table)
+    assert dynamo_utils.compile_times(repr="str", aggregate=True).count(",") == 0
+    assert compile_phases() == plain and plain["_compile.compile_inner"] > 0
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on CPU needs a C++ compiler")
 def test_compile_caches_count_inductors_cache_and_name_a_bypass():
     """A CPU Inductor compile goes through the FX graph cache: a miss the first time, a hit once Dynamo forgets
