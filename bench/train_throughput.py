@@ -71,6 +71,7 @@ ARMS = {
     "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
     "B-sdpa": {"attn": "sdpa"},
+    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # right-padded samples on SDPA's cuDNN kernel (faster alone: attention_probe)
     "B-fullhead": {"head": "full"},
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},

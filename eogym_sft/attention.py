@@ -10,6 +10,11 @@ position is 0, so it is a sample of its own that nothing real attends to.
 Finding the boundaries needs a host sync. :func:`add_sample_boundaries` does it once per forward, before
 the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph.
 
+``eogym_varlen_cudnn`` is the same attention by another CUDA kernel: the samples right-padded to the
+longest into a dense batch for SDPA's cuDNN backend. That kernel ran causal attention of two 6,000-token
+samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms (H200,
+``bench/attention_probe.py``, 2026-11-30); padding costs the square of the gap to the longest sample.
+
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
 
@@ -21,6 +26,8 @@ import inspect
 import torch
 
 NAME = "eogym_varlen"
+CUDNN_NAME = "eogym_varlen_cudnn"  # the same attention by cuDNN's dense kernel on right-padded samples (CUDA)
+NAMES = (NAME, CUDNN_NAME)
 
 
 def sample_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -64,6 +71,30 @@ def _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag: bool):
     if gqa_flag:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+
+
+def padded_attention(q, k, v, cu, max_len, scale, backends):
+    """Causal attention of the packed samples ``cu`` as a dense batch: each sample right-padded with
+    zeros to ``max_len``, one SDPA call restricted to ``backends``, then back to packed rows.
+
+    Right padding keeps it exact under a causal mask: a real position attends only to the positions
+    before it, all real, and what pad positions compute is dropped. The rows' sample and offset are found
+    on the device (no host sync), so a compiled layer stays one graph. ``q/k/v`` are ``[tokens, heads, dim]``.
+    """
+    from torch.nn.attention import sdpa_kernel
+
+    rows = torch.arange(q.shape[0], device=q.device, dtype=cu.dtype)
+    sample = torch.searchsorted(cu, rows, right=True) - 1
+    offset = rows - cu[sample]
+
+    def pad(t):  # [samples, heads, max_len, dim]; index_put's backward is a gather (no atomics)
+        return t.new_zeros(cu.shape[0] - 1, max_len, *t.shape[1:]).index_put((sample, offset), t).transpose(1, 2)
+
+    with sdpa_kernel(backends):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=True  # a constant: head counts may be symbolic
+        )
+    return out.transpose(1, 2)[sample, offset]
 
 
 def _varlen_reference(q, k, v, cu, scale):
@@ -143,7 +174,7 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
 
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None,
+    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
     cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
@@ -151,8 +182,9 @@ def varlen_attention_forward(
     The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
-    splits a compiled layer in two. ``boundaries``, ``gqa_flag`` and ``reference`` (the CPU op) are bound
-    by :func:`register_varlen_attention`.
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and
+    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`padded_attention` on cuDNN) are
+    bound by :func:`register_varlen_attention`.
     """
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
@@ -173,7 +205,11 @@ def varlen_attention_forward(
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     cu = cu_seq_lens_q.to(q.device)
     scale = scaling if scaling is not None else dim**-0.5
-    if q.is_cuda:
+    if q.is_cuda and cuda_kernel == "cudnn":
+        from torch.nn.attention import SDPBackend
+
+        out = padded_attention(q, k, v, cu, max_length_q, scale, [SDPBackend.CUDNN_ATTENTION])
+    elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
         out = (reference or reference_op())(q, k, v, cu, scale)
@@ -203,7 +239,7 @@ def add_sample_boundaries(model) -> None:
 
     def add(module, args, kwargs):
         positions = _text_positions(kwargs.get("position_ids"))
-        if module.config._attn_implementation != NAME or positions is None or kwargs.get("cu_seq_lens_q") is not None:
+        if module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None:
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
         packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
@@ -213,13 +249,15 @@ def add_sample_boundaries(model) -> None:
 
 
 def register_varlen_attention() -> None:
-    """Make ``eogym_varlen`` available to transformers' attention and mask interfaces."""
+    """Make ``eogym_varlen`` and ``eogym_varlen_cudnn`` available to transformers' attention and mask interfaces."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     # Looked up (and the CPU op defined) here rather than inside a compiled layer, where either breaks the graph.
-    attend = functools.partial(
-        varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op()
-    )
-    AttentionInterface.register(NAME, attend)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    for name, cuda_kernel in ((NAME, "flash"), (CUDNN_NAME, "cudnn")):
+        attend = functools.partial(
+            varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op(),
+            cuda_kernel=cuda_kernel,
+        )
+        AttentionInterface.register(name, attend)
+        AttentionMaskInterface.register(name, flash_attention_mask)

@@ -24,13 +24,13 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training."""
     from transformers import AutoModelForImageTextToText
 
-    from .attention import NAME as VARLEN, add_sample_boundaries, register_varlen_attention
+    from .attention import NAMES as VARLEN_NAMES, add_sample_boundaries, register_varlen_attention
 
-    varlen = attn_implementation == VARLEN
+    varlen = attn_implementation in VARLEN_NAMES
     if varlen:
         # The vision tower has its own per-image varlen attention; only the text tower is switched.
         register_varlen_attention()
-        attn_implementation = {"text_config": VARLEN, "vision_config": "sdpa", "": "sdpa"}
+        attn_implementation = {"text_config": attn_implementation, "vision_config": "sdpa", "": "sdpa"}
     model = AutoModelForImageTextToText.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )

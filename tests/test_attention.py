@@ -151,6 +151,75 @@ def test_cuda_varlen_matches_the_reference_and_is_causal():
     assert (again[last + 1 :] != got[last + 1 :]).any(-1).any(-1).all()
 
 
+def _packed(lengths, heads=4, kv_heads=2, dim=8, dtype=torch.float64, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    make = lambda h: torch.randn(total, h, dim, dtype=dtype, device=device)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads), cu
+
+
+def test_padded_attention_is_the_reference_with_its_gradient():
+    """The right-padded dense batch (``eogym_varlen_cudnn``'s layout; SDPA's math kernel here) gives the
+    per-sample reference's output and gradients exactly, with samples of 1 token and grouped heads."""
+    from torch.nn.attention import SDPBackend
+
+    from eogym_sft.attention import padded_attention
+
+    lengths = [3, 1, 6, 2]
+    q, k, v, cu = _packed(lengths)
+    grad = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _varlen_reference(*leaves, cu, 0.3)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = padded_attention(*leaves, cu, max(lengths), 0.3, [SDPBackend.MATH])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(torch.autograd.grad(got, leaves, grad), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
+    """No graph break (the sample of each row is found on the device, and the backend choice is traced),
+    and one dynamic graph for packs of other sample counts and lengths, each giving the eager result."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention import SDPBackend
+
+    from eogym_sft.attention import padded_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(padded_attention, backend="aot_eager", dynamic=True, fullgraph=True)
+    for lengths in ([3, 5], [2, 7, 4], [9, 1, 1, 3]):
+        q, k, v, cu = _packed(lengths, dim=16, dtype=torch.float32)  # no size equal to another (duck sizing)
+        want = padded_attention(q, k, v, cu, max(lengths), 0.3, [SDPBackend.MATH])
+        torch.testing.assert_close(compiled(q, k, v, cu, max(lengths), 0.3, [SDPBackend.MATH]), want)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_padded_attention_matches_the_varlen_kernel():
+    """``eogym_varlen_cudnn``'s kernel against ``eogym_varlen``'s on the same packed samples (Qwen3-VL-4B's
+    heads, bf16): outputs and gradients agree to bf16 rounding."""
+    from torch.nn.attention import SDPBackend
+
+    from eogym_sft.attention import _varlen_cuda, padded_attention, takes_gqa_flag
+
+    lengths = [37, 128, 91]
+    q, k, v, cu = _packed(lengths, heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn_like(q)
+    results = []
+    for attend in (lambda *t: _varlen_cuda(*t, cu, max(lengths), 128**-0.5, takes_gqa_flag()),
+                   lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION])):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves)
+        results.append((out, *torch.autograd.grad(out, leaves, grad)))
+    for flash, cudnn in zip(*results):
+        torch.testing.assert_close(cudnn.float(), flash.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_reference_backward_is_the_autograd_gradient():
     """The CPU op's hand-written backward against autograd through the per-sample SDPA reference (float64),
     and torch's own checks of the op (fake tensor, autograd registration, schema)."""
@@ -208,7 +277,8 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor):
+@pytest.mark.parametrize("attn", ["eogym_varlen", "eogym_varlen_cudnn"])
+def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor, attn):
     """On the GPU's kernel (torch's varlen_attn) and Inductor: no graph break in a compiled layer, one graph
     for micro-batches of several lengths, and the eager loss up to bf16 rounding. (The demo's tiny model:
     flash kernels need a head dim that is a multiple of 8, and the tests' tiny one has 4.)"""
@@ -226,7 +296,7 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
     batches = [{k: v.cuda() for k, v in collator(examples).items()} for examples in (_examples(), _examples()[1:], _examples()[:1])]
 
     def lora_model():  # the same non-zero adapter each time (PEFT draws LoRA A from the global RNG)
-        base = load_base_model(str(sharp_model_dir), attn_implementation="eogym_varlen")
+        base = load_base_model(str(sharp_model_dir), attn_implementation=attn)
         torch.manual_seed(3)
         return perturb_lora_b(apply_lora(base, dropout=0.0), seed=3).cuda().train()
 
