@@ -36,16 +36,20 @@ def compile_stats() -> dict:
     return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": spent.get("total_wall_time", 0.0)}
 
 
-def compile_phases(top: int = 12) -> dict[str, float]:
-    """Seconds by compile phase over the process so far, the largest first (Dynamo's own timers: its
-    tracing, AOTAutograd, Inductor's lowering and code generation, the wait for Triton kernels to
-    compile): where a first step's compile time goes. Phases nest, so they do not add up."""
-    from torch._dynamo.utils import compile_times
+def compile_phases(top: int = 16) -> dict[str, float]:
+    """Seconds by compile phase over the process so far, the largest first: where a first step's compile
+    time goes. Two of Dynamo's timers: its phase totals (the whole frame, the backend, Inductor, code
+    generation, the backward's compile: what ``compile_stats`` adds up) and its per-function timers
+    (tracing, AOTAutograd, ...). Phases nest, so they do not add up."""
+    from torch._dynamo.utils import calculate_time_spent, compile_times
 
-    # The "csv" form: the "str" one is a table whose layout depends on whether `tabulate` is installed
-    # (the H200 image has it, so a parser of the plain form found nothing there on 2026-11-30).
+    # On the H200 image (torch 2.11) the per-function timers came back empty on 2026-11-30 while the phase
+    # totals were filled, so both are read. The per-function ones in their "csv" form: the printable one is
+    # a table whose layout depends on whether `tabulate` is installed.
     names, seconds = compile_times(repr="csv", aggregate=True)
     phases = {name: float(value) for name, value in zip(names, seconds)}
+    totals = {phase: s for phase, s in calculate_time_spent().items() if phase != "total_wall_time"}
+    phases.update(totals)
     return dict(sorted(phases.items(), key=lambda kv: -kv[1])[:top])
 
 

@@ -85,16 +85,23 @@ def padded_attention(q, k, v, cu, max_len, scale, backends):
 
     rows = torch.arange(q.shape[0], device=q.device, dtype=cu.dtype)
     sample = torch.searchsorted(cu, rows, right=True) - 1
-    offset = rows - cu[sample]
+    offset = (rows - cu[sample])[:, None]
 
-    def pad(t):  # [samples, heads, max_len, dim]; index_put's backward is a gather (no atomics)
-        return t.new_zeros(cu.shape[0] - 1, max_len, *t.shape[1:]).index_put((sample, offset), t).transpose(1, 2)
+    def slots(heads):  # each row's place in [samples * heads, max_len]: sample-major, then head
+        return sample[:, None] * heads + torch.arange(heads, device=q.device, dtype=cu.dtype), offset
 
+    def pad(t):  # [1, samples * heads, max_len, dim]; index_put's backward is a gather (no atomics)
+        zeros = t.new_zeros((cu.shape[0] - 1) * t.shape[1], max_len, t.shape[-1])
+        return zeros.index_put(slots(t.shape[1]), t)[None]
+
+    # The samples go into the head dimension, not the batch one: sample s's query head h reads key/value
+    # head (s * heads + h) // group = s * kv_heads + h // group, its own. A dimension of samples would
+    # compile a second graph for a micro-batch of one sample (a size of 1 is a special case to the compiler).
     with sdpa_kernel(backends):
         out = torch.nn.functional.scaled_dot_product_attention(
             pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=True  # a constant: head counts may be symbolic
         )
-    return out.transpose(1, 2)[sample, offset]
+    return out[0][slots(q.shape[1])]
 
 
 def _varlen_reference(q, k, v, cu, scale):

@@ -181,7 +181,8 @@ def test_padded_attention_is_the_reference_with_its_gradient():
 
 def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
     """No graph break (the sample of each row is found on the device, and the backend choice is traced),
-    and one dynamic graph for packs of other sample counts and lengths, each giving the eager result."""
+    and one dynamic graph for packs of other sample counts (one included) and lengths, each giving the
+    eager result and gradients."""
     from torch._dynamo.utils import counters
     from torch.nn.attention import SDPBackend
 
@@ -190,10 +191,16 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(padded_attention, backend="aot_eager", dynamic=True, fullgraph=True)
-    for lengths in ([3, 5], [2, 7, 4], [9, 1, 1, 3]):
+    for lengths in ([3, 5], [2, 7, 4], [9, 1, 1, 3], [6]):  # one sample too: no size-1 special case
         q, k, v, cu = _packed(lengths, dim=16, dtype=torch.float32)  # no size equal to another (duck sizing)
-        want = padded_attention(q, k, v, cu, max(lengths), 0.3, [SDPBackend.MATH])
-        torch.testing.assert_close(compiled(q, k, v, cu, max(lengths), 0.3, [SDPBackend.MATH]), want)
+        grad = torch.randn_like(q)
+        results = []
+        for attend in (padded_attention, compiled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*leaves, cu, max(lengths), 0.3, [SDPBackend.MATH])
+            results.append((out, *torch.autograd.grad(out, leaves, grad)))
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want)
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
 
