@@ -1,10 +1,13 @@
-"""Causal attention of packed EO-Gym-sized samples, forward + backward, by kernel: torch's varlen_attn
-(what ``eogym_varlen`` calls) against SDPA's backends on the same samples as a dense batch.
+"""Causal attention of packed EO-Gym-sized samples, forward + backward, by kernel: what ``eogym_varlen``
+and ``eogym_varlen_cudnn`` call, cuDNN's ragged (packed) kernel, and SDPA's backends on a dense batch.
 
-    python bench/attention_probe.py --length 6000 --samples 2 --json attention.json
+    python bench/attention_probe.py --lengths 6000,6000 --json attention.json
+    python bench/attention_probe.py --lengths 3500,8500 --json attention_unequal.json
 
 Qwen3-VL-4B's text attention shape (32 query heads, 8 key/value heads, head dim 128), bf16. Reports ms
-per forward + backward and TFLOP/s (causal: half the square; backward counted as 2.5 forwards).
+per forward + backward and TFLOP/s of the real (unpadded) work (causal: half the square per sample;
+backward counted as 2.5 forwards), and each packed arm's largest output difference from flash's varlen.
+The dense SDPA arms need samples of equal length and run only then. GPU only.
 """
 
 from __future__ import annotations
@@ -28,65 +31,87 @@ def timed(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def cudnn_ragged(q, k, v, cu, max_len, scale, grad):
+    """cuDNN's ragged kernel on the packed rows, by its aten ops (forward, then the backward op itself, so
+    that it runs whether or not this torch registers the forward's autograd); torch >= 2.14's varlen_attn
+    routes here for causal calls without grouped heads on cuDNN >= 9.18. Returns the output."""
+    with torch.no_grad():
+        res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        torch.ops.aten._cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, None, cu, cu, max_len, max_len, 0.0, True,
+                                                 scale=scale)
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=6000)
-    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--lengths", default="6000,6000", help="comma-separated sample lengths packed together")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.varlen import varlen_attn
 
-    from eogym_sft.attention import takes_gqa_flag
+    from eogym_sft.attention import _varlen_cuda, padded_attention, takes_gqa_flag
 
-    n, length, heads, kv_heads, dim = args.samples, args.length, 32, 8, 128
+    lengths = [int(n) for n in args.lengths.split(",")]
+    heads, kv_heads, dim, max_len, scale = 32, 8, 128, max(lengths), 128**-0.5
     torch.manual_seed(0)
-    make = lambda h: torch.randn(n * length, h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    make = lambda h: torch.randn(sum(lengths), h, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = make(heads), make(kv_heads), make(kv_heads)
     grad = torch.randn_like(q)
-    cu = torch.arange(0, n * length + 1, length, dtype=torch.int32, device="cuda")
-    gqa = {"enable_gqa": True} if takes_gqa_flag() else {}
-
-    def varlen():
-        varlen_attn(q, k, v, cu, cu, length, length, window_size=(-1, 0), **gqa).backward(grad)
-
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     # Expanded key/value heads (for kernels without grouped heads) are made once, outside the timing.
     ek, ev = (t.detach().repeat_interleave(heads // kv_heads, 1).requires_grad_() for t in (k, v))
+    with torch.no_grad():
+        reference = _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag()).float()
 
-    def varlen_op_causal_full_window():
-        # torch >= 2.14's private op picks cuDNN (cuDNN >= 9.18, sm90/sm100) for a causal call only when
-        # the window is the full one and heads are not grouped, which the public varlen_attn never asks for
-        out = torch.ops.torch_attn._varlen_attn(q, ek, ev, cu, cu, length, length, True, None, [-1, -1], False, None, None, None)
-        out[0].backward(grad)
-
-    def dense(backend, expand: bool):
+    def packed(attend):  # an arm that returns its output, for the difference from flash's varlen
         def run():
-            bq = q.view(n, length, heads, dim).transpose(1, 2)
-            kv_source, kv_count = ((ek, ev), heads) if expand else ((k, v), kv_heads)
-            bk, bv = (t.view(n, length, kv_count, dim).transpose(1, 2) for t in kv_source)
-            with sdpa_kernel(backend):
-                out = torch.nn.functional.scaled_dot_product_attention(bq, bk, bv, is_causal=True, enable_gqa=not expand)
-            out.transpose(1, 2).reshape_as(q).backward(grad)
-
+            out = attend()
+            if out.requires_grad:
+                out.backward(grad)
+            return out
         return run
 
-    flops = 3.5 * n * 2 * 2 * length * length * heads * dim / 2
-    arms = {"varlen_attn (flash)": varlen, "varlen op, causal, full window, k/v expanded (cuDNN where it can)": varlen_op_causal_full_window}
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        arms[f"sdpa {name}"] = dense(backend, expand=False)
-        arms[f"sdpa {name}, k/v expanded"] = dense(backend, expand=True)
+    arms = {
+        "eogym_varlen: varlen_attn (flash)": packed(lambda: _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag())),
+        "eogym_varlen_cudnn: right-padded, SDPA cuDNN": packed(
+            lambda: padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])),
+        "cuDNN ragged (aten ops), k/v expanded": packed(lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)),
+    }
+    if len(set(lengths)) == 1:
+        n, length = len(lengths), lengths[0]
+
+        def dense(backend, expand: bool):
+            def run():
+                bq = q.view(n, length, heads, dim).transpose(1, 2)
+                kv_source, kv_count = ((ek, ev), heads) if expand else ((k, v), kv_heads)
+                bk, bv = (t.view(n, length, kv_count, dim).transpose(1, 2) for t in kv_source)
+                with sdpa_kernel(backend):
+                    out = torch.nn.functional.scaled_dot_product_attention(bq, bk, bv, is_causal=True, enable_gqa=not expand)
+                out.transpose(1, 2).reshape_as(q).backward(grad)
+            return run
+
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            arms[f"sdpa {name}, dense"] = dense(backend, expand=False)
+            arms[f"sdpa {name}, dense, k/v expanded"] = dense(backend, expand=True)
+    flops = 3.5 * sum(2 * 2 * n * n * heads * dim / 2 for n in lengths)
     results = []
     for name, fn in arms.items():
         try:
+            out = fn()
+            entry = {"arm": name}
+            if isinstance(out, torch.Tensor):
+                entry["max_abs_diff_from_flash"] = round((out.detach().float() - reference).abs().max().item(), 4)
             ms = timed(fn, args.iters)
-            results.append({"arm": name, "ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)})
-        except Exception as err:  # a backend that refuses these shapes is reported, not hidden
-            results.append({"arm": name, "error": f"{type(err).__name__}: {str(err)[:160]}"})
+            results.append({**entry, "ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)})
+        except Exception as err:  # a kernel that refuses these shapes is reported, not hidden
+            results.append({"arm": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         print(json.dumps(results[-1]), flush=True)
-    report = {"command": "python bench/attention_probe.py " + " ".join(sys.argv[1:] if argv is None else argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "shape": {"samples": n, "length": length, "heads": heads, "kv_heads": kv_heads, "dim": dim},
-              "results": results}
+    report = {"command": "python bench/attention_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "shape": {"lengths": lengths, "heads": heads, "kv_heads": kv_heads, "dim": dim}, "results": results}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)

@@ -18,7 +18,7 @@
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B against B-cudnn (GPU 0); GPU tests, then plain TRL's arm A (GPU 1)
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
-#   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: varlen_attn vs SDPA's flash/cuDNN/efficient
+#   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
@@ -179,8 +179,8 @@ recipe20_b)
   CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_modeling.py \
     > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   tail -3 $OUT/gpu_tests.log
-  CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json \
-    > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
+  CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/attention_probe.py --lengths 6000,6000 --iters 10 \
+    --json $OUT/attention.json > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
   grep -vE "Warning|warn" $OUT/attention.log | tail -12
   wait $recipe || echo "recipe: exit $?"
   grep -E "real_tokens_per_s|Error|error" $OUT/recipe20_second.log | tail -5
@@ -225,11 +225,13 @@ relaunch)
   done
   ;;
 attention_probe)
-  # not run yet: attention is the largest kernel family of arm B's step (profile of 2026-11-30), so is
-  # another kernel faster on these shapes? two samples of 6,000 tokens, Qwen3-VL-4B's heads. ~1 min (estimate)
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/attention_probe.py --length 6000 --samples 2 --iters 10 --json $OUT/attention.json \
-    > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
-  grep -vE "Warning|warn" $OUT/attention.log | tail -12
+  # attention is the largest kernel family of arm B's step (profile of 2026-11-30): each kernel on two samples
+  # of 6,000 tokens, then of 3,500 and 8,500 (what right padding costs), Qwen3-VL-4B's heads. ~1 min (estimate)
+  for lengths in 6000,6000 3500,8500; do
+    CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/attention_probe.py --lengths $lengths --iters 10 \
+      --json $OUT/attention_$lengths.json > $OUT/attention_$lengths.log 2>&1 || echo "attention_probe $lengths: exit $?"
+    grep -vE "Warning|warn" $OUT/attention_$lengths.log | tail -12
+  done
   ;;
 rollout_bench)
   make_model
