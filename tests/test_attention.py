@@ -275,6 +275,8 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
     assert seen["max_length_q"] == seen["max_length_k"] == max(b - a for a, b in zip(starts, starts[1:]))
     vision_block = varlen.model.visual.blocks[0]  # the vision tower keeps its own per-image boundaries
     assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch, vision_block)
+    varlen.set_attn_implementation({"text_config": "eogym_varlen_cudnn", "vision_config": "sdpa"})
+    assert _layer_kwargs(varlen, batch)["cu_seq_lens_q"].tolist() == starts  # the other kernel, the same boundaries
     varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
     try:
         assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch)
@@ -286,8 +288,9 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attn", ["eogym_varlen", "eogym_varlen_cudnn"])
 def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor, attn):
-    """On the GPU's kernel (torch's varlen_attn) and Inductor: no graph break in a compiled layer, one graph
-    for micro-batches of several lengths, and the eager loss up to bf16 rounding. (The demo's tiny model:
+    """On each GPU kernel (torch's varlen_attn; cuDNN on padded samples) and Inductor: no graph break in a
+    compiled layer, one graph for micro-batches of several lengths and sample counts (one sample included),
+    and the eager loss up to bf16 rounding. (The demo's tiny model:
     flash kernels need a head dim that is a multiple of 8, and the tests' tiny one has 4.)"""
     from helpers import perturb_lora_b
     from torch._dynamo.utils import counters
