@@ -13,7 +13,8 @@ the decoder layers, so that a regionally compiled layer (attention kernel includ
 ``eogym_varlen_cudnn`` is the same attention by another CUDA kernel: the samples right-padded to the
 longest into a dense batch for SDPA's cuDNN backend. That kernel ran causal attention of two 6,000-token
 samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms (H200,
-``bench/attention_probe.py``, 2026-11-30); padding costs the square of the gap to the longest sample.
+``bench/attention_probe.py``, 2026-11-30). Padding costs the pad rows' causal work: a sample of ``l`` tokens
+padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -193,21 +194,22 @@ def varlen_attention_forward(
     ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`padded_attention` on cuDNN) are
     bound by :func:`register_varlen_attention`.
     """
+    name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:
-        raise ValueError(f"attn_implementation={NAME!r} has no attention dropout")
+        raise ValueError(f"attn_implementation={name!r} has no attention dropout")
     if key.shape[2] != query.shape[2]:
-        raise ValueError(f"attn_implementation={NAME!r} runs whole sequences without a KV cache (training, scoring); "
+        raise ValueError(f"attn_implementation={name!r} runs whole sequences without a KV cache (training, scoring); "
                          "generate with sdpa")
     if cu_seq_lens_q is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            raise ValueError(f"attn_implementation={NAME!r} needs position_ids (EOGymCollator provides them)")
+            raise ValueError(f"attn_implementation={name!r} needs position_ids (EOGymCollator provides them)")
         cu_seq_lens_q, max_length_q = _boundaries_in_layer(boundaries, position_ids)
     elif max_length_q is None:  # a caller's own boundaries without their longest sample
         max_length_q = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
     cu_k = kwargs.get("cu_seq_lens_k")
     if cu_k is not None and cu_k is not cu_seq_lens_q and not torch.equal(cu_k, cu_seq_lens_q):
-        raise ValueError(f"attn_implementation={NAME!r} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
+        raise ValueError(f"attn_implementation={name!r} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     cu = cu_seq_lens_q.to(q.device)

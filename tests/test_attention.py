@@ -53,6 +53,21 @@ def test_varlen_model_uses_varlen_for_text_only(models):
     assert varlen.config.vision_config._attn_implementation == "sdpa"
 
 
+def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_model_dir, models, processor):
+    """``load_base_model(..., "eogym_varlen_cudnn")`` switches the text tower only, finds the boundaries
+    (its hook acts for both names), and on CPU computes exactly what ``eogym_varlen`` does."""
+    from eogym_sft.collator import EOGymCollator
+    from eogym_sft.modeling import load_base_model
+
+    _, varlen = models
+    cudnn = load_base_model(str(sharp_model_dir), dtype="float32", attn_implementation="eogym_varlen_cudnn").eval()
+    assert cudnn.config.text_config._attn_implementation == "eogym_varlen_cudnn"
+    assert cudnn.config.vision_config._attn_implementation == "sdpa"
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)(_examples())
+    with torch.no_grad():
+        assert torch.equal(cudnn(**batch, use_cache=False).logits, varlen(**batch, use_cache=False).logits)
+
+
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
 def test_varlen_gives_the_sdpa_loss(models, processor, padding_free):
     from eogym_sft.collator import EOGymCollator
@@ -104,6 +119,8 @@ def test_varlen_refuses_what_it_cannot_compute():
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="cu_seq_lens_k must equal"):
         varlen_attention_forward(None, q, kv, kv, None, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 1, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="'eogym_varlen_cudnn' has no attention dropout"):  # the name the user chose
+        varlen_attention_forward(None, q, kv, kv, None, dropout=0.1, cuda_kernel="cudnn", cu_seq_lens_q=cu)
     out, _ = varlen_attention_forward(None, q, kv, kv, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone())
     want = _varlen_reference(*(t.transpose(1, 2)[0] for t in (q, kv, kv)), cu, 8**-0.5)
     torch.testing.assert_close(out[0], want)
