@@ -189,7 +189,7 @@ cudnn_x2)
   # Issue 13's MFU lever: attention is 37% of arm B's step and cuDNN's dense kernel ran it 1.75x faster than
   # flash's varlen (attention_probe). GPU 0: arm B and B-cudnn in one process (1 warm-up + 3 timed steps
   # each, the recipe's 32 micro-batches). GPU 1 at the same time: the GPU tests of both kernels, then plain
-  # TRL (arm A, 8 micro-batches of 4 a step, 1 + 3 steps) for the >= 5x target. ~8 min (estimate).
+  # TRL (arm A: one micro-batch of 4 a step, --grad-accum ignored; 1 + 3 steps) for the >= 5x target. ~8 min (estimate).
   make_bench_data
   rm -rf /tmp/bt_a && cp -r /tmp/bt /tmp/bt_a  # its own workdir: each process writes its processor folder there
   ( CUDA_VISIBLE_DEVICES=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
@@ -229,8 +229,8 @@ attention_probe)
   # of 6,000 tokens, then of 3,500 and 8,500 (what right padding costs), Qwen3-VL-4B's heads. ~1 min (estimate)
   for lengths in 6000,6000 3500,8500; do
     CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/attention_probe.py --lengths $lengths --iters 10 \
-      --json $OUT/attention_$lengths.json > $OUT/attention_$lengths.log 2>&1 || echo "attention_probe $lengths: exit $?"
-    grep -vE "Warning|warn" $OUT/attention_$lengths.log | tail -12
+      --json $OUT/attention_${lengths/,/_}.json > $OUT/attention_${lengths/,/_}.log 2>&1 || echo "attention_probe $lengths: exit $?"
+    grep -vE "Warning|warn" $OUT/attention_${lengths/,/_}.log | tail -12
   done
   ;;
 rollout_bench)

@@ -322,7 +322,7 @@ def build_base(config_path: Path, workdir: Path):
         base = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(cfg))
     base = base.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
     base.config.use_cache = False
-    add_sample_boundaries(base)  # as load_base_model does; acts only while the text tower runs eogym_varlen
+    add_sample_boundaries(base)  # as load_base_model does; acts only while the text tower runs an eogym_varlen kernel
     return base, cfg, model_dir
 
 
