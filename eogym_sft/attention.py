@@ -191,8 +191,8 @@ def varlen_attention_forward(
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
     splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and
-    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`padded_attention` on cuDNN) are
-    bound by :func:`register_varlen_attention`.
+    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`padded_attention` on cuDNN for
+    packed batches, flash for right-padded ones) are bound by :func:`register_varlen_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:
@@ -214,7 +214,9 @@ def varlen_attention_forward(
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     cu = cu_seq_lens_q.to(q.device)
     scale = scaling if scaling is not None else dim**-0.5
-    if q.is_cuda and cuda_kernel == "cudnn":
+    # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
+    # they would cost memory of pads x max_len, so those batches take the flash kernel.
+    if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
         from torch.nn.attention import SDPBackend
 
         out = padded_attention(q, k, v, cu, max_length_q, scale, [SDPBackend.CUDNN_ATTENTION])

@@ -244,6 +244,24 @@ def test_cudnn_padded_attention_matches_the_varlen_kernel():
         torch.testing.assert_close(cudnn.float(), flash.float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_kernel_leaves_right_padded_batches_to_flash():
+    """Right-padded rows make each pad token a sample (position 0); padding those to the longest sample would
+    take pads x max_len memory, so ``eogym_varlen_cudnn`` runs such batches on the flash kernel: the same
+    output as ``eogym_varlen``, bit for bit."""
+    from eogym_sft.attention import takes_gqa_flag, varlen_attention_forward
+
+    torch.manual_seed(0)
+    query = torch.randn(2, 32, 300, 128, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    positions = torch.arange(300, device="cuda").repeat(2, 1)
+    positions[1, 200:] = 0  # row 1: 200 real tokens, then 100 pad tokens
+    outs = [varlen_attention_forward(None, query, key, value, None, gqa_flag=takes_gqa_flag(), cuda_kernel=kernel,
+                                     position_ids=positions)[0] for kernel in ("flash", "cudnn")]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_reference_backward_is_the_autograd_gradient():
     """The CPU op's hand-written backward against autograd through the per-sample SDPA reference (float64),
     and torch's own checks of the op (fake tensor, autograd registration, schema)."""
