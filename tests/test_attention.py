@@ -310,10 +310,10 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
     assert seen["max_length_q"] == seen["max_length_k"] == max(b - a for a, b in zip(starts, starts[1:]))
     vision_block = varlen.model.visual.blocks[0]  # the vision tower keeps its own per-image boundaries
     assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch, vision_block)
-    varlen.set_attn_implementation({"text_config": "eogym_varlen_cudnn", "vision_config": "sdpa"})
-    assert _layer_kwargs(varlen, batch)["cu_seq_lens_q"].tolist() == starts  # the other kernel, the same boundaries
-    varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
     try:
+        varlen.set_attn_implementation({"text_config": "eogym_varlen_cudnn", "vision_config": "sdpa"})
+        assert _layer_kwargs(varlen, batch)["cu_seq_lens_q"].tolist() == starts  # the other kernel, the same boundaries
+        varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
         assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch)
     finally:
         varlen.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
