@@ -6,7 +6,8 @@ and ``eogym_varlen_cudnn`` call, cuDNN's ragged (packed) kernel, and SDPA's back
 
 Qwen3-VL-4B's text attention shape (32 query heads, 8 key/value heads, head dim 128), bf16. Reports ms
 per forward + backward and TFLOP/s of the real (unpadded) work (causal: half the square per sample;
-backward counted as 2.5 forwards), and each packed arm's largest output difference from flash's varlen.
+backward counted as 2.5 forwards), and each packed arm's largest output difference from flash's varlen;
+for cuDNN's ragged kernel also its gradients' differences, its ops' schemas and its log-sum-exp's layout.
 The dense SDPA arms need samples of equal length and run only then. GPU only.
 """
 
@@ -34,13 +35,29 @@ def timed(fn, iters: int) -> float:
 def cudnn_ragged(q, k, v, cu, max_len, scale, grad):
     """cuDNN's ragged kernel on the packed rows, by its aten ops (forward, then the backward op itself, so
     that it runs whether or not this torch registers the forward's autograd); torch >= 2.14's varlen_attn
-    routes here for causal calls without grouped heads on cuDNN >= 9.18. Returns the output."""
+    routes here for causal calls without grouped heads on cuDNN >= 9.18. Returns the output, the three
+    gradients and the log-sum-exp (a wrapper's fake implementation needs its shape)."""
     with torch.no_grad():
         res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
         out, lse, seed, offset = res[0], res[1], res[6], res[7]
-        torch.ops.aten._cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, None, cu, cu, max_len, max_len, 0.0, True,
-                                                 scale=scale)
-    return out
+        grads = torch.ops.aten._cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, None, cu, cu, max_len, max_len,
+                                                         0.0, True, scale=scale)
+    return out, *grads, lse
+
+
+def ragged_check(q, k, v, ek, ev, cu, max_len, scale, grad, flash_grads) -> dict:
+    """What a library wrapper of the ragged kernel needs to know: the ops' schemas on this torch, the
+    log-sum-exp's layout, and the largest gradient differences from flash's varlen (the expanded heads'
+    key/value gradients summed back onto their group)."""
+    ops = torch.ops.aten
+    report = {"schemas": [str(op.default._schema) for op in (ops._cudnn_attention_forward, ops._cudnn_attention_backward)]}
+    out, dq, dk, dv, lse = cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)
+    report["lse"] = {"shape": list(lse.shape), "stride": list(lse.stride()), "dtype": str(lse.dtype)}
+    group = q.shape[1] // k.shape[1]
+    summed = [g.unflatten(1, (-1, group)).sum(2) for g in (dk, dv)]
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, *summed), flash_grads):
+        report[f"max_abs_diff_{name}"] = round((got.float() - want.float()).abs().max().item(), 4)
+    return report
 
 
 def main(argv=None) -> dict:
@@ -62,8 +79,10 @@ def main(argv=None) -> dict:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     # Expanded key/value heads (for kernels without grouped heads) are made once, outside the timing.
     ek, ev = (t.detach().repeat_interleave(heads // kv_heads, 1).requires_grad_() for t in (k, v))
-    with torch.no_grad():
-        reference = _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag()).float()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    flash_out = _varlen_cuda(*leaves, cu, max_len, scale, takes_gqa_flag())
+    flash_grads = torch.autograd.grad(flash_out, leaves, grad)
+    reference = flash_out.detach().float()
 
     def packed(attend):  # an arm that returns its output, for the difference from flash's varlen
         def run():
@@ -77,7 +96,7 @@ def main(argv=None) -> dict:
         "eogym_varlen: varlen_attn (flash)": packed(lambda: _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag())),
         "eogym_varlen_cudnn: right-padded, SDPA cuDNN": packed(
             lambda: padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])),
-        "cuDNN ragged (aten ops), k/v expanded": packed(lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)),
+        "cuDNN ragged (aten ops), k/v expanded": packed(lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0]),
     }
     if len(set(lengths)) == 1:
         n, length = len(lengths), lengths[0]
@@ -109,9 +128,15 @@ def main(argv=None) -> dict:
         except Exception as err:  # a kernel that refuses these shapes is reported, not hidden
             results.append({"arm": name, "error": f"{type(err).__name__}: {str(err)[:200]}"})
         print(json.dumps(results[-1]), flush=True)
+    try:
+        ragged = ragged_check(q, k, v, ek, ev, cu, max_len, scale, grad, flash_grads)
+    except Exception as err:  # reported, not hidden: this torch may lack the ops or take other arguments
+        ragged = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    print(json.dumps({"cudnn_ragged": ragged}), flush=True)
     report = {"command": "python bench/attention_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "shape": {"lengths": lengths, "heads": heads, "kv_heads": kv_heads, "dim": dim}, "results": results}
+              "shape": {"lengths": lengths, "heads": heads, "kv_heads": kv_heads, "dim": dim}, "results": results,
+              "cudnn_ragged": ragged}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
