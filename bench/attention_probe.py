@@ -1,5 +1,6 @@
 """Causal attention of packed EO-Gym-sized samples, forward + backward, by kernel: what ``eogym_varlen``
-and ``eogym_varlen_cudnn`` call, cuDNN's ragged (packed) kernel, and SDPA's backends on a dense batch.
+and ``eogym_varlen_cudnn`` call (its ragged and padded paths), cuDNN's ragged kernel by its bare aten ops,
+and SDPA's backends on a dense batch.
 
     python bench/attention_probe.py --lengths 6000,6000 --json attention.json
     python bench/attention_probe.py --lengths 3500,8500 --json attention_unequal.json
@@ -68,7 +69,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eogym_sft.attention import _varlen_cuda, padded_attention, takes_gqa_flag
+    from eogym_sft.attention import _varlen_cuda, cudnn_varlen_attention, padded_attention, takes_gqa_flag
 
     lengths = [int(n) for n in args.lengths.split(",")]
     heads, kv_heads, dim, max_len, scale = 32, 8, 128, max(lengths), 128**-0.5
@@ -97,6 +98,8 @@ def main(argv=None) -> dict:
         "eogym_varlen_cudnn: right-padded, SDPA cuDNN": packed(
             lambda: padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])),
         "cuDNN ragged (aten ops), k/v expanded": packed(lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0]),
+        "eogym_varlen_cudnn where cuDNN >= 9.18: the ragged op with autograd, k/v expanded inside": packed(
+            lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale)),
     }
     if len(set(lengths)) == 1:
         n, length = len(lengths), lengths[0]

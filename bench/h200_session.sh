@@ -192,7 +192,7 @@ cudnn_x2)
   # TRL (arm A: one micro-batch of 4 a step, --grad-accum ignored; 1 + 3 steps) for the >= 5x target. ~8 min (estimate).
   make_bench_data
   rm -rf /tmp/bt_a && cp -r /tmp/bt /tmp/bt_a  # its own workdir: each process writes its processor folder there
-  ( CUDA_VISIBLE_DEVICES=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
+  ( CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
       > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
     CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 8 \
       --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > $OUT/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &

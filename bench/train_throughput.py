@@ -71,7 +71,7 @@ ARMS = {
     "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
     "B-sdpa": {"attn": "sdpa"},
-    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # right-padded samples on SDPA's cuDNN kernel (faster alone: attention_probe)
+    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # cuDNN: its ragged kernel where cuDNN >= 9.18 (sm90/sm100), else padded samples
     "B-fullhead": {"head": "full"},
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},

@@ -10,11 +10,12 @@ position is 0, so it is a sample of its own that nothing real attends to.
 Finding the boundaries needs a host sync. :func:`add_sample_boundaries` does it once per forward, before
 the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph.
 
-``eogym_varlen_cudnn`` is the same attention by another CUDA kernel: the samples right-padded to the
-longest into a dense batch for SDPA's cuDNN backend. That kernel ran causal attention of two 6,000-token
-samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms (H200,
-``bench/attention_probe.py``, 2026-11-30). Padding costs the pad rows' causal work: a sample of ``l`` tokens
-padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
+``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
+of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
+(H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (cuDNN >= 9.18,
+sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere the samples are
+right-padded to the longest into a dense batch for SDPA's cuDNN backend, which costs the pad rows' causal
+work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -27,7 +28,7 @@ import inspect
 import torch
 
 NAME = "eogym_varlen"
-CUDNN_NAME = "eogym_varlen_cudnn"  # the same attention by cuDNN's dense kernel on right-padded samples (CUDA)
+CUDNN_NAME = "eogym_varlen_cudnn"  # the same attention by cuDNN's kernels (CUDA)
 NAMES = (NAME, CUDNN_NAME)
 
 
@@ -105,6 +106,70 @@ def padded_attention(q, k, v, cu, max_len, scale, backends):
     return out[0][slots(q.shape[1])]
 
 
+@torch.compiler.assume_constant_result  # a property of the machine: a constant to a compiled layer, no guard
+def cudnn_ragged_available(device_index: int) -> bool:
+    """Whether cuDNN's ragged (packed) attention kernel runs here: cuDNN >= 9.18 on sm90/sm100, the versions
+    torch >= 2.14's ``varlen_attn`` itself requires before routing causal calls to it."""
+    version = torch.backends.cudnn.version() or 0
+    major = torch.cuda.get_device_capability(device_index)[0]
+    return version >= 91800 and major in (9, 10) and hasattr(torch.ops.aten, "_cudnn_attention_forward")
+
+
+@functools.cache
+def cudnn_ragged_op():
+    """cuDNN's ragged attention kernel as one custom op with its backward, defined on first use (not at import).
+
+    ``q/k/v`` are packed ``[tokens, heads, dim]`` with equal head counts; samples ``cu``; causal. torch's own
+    aten ops have no fake implementation to compile against, and their autograd registration varies across
+    versions, so the forward and backward ops are wrapped here: the forward returns the log-sum-exp the backward
+    needs, laid out as the kernel allocates it for packed inputs, ``[tokens, heads, 1]`` float32.
+    """
+
+    @torch.library.custom_op("eogym::cudnn_varlen_attention", mutates_args=())
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.ops.aten._cudnn_attention_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
+        return out[0], out[1]
+
+    @torch.library.custom_op("eogym::cudnn_varlen_attention_backward", mutates_args=())
+    def attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        unused_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the philox state is not read
+        grads = torch.ops.aten._cudnn_attention_backward(
+            grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, unused_rng, unused_rng, None,
+            cu, cu, max_len, max_len, 0.0, True, scale=scale)
+        return tuple(grads)
+
+    @attend.register_fake
+    def _(q, k, v, cu, max_len, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[0], q.shape[1], 1, dtype=torch.float32)
+
+    @attend_backward.register_fake
+    def _(grad, q, k, v, out, lse, cu, max_len, scale):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, ctx.max_len, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, cu, *output)
+
+    def backward(ctx, grad, _grad_lse):
+        q, k, v, cu, out, lse = ctx.saved_tensors
+        return (*attend_backward(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale), None, None, None)
+
+    attend.register_autograd(backward, setup_context=setup_context)
+    return attend
+
+
+def cudnn_varlen_attention(q, k, v, cu, max_len, scale):
+    """Causal attention of the packed samples ``cu`` by cuDNN's ragged kernel, grouped key/value heads expanded
+    first (torch's own routing to this kernel leaves grouped heads out); ``[tokens, heads, dim]``."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    return cudnn_ragged_op()(q, k, v, cu, max_len, scale)[0]
+
+
 def _varlen_reference(q, k, v, cu, scale):
     out = torch.empty_like(q)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -180,6 +245,15 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
+def _cudnn_attention(q, k, v, cu, max_len, scale):
+    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples."""
+    if cudnn_ragged_available(q.device.index):
+        return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
+    from torch.nn.attention import SDPBackend
+
+    return padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])
+
+
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
     boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
@@ -191,8 +265,8 @@ def varlen_attention_forward(
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
     splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and
-    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`padded_attention` on cuDNN for
-    packed batches, flash for right-padded ones) are bound by :func:`register_varlen_attention`.
+    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed batches, see
+    :func:`_cudnn_attention`, and flash for right-padded ones) are bound by :func:`register_varlen_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:
@@ -217,9 +291,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        from torch.nn.attention import SDPBackend
-
-        out = padded_attention(q, k, v, cu, max_length_q, scale, [SDPBackend.CUDNN_ATTENTION])
+        out = _cudnn_attention(q, k, v, cu, max_length_q, scale)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph

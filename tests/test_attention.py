@@ -222,26 +222,49 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
     torch._dynamo.reset()
 
 
+def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
+    """The wrapper of cuDNN's ragged kernel on meta tensors (its kernels need a GPU; the fake implementations
+    serve the meta device): the forward gives the output and the kernel's packed log-sum-exp layout, and
+    autograd reaches the backward op through the key/value heads' expansion, so gradients come back in the
+    grouped heads' shapes."""
+    from eogym_sft.attention import cudnn_ragged_op, cudnn_varlen_attention
+
+    make = lambda h: torch.empty(13, h, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = make(4), make(2), make(2)
+    cu = torch.empty(4, device="meta", dtype=torch.int32)
+    out, lse = cudnn_ragged_op()(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, 9, 0.25)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((13, 4, 16), torch.bfloat16, (13, 4, 1), torch.float32)
+    out = cudnn_varlen_attention(q, k, v, cu, 9, 0.25)
+    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert [tuple(g.shape) for g in grads] == [(13, 4, 16), (13, 2, 16), (13, 2, 16)]
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cudnn_padded_attention_matches_the_varlen_kernel():
-    """``eogym_varlen_cudnn``'s kernel against ``eogym_varlen``'s on the same packed samples (Qwen3-VL-4B's
-    heads, bf16): outputs and gradients agree to bf16 rounding."""
+    """``eogym_varlen_cudnn``'s kernels (SDPA's cuDNN on padded samples; cuDNN's ragged one where it runs)
+    against ``eogym_varlen``'s on the same packed samples (Qwen3-VL-4B's heads, bf16, one sample over 256
+    tokens): outputs and gradients agree to bf16 rounding."""
     from torch.nn.attention import SDPBackend
 
-    from eogym_sft.attention import _varlen_cuda, padded_attention, takes_gqa_flag
+    from eogym_sft.attention import _varlen_cuda, cudnn_ragged_available, cudnn_varlen_attention, padded_attention, takes_gqa_flag
 
-    lengths = [37, 128, 91]
+    lengths = [37, 300, 91]
     q, k, v, cu = _packed(lengths, heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn_like(q)
+    kernels = [lambda *t: _varlen_cuda(*t, cu, max(lengths), 128**-0.5, takes_gqa_flag()),
+               lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION])]
+    if cudnn_ragged_available(q.device.index):
+        kernels.append(lambda *t: cudnn_varlen_attention(*t, cu, max(lengths), 128**-0.5))
     results = []
-    for attend in (lambda *t: _varlen_cuda(*t, cu, max(lengths), 128**-0.5, takes_gqa_flag()),
-                   lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION])):
+    for attend in kernels:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attend(*leaves)
         results.append((out, *torch.autograd.grad(out, leaves, grad)))
-    for flash, cudnn in zip(*results):
-        torch.testing.assert_close(cudnn.float(), flash.float(), atol=3e-2, rtol=3e-2)
+    for flash, *cudnn in zip(*results):
+        for other in cudnn:
+            torch.testing.assert_close(other.float(), flash.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
