@@ -245,9 +245,13 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
-def _cudnn_attention(q, k, v, cu, max_len, scale):
-    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples."""
+def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool):
+    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples.
+    Packs of samples of at most 128 tokens take flash's varlen kernel, as torch's own routing to the ragged
+    kernel does (EO-Gym samples are thousands of tokens long)."""
     if cudnn_ragged_available(q.device.index):
+        if max_len <= 128:
+            return _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag)
         return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
     from torch.nn.attention import SDPBackend
 
@@ -291,7 +295,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = _cudnn_attention(q, k, v, cu, max_length_q, scale)
+        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
