@@ -16,7 +16,7 @@
 #   bash bench/h200_session.sh recipe20_a; bash bench/h200_session.sh recipe20_b   # 2 GPUs, two calls back to back:
 #                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 6; then GPU tests, attention probe
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
-#   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B against B-cudnn (GPU 0); GPU tests, then plain TRL's arm A (GPU 1)
+#   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B against B-cudnn (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
@@ -188,11 +188,15 @@ recipe20_b)
 cudnn_x2)
   # Issue 13's MFU lever: attention is 37% of arm B's step and cuDNN's dense kernel ran it 1.75x faster than
   # flash's varlen (attention_probe). GPU 0: arm B and B-cudnn in one process (1 warm-up + 3 timed steps
-  # each, the recipe's 32 micro-batches). GPU 1 at the same time: the GPU tests of both kernels, then plain
+  # each, the recipe's 32 micro-batches). GPU 1 at the same time: the attention probe, the GPU tests of the kernels, then plain
   # TRL (arm A: one micro-batch of 4 a step, --grad-accum ignored; 1 + 3 steps) for the >= 5x target. ~8 min (estimate).
   make_bench_data
   rm -rf /tmp/bt_a && cp -r /tmp/bt /tmp/bt_a  # its own workdir: each process writes its processor folder there
-  ( CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
+  ( for lengths in 6000,6000 3500,8500; do  # the kernels alone first (~1 min, estimate); commas left out of file names
+      CUDA_VISIBLE_DEVICES=1 timeout 120 python bench/attention_probe.py --lengths $lengths --iters 10 \
+        --json $OUT/attention_${lengths/,/_}.json > $OUT/attention_${lengths/,/_}.log 2>&1 || echo "attention_probe $lengths: exit $?"
+    done
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
       > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
     CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 8 \
       --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > $OUT/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
@@ -200,7 +204,7 @@ cudnn_x2)
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > $OUT/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
   wait $gpu1
-  tail -3 $OUT/gpu_tests.log
+  tail -3 $OUT/gpu_tests.log; grep -hvE "Warning|warn" $OUT/attention_*.log | tail -20
   for f in cudnn_armsB cudnn_armA; do echo "== $f"; grep -vE "Warning|warn" $OUT/$f.log | tail -4; done
   ;;
 relaunch_x2)
