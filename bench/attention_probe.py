@@ -35,8 +35,8 @@ def timed(fn, iters: int) -> float:
 
 def cudnn_ragged(q, k, v, cu, max_len, scale, grad):
     """cuDNN's ragged kernel on the packed rows, by its aten ops (forward, then the backward op itself, so
-    that it runs whether or not this torch registers the forward's autograd); torch >= 2.14's varlen_attn
-    routes here for causal calls without grouped heads on cuDNN >= 9.18. Returns the output, the three
+    that it runs whether or not this torch registers the forward's autograd); torch 2.14's varlen_attn routes
+    here only calls without a causal window or grouped heads, on cuDNN >= 9.18. Returns the output, the three
     gradients and the log-sum-exp (a wrapper's fake implementation needs its shape)."""
     with torch.no_grad():
         res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
@@ -97,9 +97,6 @@ def main(argv=None) -> dict:
         "eogym_varlen: varlen_attn (flash)": packed(lambda: _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag())),
         "eogym_varlen_cudnn: right-padded, SDPA cuDNN": packed(
             lambda: padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])),
-        "cuDNN ragged (aten ops), k/v expanded": packed(lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0]),
-        "eogym_varlen_cudnn where cuDNN >= 9.18: the ragged op with autograd, k/v expanded inside": packed(
-            lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale)),
     }
     if len(set(lengths)) == 1:
         n, length = len(lengths), lengths[0]
@@ -118,6 +115,12 @@ def main(argv=None) -> dict:
                               ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
             arms[f"sdpa {name}, dense"] = dense(backend, expand=False)
             arms[f"sdpa {name}, dense, k/v expanded"] = dense(backend, expand=True)
+    # cuDNN's ragged arms last: on torch < 2.14 its packed backward can hit an illegal memory access
+    # (pytorch#186142), which leaves the CUDA context unusable for every arm after it.
+    arms["cuDNN ragged (aten ops), k/v expanded"] = packed(
+        lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0])
+    arms["eogym_varlen_cudnn's ragged op with autograd, k/v expanded inside"] = packed(
+        lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale))
     flops = 3.5 * sum(2 * 2 * n * n * heads * dim / 2 for n in lengths)
     results = []
     for name, fn in arms.items():

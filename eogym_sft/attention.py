@@ -12,8 +12,8 @@ the decoder layers, so that a regionally compiled layer (attention kernel includ
 
 ``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
 of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
-(H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (cuDNN >= 9.18,
-sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere the samples are
+(H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (torch >= 2.14,
+cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere the samples are
 right-padded to the longest into a dense batch for SDPA's cuDNN backend, which costs the pad rows' causal
 work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
 
@@ -108,11 +108,20 @@ def padded_attention(q, k, v, cu, max_len, scale, backends):
 
 @torch.compiler.assume_constant_result  # a property of the machine: a constant to a compiled layer, no guard
 def cudnn_ragged_available(device_index: int) -> bool:
-    """Whether cuDNN's ragged (packed) attention kernel runs here: cuDNN >= 9.18 on sm90/sm100, the versions
-    torch >= 2.14's ``varlen_attn`` itself requires before routing causal calls to it."""
+    """Whether cuDNN's ragged (packed) attention kernel runs here: torch >= 2.14, cuDNN >= 9.18 on sm90/sm100.
+
+    The cuDNN and GPU bounds are those torch's own ``varlen_attn`` checks before it routes a call to this
+    kernel. The torch bound is ours: older torch's ``_cudnn_attention_backward`` sized packed inputs by
+    their head dim instead of the longest sample (pytorch#186142: an illegal memory access for samples
+    longer than 128 tokens) and laid out the log-sum-exp as ``[tokens, heads, 1]``; 2.14's ``varlen_attn``
+    itself runs the kernel's forward and backward, with the ``[heads, tokens]`` layout the fake below gives.
+    """
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(torch.__version__) < (2, 14) or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
+        return False
     version = torch.backends.cudnn.version() or 0
-    major = torch.cuda.get_device_capability(device_index)[0]
-    return version >= 91800 and major in (9, 10) and hasattr(torch.ops.aten, "_cudnn_attention_forward")
+    return version >= 91800 and torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
 
 @functools.cache
@@ -122,7 +131,8 @@ def cudnn_ragged_op():
     ``q/k/v`` are packed ``[tokens, heads, dim]`` with equal head counts; samples ``cu``; causal. torch's own
     aten ops have no fake implementation to compile against, and their autograd registration varies across
     versions, so the forward and backward ops are wrapped here: the forward returns the log-sum-exp the backward
-    needs, laid out as the kernel allocates it for packed inputs, ``[tokens, heads, 1]`` float32.
+    needs, laid out as torch >= 2.14 allocates it for packed inputs (:func:`cudnn_ragged_available`),
+    ``[heads, tokens]`` float32, the layout of torch's own ``varlen_attn`` fake.
     """
 
     @torch.library.custom_op("eogym::cudnn_varlen_attention", mutates_args=())
@@ -144,7 +154,8 @@ def cudnn_ragged_op():
 
     @attend.register_fake
     def _(q, k, v, cu, max_len, scale):
-        return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[0], q.shape[1], 1, dtype=torch.float32)
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
     @attend_backward.register_fake
     def _(grad, q, k, v, out, lse, cu, max_len, scale):
@@ -162,12 +173,13 @@ def cudnn_ragged_op():
     return attend
 
 
-def cudnn_varlen_attention(q, k, v, cu, max_len, scale):
+def cudnn_varlen_attention(q, k, v, cu, max_len, scale, op=None):
     """Causal attention of the packed samples ``cu`` by cuDNN's ragged kernel, grouped key/value heads expanded
-    first (torch's own routing to this kernel leaves grouped heads out); ``[tokens, heads, dim]``."""
+    first (torch's own routing to this kernel leaves grouped heads out); ``[tokens, heads, dim]``. ``op`` is
+    :func:`cudnn_ragged_op`'s, passed in by a compiled caller: defining it inside a compiled layer breaks the graph."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    return cudnn_ragged_op()(q, k, v, cu, max_len, scale)[0]
+    return (op or cudnn_ragged_op())(q, k, v, cu, max_len, scale)[0]
 
 
 def _varlen_reference(q, k, v, cu, scale):
@@ -245,14 +257,14 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
-def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool):
+def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool, ragged=None):
     """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples.
     Packs of samples of at most 128 tokens take flash's varlen kernel, as torch's own routing to the ragged
     kernel does (EO-Gym samples are thousands of tokens long)."""
     if cudnn_ragged_available(q.device.index):
         if max_len <= 128:
             return _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag)
-        return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
+        return cudnn_varlen_attention(q, k, v, cu, max_len, scale, ragged)
     from torch.nn.attention import SDPBackend
 
     return padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])
@@ -261,16 +273,17 @@ def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool):
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
     boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
-    cu_seq_lens_q=None, max_length_q=None, **kwargs
+    ragged=None, cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
 
     The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
-    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and
-    ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed batches, see
-    :func:`_cudnn_attention`, and flash for right-padded ones) are bound by :func:`register_varlen_attention`.
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op), ``ragged`` (the
+    cuDNN ragged op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed
+    batches, see :func:`_cudnn_attention`, and flash for right-padded ones) are bound by
+    :func:`register_varlen_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:
@@ -295,7 +308,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, gqa_flag)
+        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, gqa_flag, ragged)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
@@ -340,11 +353,11 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    # Looked up (and the CPU op defined) here rather than inside a compiled layer, where either breaks the graph.
-    for name, cuda_kernel in ((NAME, "flash"), (CUDNN_NAME, "cudnn")):
+    # Looked up (and the custom ops defined) here rather than inside a compiled layer, where either breaks the graph.
+    for name, cuda_kernel, ragged in ((NAME, "flash", None), (CUDNN_NAME, "cudnn", cudnn_ragged_op())):
         attend = functools.partial(
             varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op(),
-            cuda_kernel=cuda_kernel,
+            cuda_kernel=cuda_kernel, ragged=ragged,
         )
         AttentionInterface.register(name, attend)
         AttentionMaskInterface.register(name, flash_attention_mask)

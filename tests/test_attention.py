@@ -224,20 +224,69 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
 
 def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
     """The wrapper of cuDNN's ragged kernel on meta tensors (its kernels need a GPU; the fake implementations
-    serve the meta device): the forward gives the output and the kernel's packed log-sum-exp layout, and
-    autograd reaches the backward op through the key/value heads' expansion, so gradients come back in the
-    grouped heads' shapes."""
+    serve the meta device): the forward gives the output and the packed log-sum-exp in the layout of torch's
+    own ``varlen_attn`` (which runs the same kernel on torch >= 2.14), and autograd reaches the backward op
+    through the key/value heads' expansion, so gradients come back in the grouped heads' shapes."""
     from eogym_sft.attention import cudnn_ragged_op, cudnn_varlen_attention
 
     make = lambda h: torch.empty(13, h, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = make(4), make(2), make(2)
     cu = torch.empty(4, device="meta", dtype=torch.int32)
     out, lse = cudnn_ragged_op()(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, 9, 0.25)
-    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((13, 4, 16), torch.bfloat16, (13, 4, 1), torch.float32)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((13, 4, 16), torch.bfloat16, (4, 13), torch.float32)
+    from torch.nn.attention import varlen  # noqa: F401  (defines torch's own wrapper op, torch_attn::_varlen_attn)
+
+    _, torch_lse, _ = torch.ops.torch_attn._varlen_attn(q, q, q, cu, cu, 9, 9, True)
+    assert (torch_lse.shape, torch_lse.dtype) == (lse.shape, lse.dtype)
     out = cudnn_varlen_attention(q, k, v, cu, 9, 0.25)
     grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert [tuple(g.shape) for g in grads] == [(13, 4, 16), (13, 2, 16), (13, 2, 16)]
     assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+@pytest.mark.parametrize(("torch_version", "cudnn", "capability", "want"), [
+    ("2.14.1", 91900, (9, 0), True), ("2.14.0", 91800, (10, 0), True),
+    ("2.11.0+cu128", 91900, (9, 0), False),  # older torch's packed backward: pytorch#186142
+    ("2.14.1", 91700, (9, 0), False), ("2.14.1", None, (9, 0), False), ("2.14.1", 91900, (8, 0), False),
+])
+def test_cudnn_ragged_available_needs_torch_cudnn_and_gpu(monkeypatch, torch_version, cudnn, capability, want):
+    """The machine's torch, cuDNN and GPU decide whether cuDNN's ragged kernel runs (faked here: no GPU)."""
+    from eogym_sft.attention import cudnn_ragged_available
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    assert cudnn_ragged_available(0) is want
+
+
+def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
+    """``eogym_varlen_cudnn``'s kernel choice under ``torch.compile`` where the ragged kernel runs (the
+    machine faked, meta tensors): the availability check is a constant, the op comes bound (defining it
+    while compiling breaks the graph), so the layer is one graph calling the op, and gradients flow."""
+    from eogym_sft.attention import _cudnn_attention, cudnn_ragged_op
+
+    monkeypatch.setattr(torch, "__version__", "2.14.1")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    make = lambda h: torch.empty(13, h, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = make(4), make(2), make(2)
+    cu = torch.empty(4, device="meta", dtype=torch.int32)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(_cudnn_attention, backend=backend, fullgraph=True)
+        out = compiled(q, k, v, cu, 200, 0.25, True, cudnn_ragged_op())
+        grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert "eogym.cudnn_varlen_attention" in graphs[0].code
+    assert [tuple(g.shape) for g in grads] == [(13, 4, 16), (13, 2, 16), (13, 2, 16)]
 
 
 @pytest.mark.gpu
