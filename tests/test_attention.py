@@ -244,6 +244,12 @@ def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
     assert all(g.dtype == torch.bfloat16 for g in grads)
 
 
+def _fake_machine(monkeypatch, torch_version, cudnn, capability):  # what cudnn_ragged_available reads
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+
+
 @pytest.mark.parametrize(("torch_version", "cudnn", "capability", "want"), [
     ("2.14.1", 91900, (9, 0), True), ("2.14.0", 91800, (10, 0), True),
     ("2.11.0+cu128", 91900, (9, 0), False),  # older torch's packed backward: pytorch#186142
@@ -253,9 +259,7 @@ def test_cudnn_ragged_available_needs_torch_cudnn_and_gpu(monkeypatch, torch_ver
     """The machine's torch, cuDNN and GPU decide whether cuDNN's ragged kernel runs (faked here: no GPU)."""
     from eogym_sft.attention import cudnn_ragged_available
 
-    monkeypatch.setattr(torch, "__version__", torch_version)
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    _fake_machine(monkeypatch, torch_version, cudnn, capability)
     assert cudnn_ragged_available(0) is want
 
 
@@ -265,9 +269,7 @@ def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
     while compiling breaks the graph), so the layer is one graph calling the op, and gradients flow."""
     from eogym_sft.attention import _cudnn_attention, cudnn_ragged_op
 
-    monkeypatch.setattr(torch, "__version__", "2.14.1")
-    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    _fake_machine(monkeypatch, "2.14.1", 91900, (9, 0))
     graphs = []
 
     def backend(gm, example_inputs):
