@@ -117,10 +117,10 @@ def main(argv=None) -> dict:
             arms[f"sdpa {name}, dense, k/v expanded"] = dense(backend, expand=True)
     # cuDNN's ragged arms last: on torch < 2.14 its packed backward can hit an illegal memory access
     # (pytorch#186142), which leaves the CUDA context unusable for every arm after it.
+    arms["eogym_varlen_cudnn's ragged path: torch's varlen op, causal full window, k/v expanded (cuDNN from torch 2.14)"] = packed(
+        lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale))
     arms["cuDNN ragged (aten ops), k/v expanded"] = packed(
         lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0])
-    arms["eogym_varlen_cudnn's ragged op with autograd, k/v expanded inside"] = packed(
-        lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale))
     flops = 3.5 * sum(2 * 2 * n * n * heads * dim / 2 for n in lengths)
     results = []
     for name, fn in arms.items():

@@ -113,8 +113,7 @@ def cudnn_ragged_available(device_index: int) -> bool:
     The cuDNN and GPU bounds are those torch's own ``varlen_attn`` checks before it routes a call to this
     kernel. The torch bound is ours: older torch's ``_cudnn_attention_backward`` sized packed inputs by
     their head dim instead of the longest sample (pytorch#186142: an illegal memory access for samples
-    longer than 128 tokens) and laid out the log-sum-exp as ``[tokens, heads, 1]``; 2.14's ``varlen_attn``
-    itself runs the kernel's forward and backward, with the ``[heads, tokens]`` layout the fake below gives.
+    longer than 128 tokens), and its varlen op does not route to cuDNN.
     """
     from torch.torch_version import TorchVersion
 
@@ -124,62 +123,17 @@ def cudnn_ragged_available(device_index: int) -> bool:
     return version >= 91800 and torch.cuda.get_device_capability(device_index)[0] in (9, 10)
 
 
-@functools.cache
-def cudnn_ragged_op():
-    """cuDNN's ragged attention kernel as one custom op with its backward, defined on first use (not at import).
+def cudnn_varlen_attention(q, k, v, cu, max_len, scale):
+    """Causal attention of the packed samples ``cu`` by torch's own varlen op, called so that it takes cuDNN's
+    ragged kernel: a causal call over the full window, with grouped key/value heads expanded first (torch
+    routes grouped heads, sliding windows and samples of at most 128 tokens to flash). The op is private
+    (``torch_attn::_varlen_attn``, torch >= 2.14, with its own fake and autograd); tests pin its arguments
+    and that this call routes to cuDNN. ``[tokens, heads, dim]``."""
+    from torch.nn.attention.varlen import _varlen_attn
 
-    ``q/k/v`` are packed ``[tokens, heads, dim]`` with equal head counts; samples ``cu``; causal. torch's own
-    aten ops have no fake implementation to compile against, and their autograd registration varies across
-    versions, so the forward and backward ops are wrapped here: the forward returns the log-sum-exp the backward
-    needs, laid out as torch >= 2.14 allocates it for packed inputs (:func:`cudnn_ragged_available`),
-    ``[heads, tokens]`` float32, the layout of torch's own ``varlen_attn`` fake.
-    """
-
-    @torch.library.custom_op("eogym::cudnn_varlen_attention", mutates_args=())
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.ops.aten._cudnn_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, cu, cu, max_len, max_len, True, 0.0, True, False, scale=scale)
-        return out[0], out[1]
-
-    @torch.library.custom_op("eogym::cudnn_varlen_attention_backward", mutates_args=())
-    def attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        unused_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the philox state is not read
-        grads = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, unused_rng, unused_rng, None,
-            cu, cu, max_len, max_len, 0.0, True, scale=scale)
-        return tuple(grads)
-
-    @attend.register_fake
-    def _(q, k, v, cu, max_len, scale):
-        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse
-
-    @attend_backward.register_fake
-    def _(grad, q, k, v, out, lse, cu, max_len, scale):
-        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu, ctx.max_len, ctx.scale = inputs
-        ctx.save_for_backward(q, k, v, cu, *output)
-
-    def backward(ctx, grad, _grad_lse):
-        q, k, v, cu, out, lse = ctx.saved_tensors
-        return (*attend_backward(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale), None, None, None)
-
-    attend.register_autograd(backward, setup_context=setup_context)
-    return attend
-
-
-def cudnn_varlen_attention(q, k, v, cu, max_len, scale, op=None):
-    """Causal attention of the packed samples ``cu`` by cuDNN's ragged kernel, grouped key/value heads expanded
-    first (torch's own routing to this kernel leaves grouped heads out); ``[tokens, heads, dim]``. ``op`` is
-    :func:`cudnn_ragged_op`'s, passed in by a compiled caller: defining it inside a compiled layer breaks the graph."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    return (op or cudnn_ragged_op())(q, k, v, cu, max_len, scale)[0]
+    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, True, scale)[0]
 
 
 def _varlen_reference(q, k, v, cu, scale):
@@ -257,14 +211,10 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
-def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool, ragged=None):
-    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples.
-    Packs of samples of at most 128 tokens take flash's varlen kernel, as torch's own routing to the ragged
-    kernel does (EO-Gym samples are thousands of tokens long)."""
+def _cudnn_attention(q, k, v, cu, max_len, scale):
+    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples."""
     if cudnn_ragged_available(q.device.index):
-        if max_len <= 128:
-            return _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag)
-        return cudnn_varlen_attention(q, k, v, cu, max_len, scale, ragged)
+        return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
     from torch.nn.attention import SDPBackend
 
     return padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])
@@ -273,15 +223,14 @@ def _cudnn_attention(q, k, v, cu, max_len, scale, gqa_flag: bool, ragged=None):
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
     boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
-    ragged=None, cu_seq_lens_q=None, max_length_q=None, **kwargs
+    cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
 
     The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
-    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op), ``ragged`` (the
-    cuDNN ragged op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed
     batches, see :func:`_cudnn_attention`, and flash for right-padded ones) are bound by
     :func:`register_varlen_attention`.
     """
@@ -308,7 +257,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, gqa_flag, ragged)
+        out = _cudnn_attention(q, k, v, cu, max_length_q, scale)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
@@ -353,11 +302,11 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    # Looked up (and the custom ops defined) here rather than inside a compiled layer, where either breaks the graph.
-    for name, cuda_kernel, ragged in ((NAME, "flash", None), (CUDNN_NAME, "cudnn", cudnn_ragged_op())):
+    # Looked up (and the CPU op defined) here rather than inside a compiled layer, where either breaks the graph.
+    for name, cuda_kernel in ((NAME, "flash"), (CUDNN_NAME, "cudnn")):
         attend = functools.partial(
             varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op(),
-            cuda_kernel=cuda_kernel, ragged=ragged,
+            cuda_kernel=cuda_kernel,
         )
         AttentionInterface.register(name, attend)
         AttentionMaskInterface.register(name, flash_attention_mask)

@@ -223,25 +223,41 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
 
 
 def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
-    """The wrapper of cuDNN's ragged kernel on meta tensors (its kernels need a GPU; the fake implementations
-    serve the meta device): the forward gives the output and the packed log-sum-exp in the layout of torch's
-    own ``varlen_attn`` (which runs the same kernel on torch >= 2.14), and autograd reaches the backward op
-    through the key/value heads' expansion, so gradients come back in the grouped heads' shapes."""
-    from eogym_sft.attention import cudnn_ragged_op, cudnn_varlen_attention
+    """torch's own varlen op, which ``eogym_varlen_cudnn`` calls for cuDNN's ragged kernel, on meta tensors (its
+    kernels need a GPU; its fake implementations serve the meta device): the arguments we pass are the ones it
+    takes, it gives the output and the packed log-sum-exp, and autograd reaches its backward through the
+    key/value heads' expansion, so gradients come back in the grouped heads' shapes. Pins the private op."""
+    from torch.nn.attention.varlen import _varlen_attn
 
+    from eogym_sft.attention import cudnn_varlen_attention
+
+    params = [arg.name for arg in torch.ops.torch_attn._varlen_attn.default._schema.arguments][:9]
+    assert params == ["query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "scale"]
     make = lambda h: torch.empty(13, h, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = make(4), make(2), make(2)
     cu = torch.empty(4, device="meta", dtype=torch.int32)
-    out, lse = cudnn_ragged_op()(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, 9, 0.25)
+    out, lse, _ = _varlen_attn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu, cu, 9, 9, True, 0.25)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((13, 4, 16), torch.bfloat16, (4, 13), torch.float32)
-    from torch.nn.attention import varlen  # noqa: F401  (defines torch's own wrapper op, torch_attn::_varlen_attn)
-
-    _, torch_lse, _ = torch.ops.torch_attn._varlen_attn(q, q, q, cu, cu, 9, 9, True)
-    assert (torch_lse.shape, torch_lse.dtype) == (lse.shape, lse.dtype)
     out = cudnn_varlen_attention(q, k, v, cu, 9, 0.25)
     grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert [tuple(g.shape) for g in grads] == [(13, 4, 16), (13, 2, 16), (13, 2, 16)]
     assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_our_call_routes_torchs_varlen_op_to_cudnn(monkeypatch):
+    """The call ``cudnn_varlen_attention`` makes (causal over the full window, no grouped heads, bf16, samples
+    over 128 tokens) is one torch routes to cuDNN's ragged kernel on a machine that has it; grouped heads, a
+    sliding window or short samples go to flash. Pins torch's private routing check (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import varlen
+
+    monkeypatch.setattr(varlen, "_should_use_cudnn", lambda index: True)  # the machine: cuDNN >= 9.18, sm90
+    with FakeTensorMode():
+        q, kv, grouped = (torch.empty(400, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 32, 8))
+        assert varlen._can_use_cudnn(q, kv, kv, 300, [-1, -1])
+        assert not varlen._can_use_cudnn(q, grouped, grouped, 300, [-1, -1])
+        assert not varlen._can_use_cudnn(q, kv, kv, 300, [-1, 0])
+        assert not varlen._can_use_cudnn(q, kv, kv, 128, [-1, -1])
 
 
 def _fake_machine(monkeypatch, torch_version, cudnn, capability):  # what cudnn_ragged_available reads
@@ -265,9 +281,9 @@ def test_cudnn_ragged_available_needs_torch_cudnn_and_gpu(monkeypatch, torch_ver
 
 def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
     """``eogym_varlen_cudnn``'s kernel choice under ``torch.compile`` where the ragged kernel runs (the
-    machine faked, meta tensors): the availability check is a constant, the op comes bound (defining it
-    while compiling breaks the graph), so the layer is one graph calling the op, and gradients flow."""
-    from eogym_sft.attention import _cudnn_attention, cudnn_ragged_op
+    machine faked, meta tensors): the availability check is a constant, so the layer is one graph calling
+    torch's varlen op, and gradients flow."""
+    from eogym_sft.attention import _cudnn_attention
 
     _fake_machine(monkeypatch, "2.14.1", 91900, (9, 0))
     graphs = []
@@ -282,12 +298,12 @@ def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
     torch._dynamo.reset()
     try:
         compiled = torch.compile(_cudnn_attention, backend=backend, fullgraph=True)
-        out = compiled(q, k, v, cu, 200, 0.25, True, cudnn_ragged_op())
+        out = compiled(q, k, v, cu, 200, 0.25)
         grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 1
-    assert "eogym.cudnn_varlen_attention" in graphs[0].code
+    assert "torch_attn._varlen_attn" in graphs[0].code
     assert [tuple(g.shape) for g in grads] == [(13, 4, 16), (13, 2, 16), (13, 2, 16)]
 
 
