@@ -71,7 +71,7 @@ ARMS = {
     "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
     "B-sdpa": {"attn": "sdpa"},
-    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # cuDNN: its ragged kernel where cuDNN >= 9.18 (sm90/sm100), else padded samples
+    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # cuDNN: its ragged kernel where it runs (torch >= 2.14), else its dense one per sample
     "B-fullhead": {"head": "full"},
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},

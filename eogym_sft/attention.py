@@ -13,9 +13,10 @@ the decoder layers, so that a regionally compiled layer (attention kernel includ
 ``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
 of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
 (H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (torch >= 2.14,
-cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere the samples are
-right-padded to the longest into a dense batch for SDPA's cuDNN backend, which costs the pad rows' causal
-work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
+cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere
+:func:`per_sample_op` calls the dense kernel once per sample, unpadded. Right-padding the samples into one
+dense batch instead (:func:`padded_attention`, the path until 2026-12-01) costs the pad rows' causal work: a
+sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -104,6 +105,119 @@ def padded_attention(q, k, v, cu, max_len, scale, backends):
             pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=True  # a constant: head counts may be symbolic
         )
     return out[0][slots(q.shape[1])]
+
+
+def _sample_kernels(device_type: str):
+    """One sample's causal attention forward (``-> (out, flat log-sum-exp)``) and backward, by aten's fused kernels:
+    cuDNN's dense kernel on CUDA; torch's flash kernel for CPU elsewhere, which runs the same per-sample code in
+    the CPU tests. Both take ``[1, heads, length, dim]`` with equal head counts and no dropout."""
+    aten = torch.ops.aten
+    if device_type == "cuda":
+        def forward(q, k, v, scale):
+            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+            return out, lse.flatten()
+
+        def backward(grad, q, k, v, out, lse, scale):
+            unused = q.new_empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout, cuDNN reads neither
+            lse = lse.view(1, q.shape[1], q.shape[2], 1)
+            return aten._scaled_dot_product_cudnn_attention_backward(
+                grad, q, k, v, out, lse, unused, unused, None, None, None, q.shape[2], k.shape[2], 0.0, True, scale=scale
+            )
+    else:
+        def forward(q, k, v, scale):
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+            return out, lse.flatten()
+
+        def backward(grad, q, k, v, out, lse, scale):
+            lse = lse.view(1, q.shape[1], q.shape[2])
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+    return forward, backward
+
+
+def _samples(cu: torch.Tensor):
+    """``(start, end)`` of each sample: one host sync, inside the op, where it does not split a compiled graph."""
+    bounds = cu.tolist()
+    return zip(bounds[:-1], bounds[1:])
+
+
+def _sample_views(t: torch.Tensor, start: int, end: int, group: int = 1) -> torch.Tensor:
+    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads * group, length, dim]``, each head
+    repeated ``group`` times (grouped key/value heads, for kernels that want equal head counts)."""
+    rows = t[start:end]
+    if group > 1:
+        rows = rows.repeat_interleave(group, dim=1)
+    return rows.transpose(0, 1)[None]
+
+
+def _per_sample_forward(q, k, v, cu, scale):
+    forward, _ = _sample_kernels(q.device.type)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * q.shape[1], dtype=torch.float32)  # lse: sample-major
+    for start, end in _samples(cu):
+        res, res_lse = forward(_sample_views(q, start, end), _sample_views(k, start, end, group),
+                               _sample_views(v, start, end, group), scale)
+        out[start:end] = res[0].transpose(0, 1)
+        lse[start * q.shape[1]:end * q.shape[1]] = res_lse
+    return out, lse
+
+
+def _per_sample_backward(grad, q, k, v, out, lse, cu, scale):
+    _, backward = _sample_kernels(q.device.type)
+    grad, q, k, v, out = (t.contiguous() for t in (grad, q, k, v, out))
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for start, end in _samples(cu):
+        parts = backward(*(_sample_views(t, start, end) for t in (grad, q)), _sample_views(k, start, end, group),
+                         _sample_views(v, start, end, group), _sample_views(out, start, end),
+                         lse[start * heads:end * heads], scale)
+        for full, part in zip(grads, parts):
+            part = part[0].transpose(0, 1)  # [length, heads, dim]
+            full[start:end] = part.unflatten(1, (full.shape[1], -1)).sum(2)  # repeated heads add up onto their own
+    return tuple(grads)
+
+
+@functools.cache
+def per_sample_op():
+    """Causal attention of the packed samples, one fused dense kernel call per sample, as one custom op with its
+    own backward (defined on first use, not at import).
+
+    No sample is padded, so each costs its own causal work, and the kernel is cuDNN's dense one on CUDA, the
+    kernel that ran 1.75x flash's on these shapes (module docstring). Under ``torch.compile`` it is one opaque
+    node whose loop reads the boundaries on the host: a compiled layer stays one graph for any number of
+    samples. The forward keeps each sample's log-sum-exp (sample-major, flat) for the backward kernel.
+    ``q/k/v`` are ``[tokens, heads, dim]``; grouped key/value heads are repeated per sample inside the op and
+    their gradients summed back, so the saved tensors stay grouped.
+    """
+
+    @torch.library.custom_op("eogym::per_sample_attention", mutates_args=())
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _per_sample_forward(q, k, v, cu, scale)
+
+    @torch.library.custom_op("eogym::per_sample_attention_backward", mutates_args=())
+    def attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _per_sample_backward(grad, q, k, v, out, lse, cu, scale)
+
+    @attend.register_fake
+    def _(q, k, v, cu, scale):
+        return torch.empty_like(q), q.new_empty(q.shape[0] * q.shape[1], dtype=torch.float32)
+
+    @attend_backward.register_fake
+    def _(grad, q, k, v, out, lse, cu, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, *output, cu)
+        ctx.mark_non_differentiable(output[1])
+
+    def backward(ctx, grad, _grad_lse):
+        return (*attend_backward(grad, *ctx.saved_tensors, ctx.scale), None, None)
+
+    attend.register_autograd(backward, setup_context=setup_context)
+    return attend
 
 
 @torch.compiler.assume_constant_result  # a property of the machine: a constant to a compiled layer, no guard
@@ -211,18 +325,16 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
-def _cudnn_attention(q, k, v, cu, max_len, scale):
-    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else SDPA's cuDNN on right-padded samples."""
+def _cudnn_attention(q, k, v, cu, max_len, scale, per_sample=None):
+    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else cuDNN's dense one sample by sample."""
     if cudnn_ragged_available(q.device.index):
         return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
-    from torch.nn.attention import SDPBackend
-
-    return padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])
+    return (per_sample or per_sample_op())(q, k, v, cu, scale)[0]
 
 
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
+    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash", per_sample=None,
     cu_seq_lens_q=None, max_length_q=None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
@@ -257,7 +369,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = _cudnn_attention(q, k, v, cu, max_length_q, scale)
+        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, per_sample)
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
@@ -306,7 +418,7 @@ def register_varlen_attention() -> None:
     for name, cuda_kernel in ((NAME, "flash"), (CUDNN_NAME, "cudnn")):
         attend = functools.partial(
             varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op(),
-            cuda_kernel=cuda_kernel,
+            cuda_kernel=cuda_kernel, per_sample=per_sample_op(),
         )
         AttentionInterface.register(name, attend)
         AttentionMaskInterface.register(name, flash_attention_mask)

@@ -222,6 +222,72 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
     torch._dynamo.reset()
 
 
+def test_per_sample_op_is_the_reference_with_its_gradient():
+    """``eogym_varlen_cudnn``'s per-sample op (here with torch's flash kernel for CPU, the same loop as cuDNN's on
+    a GPU) gives the reference's output and gradients, with samples of 1 token and grouped heads, and returns
+    each sample's log-sum-exp, sample-major."""
+    from eogym_sft.attention import per_sample_op
+
+    lengths = [3, 1, 6, 2]
+    q, k, v, cu = _packed(lengths, dtype=torch.float32)
+    grad = torch.randn_like(q)
+    results = []
+    for attend in (_varlen_reference, lambda *t: per_sample_op()(*t)[0]):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, cu, 0.3)
+        results.append((out, *torch.autograd.grad(out, leaves, grad)))
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lse = per_sample_op()(q, k, v, cu, 0.3)[1]
+    start, end = 4, 10  # the third sample
+    scores = 0.3 * q[start:end].transpose(0, 1) @ k[start:end].repeat_interleave(2, 1).permute(1, 2, 0)
+    causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    want_lse = scores.masked_fill(~causal, float("-inf")).logsumexp(-1)  # [heads, length]
+    torch.testing.assert_close(lse[start * 4:end * 4].view(4, end - start), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_per_sample_op_compiles_to_one_graph_for_any_boundaries():
+    """One opaque node: one dynamic graph for packs of 1-5 samples, each with the eager result and gradients."""
+    from torch._dynamo.utils import counters
+
+    from eogym_sft.attention import per_sample_op
+
+    op = per_sample_op()  # looked up outside the compiled function, as register_varlen_attention does
+    attend = lambda q, k, v, cu: op(q, k, v, cu, 0.3)[0] * 2  # noqa: E731
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attend, backend="aot_eager", dynamic=True, fullgraph=True)
+    for lengths in ([3, 5], [2, 7, 4], [9, 1, 1, 3, 8], [6]):
+        q, k, v, cu = _packed(lengths, dim=16, dtype=torch.float32)
+        grad = torch.randn_like(q)
+        results = []
+        for fn in (attend, compiled):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves, cu)
+            results.append((out, *torch.autograd.grad(out, leaves, grad)))
+        for want, got in zip(*results):
+            torch.testing.assert_close(got, want)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_per_sample_cudnn_kernels_take_our_arguments():
+    """The private aten cuDNN ops the per-sample op calls on CUDA, on meta tensors (their fakes are torch's): the
+    arguments we pass bind, the log-sum-exp flattens to ``heads * length`` and goes back in, and gradients come
+    back in the inputs' shapes, grouped key/value heads repeated first."""
+    from eogym_sft.attention import _sample_kernels, _sample_views
+
+    forward, backward = _sample_kernels("cuda")
+    q = torch.empty(11, 32, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(11, 8, 128, dtype=torch.bfloat16, device="meta")
+    views = [_sample_views(q, 2, 9), _sample_views(kv, 2, 9, 4), _sample_views(kv, 2, 9, 4)]
+    assert [tuple(t.shape) for t in views] == [(1, 32, 7, 128)] * 3
+    out, lse = forward(*views, 0.1)
+    assert tuple(out.shape) == (1, 32, 7, 128) and tuple(lse.shape) == (32 * 7,) and lse.dtype == torch.float32
+    grads = backward(out, *views, out, lse, 0.1)
+    assert [tuple(g.shape) for g in grads] == [(1, 32, 7, 128)] * 3
+
+
 def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
     """torch's own varlen op, which ``eogym_varlen_cudnn`` calls for cuDNN's ragged kernel, on meta tensors (its
     kernels need a GPU; its fake implementations serve the meta device): the arguments we pass are the ones it
@@ -310,18 +376,22 @@ def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cudnn_padded_attention_matches_the_varlen_kernel():
-    """``eogym_varlen_cudnn``'s kernels (SDPA's cuDNN on padded samples; cuDNN's ragged one where it runs)
+    """``eogym_varlen_cudnn``'s kernels (cuDNN's dense one per sample; SDPA's cuDNN on padded samples; cuDNN's
+    ragged one where it runs)
     against ``eogym_varlen``'s on the same packed samples (Qwen3-VL-4B's heads, bf16, one sample over 256
     tokens): outputs and gradients agree to bf16 rounding."""
     from torch.nn.attention import SDPBackend
 
-    from eogym_sft.attention import _varlen_cuda, cudnn_ragged_available, cudnn_varlen_attention, padded_attention, takes_gqa_flag
+    from eogym_sft.attention import (
+        _varlen_cuda, cudnn_ragged_available, cudnn_varlen_attention, padded_attention, per_sample_op, takes_gqa_flag
+    )
 
     lengths = [37, 300, 91]
     q, k, v, cu = _packed(lengths, heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn_like(q)
     kernels = [lambda *t: _varlen_cuda(*t, cu, max(lengths), 128**-0.5, takes_gqa_flag()),
-               lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION])]
+               lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION]),
+               lambda *t: per_sample_op()(*t, cu, 128**-0.5)[0]]
     if cudnn_ragged_available(q.device.index):
         kernels.append(lambda *t: cudnn_varlen_attention(*t, cu, max(lengths), 128**-0.5))
     results = []
