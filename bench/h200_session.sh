@@ -187,9 +187,10 @@ recipe20_b)
   ;;
 cudnn_x2)
   # Issue 13's MFU lever: attention is 37% of arm B's step and cuDNN's dense kernel ran it 1.75x faster than
-  # flash's varlen (attention_probe). GPU 0: arm B and B-cudnn in one process (1 warm-up + 3 timed steps
-  # each, the recipe's 32 micro-batches). GPU 1 at the same time: the attention probe, the GPU tests of the kernels, then plain
-  # TRL (arm A: one micro-batch of 4 a step, --grad-accum ignored; 1 + 3 steps) for the >= 5x target. ~8 min (estimate).
+  # flash's varlen (attention_probe). GPU 0: arm B and B-cudnn (cuDNN's dense kernel per sample since 2026-12-01)
+  # in one process (1 warm-up + 3 timed steps each, the recipe's 32 micro-batches). GPU 1 at the same time: the
+  # attention probe, the GPU tests of the kernels, then plain TRL (arm A: one micro-batch of 4 a step,
+  # --grad-accum ignored; 1 + 8 steps) for the >= 5x target. ~9 min (8.4 on 2026-11-30 with 3 steps of A).
   make_bench_data
   rm -rf /tmp/bt_a && cp -r /tmp/bt /tmp/bt_a  # its own workdir: each process writes its processor folder there
   ( for lengths in 6000,6000 3500,8500; do  # the kernels alone first (~1 min, estimate); commas left out of file names
@@ -198,7 +199,7 @@ cudnn_x2)
     done
     CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
       > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
-    CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 8 \
+    CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 8 --grad-accum 8 \
       --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > $OUT/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
   gpu1=$!
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
