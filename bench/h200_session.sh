@@ -39,7 +39,7 @@ import sys; from pathlib import Path; sys.path.insert(0, 'bench')
 import train_throughput as t
 from eogym_sft.tiny import build_offline_processor
 work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
-(proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > $OUT/bench_data.log 2>&1 || { tail -5 $OUT/bench_data.log; exit 1; }
+(proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > /tmp/bench_data.log 2>&1 || { tail -5 /tmp/bench_data.log; exit 1; }
 }
 make_data() { [ -f $data/train.jsonl ] || python -c "import sys; sys.path.insert(0, 'bench'); from prep_throughput import generate_sample; generate_sample('$data', rows=${1:-240}, seed=0)"; }
 
@@ -191,22 +191,22 @@ cudnn_x2)
   # in one process (1 warm-up + 3 timed steps each, the recipe's 32 micro-batches). GPU 1 at the same time: the
   # attention probe, the GPU tests of the kernels, then plain TRL (arm A: one micro-batch of 4 a step,
   # --grad-accum ignored; 1 + 8 steps) for the >= 5x target. ~9 min (8.4 on 2026-11-30 with 3 steps of A).
-  make_bench_data
+  make_bench_data; mkdir -p /tmp/logs  # logs there: a call brings back at most 8 files
   rm -rf /tmp/bt_a && cp -r /tmp/bt /tmp/bt_a  # its own workdir: each process writes its processor folder there
   ( for lengths in 6000,6000 3500,8500; do  # the kernels alone first (~1 min, estimate); commas left out of file names
       CUDA_VISIBLE_DEVICES=1 timeout 120 python bench/attention_probe.py --lengths $lengths --iters 10 \
-        --json $OUT/attention_${lengths/,/_}.json > $OUT/attention_${lengths/,/_}.log 2>&1 || echo "attention_probe $lengths: exit $?"
+        --json $OUT/attention_${lengths/,/_}.json > /tmp/logs/attention_${lengths/,/_}.log 2>&1 || echo "attention_probe $lengths: exit $?"
     done
     CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
       > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
     CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 8 --grad-accum 8 \
-      --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > $OUT/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
+      --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > /tmp/logs/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
   gpu1=$!
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > $OUT/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
   wait $gpu1
-  tail -3 $OUT/gpu_tests.log; grep -hvE "Warning|warn" $OUT/attention_*.log | tail -20
-  for f in cudnn_armsB cudnn_armA; do echo "== $f"; grep -vE "Warning|warn" $OUT/$f.log | tail -4; done
+  grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8; grep -hvE "Warning|warn" /tmp/logs/attention_*.log | grep arm | cut -c1-160
+  for f in cudnn_armsB cudnn_armA; do echo "== $f"; grep -vE "Warning|warn" /tmp/logs/$f.log | tail -4; done
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

@@ -14,9 +14,10 @@ the decoder layers, so that a regionally compiled layer (attention kernel includ
 of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
 (H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (torch >= 2.14,
 cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere
-:func:`per_sample_op` calls the dense kernel once per sample, unpadded. Right-padding the samples into one
-dense batch instead (:func:`padded_attention`, the path until 2026-12-01) costs the pad rows' causal work: a
-sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores, the gap times ``(L + l) / 2``.
+:func:`per_sample_op` calls the dense kernel once per sample, padded only up to a multiple of 128 tokens.
+Right-padding the samples into one dense batch instead (:func:`padded_attention`, the path until 2026-12-01)
+costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores,
+the gap times ``(L + l) / 2``; on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -107,72 +108,78 @@ def padded_attention(q, k, v, cu, max_len, scale, backends):
     return out[0][slots(q.shape[1])]
 
 
+LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (~50 ms, H200)
+
+
 def _sample_kernels(device_type: str):
-    """One sample's causal attention forward (``-> (out, flat log-sum-exp)``) and backward, by aten's fused kernels:
-    cuDNN's dense kernel on CUDA; torch's flash kernel for CPU elsewhere, which runs the same per-sample code in
-    the CPU tests. Both take ``[1, heads, length, dim]`` with equal head counts and no dropout."""
+    """One sample's causal attention forward (``-> (out, log-sum-exp [heads, length])``) and backward, by aten's fused
+    kernels: cuDNN's dense kernel on CUDA; torch's flash kernel for CPU elsewhere, which runs the same per-sample
+    code in the CPU tests. Both take ``[1, heads, length, dim]`` with equal head counts and no dropout."""
     aten = torch.ops.aten
     if device_type == "cuda":
         def forward(q, k, v, scale):
             out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
-            return out, lse.flatten()
+            return out, lse.reshape(q.shape[1], q.shape[2])
 
         def backward(grad, q, k, v, out, lse, scale):
             unused = q.new_empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout, cuDNN reads neither
-            lse = lse.view(1, q.shape[1], q.shape[2], 1)
             return aten._scaled_dot_product_cudnn_attention_backward(
-                grad, q, k, v, out, lse, unused, unused, None, None, None, q.shape[2], k.shape[2], 0.0, True, scale=scale
+                grad, q, k, v, out, lse.view(1, *lse.shape, 1), unused, unused, None, None, None, q.shape[2], k.shape[2],
+                0.0, True, scale=scale,
             )
     else:
         def forward(q, k, v, scale):
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-            return out, lse.flatten()
+            return out, lse.reshape(q.shape[1], q.shape[2])
 
         def backward(grad, q, k, v, out, lse, scale):
-            lse = lse.view(1, q.shape[1], q.shape[2])
-            return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, True, scale=scale)
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse.view(1, *lse.shape), 0.0, True, scale=scale
+            )
     return forward, backward
 
 
 def _samples(cu: torch.Tensor):
-    """``(start, end)`` of each sample: one host sync, inside the op, where it does not split a compiled graph."""
+    """``(start, end, padded length)`` of each sample: one host sync, inside the op, where it does not split a
+    compiled graph."""
     bounds = cu.tolist()
-    return zip(bounds[:-1], bounds[1:])
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        yield start, end, -(-(end - start) // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
-def _sample_views(t: torch.Tensor, start: int, end: int, group: int = 1) -> torch.Tensor:
-    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads * group, length, dim]``, each head
-    repeated ``group`` times (grouped key/value heads, for kernels that want equal head counts)."""
-    rows = t[start:end]
-    if group > 1:
-        rows = rows.repeat_interleave(group, dim=1)
-    return rows.transpose(0, 1)[None]
+def _padded_sample(t: torch.Tensor, start: int, end: int, length: int, group: int = 1) -> torch.Tensor:
+    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads * group, length, dim]``: zero rows after
+    the sample, each head repeated ``group`` times (grouped key/value heads, for equal head counts)."""
+    padded = t.new_zeros(length, t.shape[1] * group, t.shape[2])
+    padded[:end - start].view(end - start, t.shape[1], group, t.shape[2]).copy_(t[start:end, :, None])
+    return padded.transpose(0, 1)[None]
 
 
 def _per_sample_forward(q, k, v, cu, scale):
     forward, _ = _sample_kernels(q.device.type)
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * q.shape[1], dtype=torch.float32)  # lse: sample-major
-    for start, end in _samples(cu):
-        res, res_lse = forward(_sample_views(q, start, end), _sample_views(k, start, end, group),
-                               _sample_views(v, start, end, group), scale)
-        out[start:end] = res[0].transpose(0, 1)
-        lse[start * q.shape[1]:end * q.shape[1]] = res_lse
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * heads, dtype=torch.float32)  # lse: [heads, length] a sample
+    for start, end, length in _samples(cu):
+        res, res_lse = forward(_padded_sample(q, start, end, length), _padded_sample(k, start, end, length, group),
+                               _padded_sample(v, start, end, length, group), scale)
+        out[start:end] = res[0, :, :end - start].transpose(0, 1)
+        lse[start * heads:end * heads].view(heads, end - start).copy_(res_lse[:, :end - start])
     return out, lse
 
 
 def _per_sample_backward(grad, q, k, v, out, lse, cu, scale):
+    """The pad rows add nothing: their output gradient is zero, and their log-sum-exp (zero) only needs to be finite."""
     _, backward = _sample_kernels(q.device.type)
-    grad, q, k, v, out = (t.contiguous() for t in (grad, q, k, v, out))
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    for start, end in _samples(cu):
-        parts = backward(*(_sample_views(t, start, end) for t in (grad, q)), _sample_views(k, start, end, group),
-                         _sample_views(v, start, end, group), _sample_views(out, start, end),
-                         lse[start * heads:end * heads], scale)
+    for start, end, length in _samples(cu):
+        sample_lse = lse.new_zeros(heads, length)
+        sample_lse[:, :end - start] = lse[start * heads:end * heads].view(heads, end - start)
+        parts = backward(*(_padded_sample(t, start, end, length) for t in (grad, q)),
+                         *(_padded_sample(t, start, end, length, group) for t in (k, v)),
+                         _padded_sample(out, start, end, length), sample_lse, scale)
         for full, part in zip(grads, parts):
-            part = part[0].transpose(0, 1)  # [length, heads, dim]
+            part = part[0, :, :end - start].transpose(0, 1)  # [length, heads, dim]
             full[start:end] = part.unflatten(1, (full.shape[1], -1)).sum(2)  # repeated heads add up onto their own
     return tuple(grads)
 
@@ -182,10 +189,14 @@ def per_sample_op():
     """Causal attention of the packed samples, one fused dense kernel call per sample, as one custom op with its
     own backward (defined on first use, not at import).
 
-    No sample is padded, so each costs its own causal work, and the kernel is cuDNN's dense one on CUDA, the
-    kernel that ran 1.75x flash's on these shapes (module docstring). Under ``torch.compile`` it is one opaque
-    node whose loop reads the boundaries on the host: a compiled layer stays one graph for any number of
-    samples. The forward keeps each sample's log-sum-exp (sample-major, flat) for the backward kernel.
+    The kernel is cuDNN's dense one on CUDA, the kernel that ran 1.75x flash's on these shapes (module docstring).
+    cuDNN builds an execution plan for each new shape, about 50 ms on an H200 (``bench/attention_probe.py``,
+    2026-12-01), longer than the attention itself, and nearly every sample has a length of its own; so each
+    sample is right-padded with zero rows to a multiple of ``LENGTH_BUCKET`` tokens, which is exact under the
+    causal mask and bounds the shapes (and plans) of a run to ``max_length / LENGTH_BUCKET``, at the cost of at
+    most 127 rows a sample. Under ``torch.compile`` it is one opaque node whose loop reads the boundaries on the
+    host: a compiled layer stays one graph for any number of samples. The forward keeps each sample's
+    log-sum-exp (sample-major, flat) for the backward kernel.
     ``q/k/v`` are ``[tokens, heads, dim]``; grouped key/value heads are repeated per sample inside the op and
     their gradients summed back, so the saved tensors stay grouped.
     """

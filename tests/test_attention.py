@@ -3,6 +3,7 @@ from the position row, and (on a GPU) the CUDA varlen kernel against the CPU ref
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -224,11 +225,12 @@ def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
 
 def test_per_sample_op_is_the_reference_with_its_gradient():
     """``eogym_varlen_cudnn``'s per-sample op (here with torch's flash kernel for CPU, the same loop as cuDNN's on
-    a GPU) gives the reference's output and gradients, with samples of 1 token and grouped heads, and returns
-    each sample's log-sum-exp, sample-major."""
-    from eogym_sft.attention import per_sample_op
+    a GPU) gives the reference's output and gradients, with samples of 1 token, of exactly and just over
+    ``LENGTH_BUCKET`` tokens (each padded to a multiple of it) and grouped heads, and returns each sample's
+    log-sum-exp, sample-major."""
+    from eogym_sft.attention import LENGTH_BUCKET, per_sample_op
 
-    lengths = [3, 1, 6, 2]
+    lengths = [3, 1, 6, 2, LENGTH_BUCKET, LENGTH_BUCKET + 1]
     q, k, v, cu = _packed(lengths, dtype=torch.float32)
     grad = torch.randn_like(q)
     results = []
@@ -275,17 +277,27 @@ def test_per_sample_cudnn_kernels_take_our_arguments():
     """The private aten cuDNN ops the per-sample op calls on CUDA, on meta tensors (their fakes are torch's): the
     arguments we pass bind, the log-sum-exp flattens to ``heads * length`` and goes back in, and gradients come
     back in the inputs' shapes, grouped key/value heads repeated first."""
-    from eogym_sft.attention import _sample_kernels, _sample_views
+    from eogym_sft.attention import _padded_sample, _sample_kernels
 
     forward, backward = _sample_kernels("cuda")
     q = torch.empty(11, 32, 128, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(11, 8, 128, dtype=torch.bfloat16, device="meta")
-    views = [_sample_views(q, 2, 9), _sample_views(kv, 2, 9, 4), _sample_views(kv, 2, 9, 4)]
-    assert [tuple(t.shape) for t in views] == [(1, 32, 7, 128)] * 3
+    views = [_padded_sample(q, 2, 9, 16), _padded_sample(kv, 2, 9, 16, 4), _padded_sample(kv, 2, 9, 16, 4)]
+    assert [tuple(t.shape) for t in views] == [(1, 32, 16, 128)] * 3
     out, lse = forward(*views, 0.1)
-    assert tuple(out.shape) == (1, 32, 7, 128) and tuple(lse.shape) == (32 * 7,) and lse.dtype == torch.float32
+    assert tuple(out.shape) == (1, 32, 16, 128) and tuple(lse.shape) == (32, 16) and lse.dtype == torch.float32
     grads = backward(out, *views, out, lse, 0.1)
-    assert [tuple(g.shape) for g in grads] == [(1, 32, 7, 128)] * 3
+    assert [tuple(g.shape) for g in grads] == [(1, 32, 16, 128)] * 3
+
+
+def test_padded_sample_zero_pads_and_repeats_each_head_in_place():
+    """Sample rows 1:3 of 2 key/value heads, repeated for 2 query heads each and padded to 4 rows: head h reads
+    key/value head h // 2, the rows after the sample are zero."""
+    from eogym_sft.attention import _padded_sample
+
+    t = torch.arange(4 * 2 * 1, dtype=torch.float32).view(4, 2, 1)  # [tokens, heads, dim]: token * 2 + head
+    got = _padded_sample(t, 1, 3, 4, group=2)[0, :, :, 0]  # [heads, rows]
+    assert torch.equal(got, torch.tensor([[2.0, 4, 0, 0], [2, 4, 0, 0], [3, 5, 0, 0], [3, 5, 0, 0]]))
 
 
 def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
@@ -310,6 +322,8 @@ def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
     assert all(g.dtype == torch.bfloat16 for g in grads)
 
 
+@pytest.mark.skipif(not hasattr(importlib.import_module("torch.nn.attention.varlen"), "_can_use_cudnn"),
+                    reason="torch < 2.14 (the H200 image's 2.11) has no cuDNN routing, and the ragged path does not run there")
 def test_our_call_routes_torchs_varlen_op_to_cudnn(monkeypatch):
     """The call ``cudnn_varlen_attention`` makes (causal over the full window, no grouped heads, bf16, samples
     over 128 tokens) is one torch routes to cuDNN's ragged kernel on a machine that has it; grouped heads, a
