@@ -17,6 +17,7 @@
 #                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 6; then GPU tests, attention probe
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B against B-cudnn (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
+#   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B against B-cudnn
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
@@ -207,6 +208,20 @@ cudnn_x2)
   wait $gpu1
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8; grep -hvE "Warning|warn" /tmp/logs/attention_*.log | grep arm | cut -c1-160
   for f in cudnn_armsB cudnn_armA; do echo "== $f"; grep -vE "Warning|warn" /tmp/logs/$f.log | tail -4; done
+  ;;
+cudnn_1gpu)
+  # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
+  # (~1.5 min, estimate), then arm B against B-cudnn in one process (1 warm-up + 3 timed steps each). ~9 min.
+  make_bench_data; mkdir -p /tmp/logs
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "matches_the_varlen_kernel" \
+    > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
+  grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
+  timeout 90 python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
+    > /tmp/logs/attention.log 2>&1 || echo "attention_probe: exit $?"
+  grep arm /tmp/logs/attention.log | cut -c1-160
+  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/cudnn_armsB.log | tail -4
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm
