@@ -114,7 +114,8 @@ LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN bui
 def _sample_kernels(device_type: str):
     """One sample's causal attention forward (``-> (out, log-sum-exp [heads, length])``) and backward, by aten's fused
     kernels: cuDNN's dense kernel on CUDA; torch's flash kernel for CPU elsewhere, which runs the same per-sample
-    code in the CPU tests. Both take ``[1, heads, length, dim]`` with equal head counts and no dropout."""
+    code in the CPU tests. Both take ``[1, heads, length, dim]``, grouped key/value heads as they are (both kernels
+    read query head ``h`` against key/value head ``h // group``, as SDPA's ``enable_gqa``), and no dropout."""
     aten = torch.ops.aten
     if device_type == "cuda":
         def forward(q, k, v, scale):
@@ -147,21 +148,20 @@ def _samples(cu: torch.Tensor):
         yield start, end, -(-(end - start) // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
-def _padded_sample(t: torch.Tensor, start: int, end: int, length: int, group: int = 1) -> torch.Tensor:
-    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads * group, length, dim]``: zero rows after
-    the sample, each head repeated ``group`` times (grouped key/value heads, for equal head counts)."""
-    padded = t.new_zeros(length, t.shape[1] * group, t.shape[2])
-    padded[:end - start].view(end - start, t.shape[1], group, t.shape[2]).copy_(t[start:end, :, None])
+def _padded_sample(t: torch.Tensor, start: int, end: int, length: int) -> torch.Tensor:
+    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads, length, dim]``, zero rows after the sample."""
+    padded = t.new_empty(length, *t.shape[1:])
+    padded[:end - start] = t[start:end]
+    padded[end - start:] = 0
     return padded.transpose(0, 1)[None]
 
 
 def _per_sample_forward(q, k, v, cu, scale):
     forward, _ = _sample_kernels(q.device.type)
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    heads = q.shape[1]
     out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * heads, dtype=torch.float32)  # lse: [heads, length] a sample
     for start, end, length in _samples(cu):
-        res, res_lse = forward(_padded_sample(q, start, end, length), _padded_sample(k, start, end, length, group),
-                               _padded_sample(v, start, end, length, group), scale)
+        res, res_lse = forward(*(_padded_sample(t, start, end, length) for t in (q, k, v)), scale)
         out[start:end] = res[0, :, :end - start].transpose(0, 1)
         lse[start * heads:end * heads].view(heads, end - start).copy_(res_lse[:, :end - start])
     return out, lse
@@ -170,17 +170,14 @@ def _per_sample_forward(q, k, v, cu, scale):
 def _per_sample_backward(grad, q, k, v, out, lse, cu, scale):
     """The pad rows add nothing: their output gradient is zero, and their log-sum-exp (zero) only needs to be finite."""
     _, backward = _sample_kernels(q.device.type)
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    heads = q.shape[1]
     grads = [torch.empty_like(t) for t in (q, k, v)]
     for start, end, length in _samples(cu):
         sample_lse = lse.new_zeros(heads, length)
         sample_lse[:, :end - start] = lse[start * heads:end * heads].view(heads, end - start)
-        parts = backward(*(_padded_sample(t, start, end, length) for t in (grad, q)),
-                         *(_padded_sample(t, start, end, length, group) for t in (k, v)),
-                         _padded_sample(out, start, end, length), sample_lse, scale)
+        parts = backward(*(_padded_sample(t, start, end, length) for t in (grad, q, k, v, out)), sample_lse, scale)
         for full, part in zip(grads, parts):
-            part = part[0, :, :end - start].transpose(0, 1)  # [length, heads, dim]
-            full[start:end] = part.unflatten(1, (full.shape[1], -1)).sum(2)  # repeated heads add up onto their own
+            full[start:end] = part[0, :, :end - start].transpose(0, 1)
     return tuple(grads)
 
 
@@ -196,9 +193,7 @@ def per_sample_op():
     causal mask and bounds the shapes (and plans) of a run to ``max_length / LENGTH_BUCKET``, at the cost of at
     most 127 rows a sample. Under ``torch.compile`` it is one opaque node whose loop reads the boundaries on the
     host: a compiled layer stays one graph for any number of samples. The forward keeps each sample's
-    log-sum-exp (sample-major, flat) for the backward kernel.
-    ``q/k/v`` are ``[tokens, heads, dim]``; grouped key/value heads are repeated per sample inside the op and
-    their gradients summed back, so the saved tensors stay grouped.
+    log-sum-exp (sample-major, flat) for the backward kernel. ``q/k/v`` are ``[tokens, heads, dim]``.
     """
 
     @torch.library.custom_op("eogym::per_sample_attention", mutates_args=())

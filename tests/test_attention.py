@@ -276,28 +276,27 @@ def test_per_sample_op_compiles_to_one_graph_for_any_boundaries():
 def test_per_sample_cudnn_kernels_take_our_arguments():
     """The private aten cuDNN ops the per-sample op calls on CUDA, on meta tensors (their fakes are torch's): the
     arguments we pass bind, the log-sum-exp flattens to ``heads * length`` and goes back in, and gradients come
-    back in the inputs' shapes, grouped key/value heads repeated first."""
+    back in the inputs' shapes, grouped key/value heads as they are."""
     from eogym_sft.attention import _padded_sample, _sample_kernels
 
     forward, backward = _sample_kernels("cuda")
     q = torch.empty(11, 32, 128, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(11, 8, 128, dtype=torch.bfloat16, device="meta")
-    views = [_padded_sample(q, 2, 9, 16), _padded_sample(kv, 2, 9, 16, 4), _padded_sample(kv, 2, 9, 16, 4)]
-    assert [tuple(t.shape) for t in views] == [(1, 32, 16, 128)] * 3
+    views = [_padded_sample(q, 2, 9, 16), _padded_sample(kv, 2, 9, 16), _padded_sample(kv, 2, 9, 16)]
+    assert [tuple(t.shape) for t in views] == [(1, 32, 16, 128), (1, 8, 16, 128), (1, 8, 16, 128)]
     out, lse = forward(*views, 0.1)
     assert tuple(out.shape) == (1, 32, 16, 128) and tuple(lse.shape) == (32, 16) and lse.dtype == torch.float32
     grads = backward(out, *views, out, lse, 0.1)
-    assert [tuple(g.shape) for g in grads] == [(1, 32, 16, 128)] * 3
+    assert [tuple(g.shape) for g in grads] == [(1, 32, 16, 128), (1, 8, 16, 128), (1, 8, 16, 128)]
 
 
-def test_padded_sample_zero_pads_and_repeats_each_head_in_place():
-    """Sample rows 1:3 of 2 key/value heads, repeated for 2 query heads each and padded to 4 rows: head h reads
-    key/value head h // 2, the rows after the sample are zero."""
+def test_padded_sample_zero_pads_a_samples_rows():
+    """Sample rows 1:3 of 2 heads padded to 4 rows: ``[1, heads, rows, dim]``, zero after the sample."""
     from eogym_sft.attention import _padded_sample
 
     t = torch.arange(4 * 2 * 1, dtype=torch.float32).view(4, 2, 1)  # [tokens, heads, dim]: token * 2 + head
-    got = _padded_sample(t, 1, 3, 4, group=2)[0, :, :, 0]  # [heads, rows]
-    assert torch.equal(got, torch.tensor([[2.0, 4, 0, 0], [2, 4, 0, 0], [3, 5, 0, 0], [3, 5, 0, 0]]))
+    got = _padded_sample(t, 1, 3, 4)[0, :, :, 0]  # [heads, rows]
+    assert torch.equal(got, torch.tensor([[2.0, 4, 0, 0], [3, 5, 0, 0]]))
 
 
 def test_cudnn_ragged_op_shapes_and_gradients_trace_without_a_gpu():
