@@ -1,7 +1,7 @@
 """Causal attention of packed EO-Gym-sized samples, forward + backward, by kernel: what ``eogym_varlen``
 and ``eogym_varlen_cudnn`` call (its ragged and per-sample paths, the per-sample one also with new sample
-lengths every call, which makes cuDNN build a plan each time), the right-padded dense batch it used before,
-cuDNN's ragged kernel by its bare aten ops, and SDPA's backends on a dense batch.
+lengths every call, which makes cuDNN build a plan each time), cuDNN's ragged kernel by its bare aten ops,
+and SDPA's backends on a dense batch.
 
     python bench/attention_probe.py --lengths 6000,6000 --json attention.json
     python bench/attention_probe.py --lengths 3500,8500 --json attention_unequal.json
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eogym_sft.attention import _varlen_cuda, cudnn_varlen_attention, padded_attention, per_sample_op, takes_gqa_flag
+    from eogym_sft.attention import _varlen_cuda, cudnn_varlen_attention, per_sample_op, takes_gqa_flag
 
     lengths = [int(n) for n in args.lengths.split(",")]
     heads, kv_heads, dim, max_len, scale = 32, 8, 128, max(lengths), 128**-0.5
@@ -106,8 +106,6 @@ def main(argv=None) -> dict:
         "eogym_varlen: varlen_attn (flash)": packed(lambda: _varlen_cuda(q, k, v, cu, max_len, scale, takes_gqa_flag())),
         "eogym_varlen_cudnn: cuDNN's dense kernel per sample": packed(lambda: op(q, k, v, cu, scale)[0]),
         "cuDNN per sample, new lengths every call": per_sample_new_lengths,
-        "right-padded, SDPA cuDNN (eogym_varlen_cudnn before 2026-12-01)": packed(
-            lambda: padded_attention(q, k, v, cu, max_len, scale, [SDPBackend.CUDNN_ATTENTION])),
     }
     if len(set(lengths)) == 1:
         n, length = len(lengths), lengths[0]

@@ -213,7 +213,7 @@ cudnn_1gpu)
   # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
   # (~1.5 min, estimate), then arm B against B-cudnn in one process (1 warm-up + 3 timed steps each). ~9 min.
   make_bench_data; mkdir -p /tmp/logs
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "matches_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
     > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout 90 python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \

@@ -15,9 +15,9 @@ of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms,
 (H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (torch >= 2.14,
 cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere
 :func:`per_sample_op` calls the dense kernel once per sample, padded only up to a multiple of 128 tokens.
-Right-padding the samples into one dense batch instead (:func:`padded_attention`, the path until 2026-12-01)
-costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores,
-the gap times ``(L + l) / 2``; on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
+Right-padding a micro-batch's samples to its longest into one dense batch instead (the path until 2026-12-01)
+costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores;
+on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -75,37 +75,6 @@ def _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag: bool):
     if gqa_flag:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
-
-
-def padded_attention(q, k, v, cu, max_len, scale, backends):
-    """Causal attention of the packed samples ``cu`` as a dense batch: each sample right-padded with
-    zeros to ``max_len``, one SDPA call restricted to ``backends``, then back to packed rows.
-
-    Right padding keeps it exact under a causal mask: a real position attends only to the positions
-    before it, all real, and what pad positions compute is dropped. The rows' sample and offset are found
-    on the device (no host sync), so a compiled layer stays one graph. ``q/k/v`` are ``[tokens, heads, dim]``.
-    """
-    from torch.nn.attention import sdpa_kernel
-
-    rows = torch.arange(q.shape[0], device=q.device, dtype=cu.dtype)
-    sample = torch.searchsorted(cu, rows, right=True) - 1
-    offset = (rows - cu[sample])[:, None]
-
-    def slots(heads):  # each row's place in [samples * heads, max_len]: sample-major, then head
-        return sample[:, None] * heads + torch.arange(heads, device=q.device, dtype=cu.dtype), offset
-
-    def pad(t):  # [1, samples * heads, max_len, dim]; index_put's backward is a gather (no atomics)
-        zeros = t.new_zeros((cu.shape[0] - 1) * t.shape[1], max_len, t.shape[-1])
-        return zeros.index_put(slots(t.shape[1]), t)[None]
-
-    # The samples go into the head dimension, not the batch one: sample s's query head h reads key/value
-    # head (s * heads + h) // group = s * kv_heads + h // group, its own. A dimension of samples would
-    # compile a second graph for a micro-batch of one sample (a size of 1 is a special case to the compiler).
-    with sdpa_kernel(backends):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            pad(q), pad(k), pad(v), is_causal=True, scale=scale, enable_gqa=True  # a constant: head counts may be symbolic
-        )
-    return out[0][slots(q.shape[1])]
 
 
 LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (~50 ms, H200)

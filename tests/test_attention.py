@@ -177,52 +177,6 @@ def _packed(lengths, heads=4, kv_heads=2, dim=8, dtype=torch.float64, device="cp
     return make(heads), make(kv_heads), make(kv_heads), cu
 
 
-def test_padded_attention_is_the_reference_with_its_gradient():
-    """The right-padded dense batch (``eogym_varlen_cudnn``'s layout; SDPA's math kernel here) gives the
-    per-sample reference's output and gradients exactly, with samples of 1 token and grouped heads."""
-    from torch.nn.attention import SDPBackend
-
-    from eogym_sft.attention import padded_attention
-
-    lengths = [3, 1, 6, 2]
-    q, k, v, cu = _packed(lengths)
-    grad = torch.randn_like(q)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = _varlen_reference(*leaves, cu, 0.3)
-    want_grads = torch.autograd.grad(want, leaves, grad)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = padded_attention(*leaves, cu, max(lengths), 0.3, [SDPBackend.MATH])
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for g, w in zip(torch.autograd.grad(got, leaves, grad), want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-
-
-def test_padded_attention_compiles_to_one_graph_for_any_boundaries():
-    """No graph break (the sample of each row is found on the device, and the backend choice is traced),
-    and one dynamic graph for packs of other sample counts (one included) and lengths, each giving the
-    eager result and gradients."""
-    from torch._dynamo.utils import counters
-    from torch.nn.attention import SDPBackend
-
-    from eogym_sft.attention import padded_attention
-
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(padded_attention, backend="aot_eager", dynamic=True, fullgraph=True)
-    for lengths in ([3, 5], [2, 7, 4], [9, 1, 1, 3], [6]):  # one sample too: no size-1 special case
-        q, k, v, cu = _packed(lengths, dim=16, dtype=torch.float32)  # no size equal to another (duck sizing)
-        grad = torch.randn_like(q)
-        results = []
-        for attend in (padded_attention, compiled):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = attend(*leaves, cu, max(lengths), 0.3, [SDPBackend.MATH])
-            results.append((out, *torch.autograd.grad(out, leaves, grad)))
-        for want, got in zip(*results):
-            torch.testing.assert_close(got, want)
-    assert counters["stats"]["unique_graphs"] == 1
-    torch._dynamo.reset()
-
-
 def test_per_sample_op_is_the_reference_with_its_gradient():
     """``eogym_varlen_cudnn``'s per-sample op (here with torch's flash kernel for CPU, the same loop as cuDNN's on
     a GPU) gives the reference's output and gradients, with samples of 1 token, of exactly and just over
@@ -388,22 +342,18 @@ def test_cudnn_ragged_path_compiles_to_one_graph_around_the_op(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cudnn_padded_attention_matches_the_varlen_kernel():
-    """``eogym_varlen_cudnn``'s kernels (cuDNN's dense one per sample; SDPA's cuDNN on padded samples; cuDNN's
-    ragged one where it runs)
+def test_cudnn_kernels_match_the_varlen_kernel():
+    """``eogym_varlen_cudnn``'s kernels (cuDNN's dense one per sample; cuDNN's ragged one where it runs)
     against ``eogym_varlen``'s on the same packed samples (Qwen3-VL-4B's heads, bf16, one sample over 256
     tokens): outputs and gradients agree to bf16 rounding."""
-    from torch.nn.attention import SDPBackend
-
     from eogym_sft.attention import (
-        _varlen_cuda, cudnn_ragged_available, cudnn_varlen_attention, padded_attention, per_sample_op, takes_gqa_flag
+        _varlen_cuda, cudnn_ragged_available, cudnn_varlen_attention, per_sample_op, takes_gqa_flag
     )
 
     lengths = [37, 300, 91]
     q, k, v, cu = _packed(lengths, heads=32, kv_heads=8, dim=128, dtype=torch.bfloat16, device="cuda")
     grad = torch.randn_like(q)
     kernels = [lambda *t: _varlen_cuda(*t, cu, max(lengths), 128**-0.5, takes_gqa_flag()),
-               lambda *t: padded_attention(*t, cu, max(lengths), 128**-0.5, [SDPBackend.CUDNN_ATTENTION]),
                lambda *t: per_sample_op()(*t, cu, 128**-0.5)[0]]
     if cudnn_ragged_available(q.device.index):
         kernels.append(lambda *t: cudnn_varlen_attention(*t, cu, max(lengths), 128**-0.5))
