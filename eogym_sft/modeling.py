@@ -97,6 +97,11 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     (``enable_input_require_grads``), because layer 0 otherwise gets the frozen embeddings (no grad)
     and the other layers a LoRA output, and Dynamo compiles a second graph for that difference.
     Training and evaluation still differ in grad mode: one more graph the first time eval runs.
+
+    The layers' float attributes (LoRA's scaling and dropout, the norms' eps, the attention's scale) are
+    compiled as constants: under ``dynamic=True`` alone Dynamo makes each an input, then specializes the
+    ones the layer branches on and traces the whole layer again, which doubled tracing and AOTAutograd's
+    time (docs/benchmarks.md, ``bench/compile_probe.py``). They are the same in every layer.
     """
     layers = [module for name, module in model.named_modules() if DECODER_LAYER_RE.search(name)]
     if not layers:
@@ -105,6 +110,9 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     compile_kwargs.setdefault("dynamic", True)
     for layer in layers:
         layer.compile(**compile_kwargs)
+        # Module.compile keeps the compiled call here; the setting applies while a layer runs (and compiles),
+        # not to the rest of the process. tests/test_modeling.py fails if a layer is traced twice.
+        layer._compiled_call_impl = torch._dynamo.config.patch(specialize_float=True)(layer._compiled_call_impl)
     return len(layers)
 
 

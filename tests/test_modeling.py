@@ -196,7 +196,7 @@ def compiled_run(processor):
     from helpers import chat_example
     from PIL import Image
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
 
     from eogym_sft.collator import EOGymCollator
     from eogym_sft.modeling import DECODER_LAYER_RE
@@ -221,6 +221,7 @@ def compiled_run(processor):
         run["lengths"].append(micro["input_ids"].shape[1])
         run["entries"].append(entries())
     run["graph_breaks"], run["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    run["attempts"] = [name for name in compile_times(repr="csv", aggregate=True)[0] if name.startswith("compile_attempt_")]
     yield run
     torch._dynamo.reset()
 
@@ -255,6 +256,14 @@ def test_compiled_layer_is_one_graph_attention_included(compiled_run):
     the attention, as before, they broke every layer in two, and Dynamo compiled each half apart.)"""
     assert compiled_run["graph_breaks"] == 0
     assert compiled_run["graphs"] == 1
+
+
+def test_compiled_layer_is_traced_once(compiled_run):
+    """The layer's float attributes (LoRA's scaling and dropout, the norms' eps, the attention's scale and
+    dropout) are constants to the compiler: with ``dynamic=True`` alone Dynamo made each an input, then
+    specialized the ones the layer branches on and traced the whole layer a second time (a restart of
+    its analysis: ``compile_attempt_1``), which doubled tracing and AOTAutograd's time (bench/compile_probe.py)."""
+    assert compiled_run["attempts"] == ["compile_attempt_0"]
 
 
 def test_compile_language_layers_needs_decoder_layers():
