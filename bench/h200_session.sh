@@ -20,6 +20,8 @@
 #   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B against B-cudnn
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
+#   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
+#   bash bench/h200_session.sh compile_probe_knobs  # the same layer cold without symbolic shapes, pointwise autotuning, worker pool
 #   bash bench/h200_session.sh relaunch     # after perf: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
@@ -229,6 +231,38 @@ relaunch_x2)
   CUDA_VISIBLE_DEVICES=0 make_model > $OUT/make_model.log 2>&1 & maker=$!
   make_bench_data; wait $maker
   bash $0 relaunch
+  ;;
+compile_probe)
+  # Issue 13's first step: compiling the decoder layer took 58-74 s cold and 49.6 s on a relaunch with warm caches.
+  # bench/compile_probe.py compiles the 4B layer alone (2 layers sharing its graph, the recipe's LoRA, 2 samples
+  # of 3,000 tokens, Inductor), each variant in a fresh process: shipped and float_inputs (the code before
+  # constant floats) cold with fresh Inductor and Triton caches, shipped again warm on the same caches, then
+  # shipped cold under cProfile (its time by area and its top functions). No model or data needed.
+  # ~6 min (estimate, not measured); compile_probe_knobs is the next call.
+  p="--device cuda --backend inductor --layers 2 --lengths 3000,3000"
+  rm -rf /tmp/compile_probe_cache
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/compile_probe.py $p --variants shipped,float_inputs \
+    --cache-dir /tmp/compile_probe_cache --json $OUT/compile_cold.json > $OUT/compile_cold.log 2>&1 || echo "compile_probe cold: exit $?"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python bench/compile_probe.py $p --variants shipped \
+    --cache-dir /tmp/compile_probe_cache --json $OUT/compile_warm.json > $OUT/compile_warm.log 2>&1 || echo "compile_probe warm: exit $?"
+  CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python bench/compile_probe.py $p --variants shipped --profile 60 \
+    --json $OUT/compile_profile.json > $OUT/compile_profile.log 2>&1 || echo "compile_probe profile: exit $?"
+  grep -hE "^(shipped|float_inputs):|Error" $OUT/compile_cold.log $OUT/compile_warm.log $OUT/compile_profile.log || true
+  python -c "import json; print(json.load(open('$OUT/compile_profile.json'))['variants'][0]['profiled_s_by_area'])" || true
+  ;;
+compile_probe_knobs)
+  # After compile_probe: settings against its cold shipped figure, each cold in a fresh process: no symbolic shapes
+  # (a lower bound for the first compile; it recompiles at the second length), Inductor's pointwise autotuning
+  # off, and kernels compiled in the process (no worker pool), that one then warm too. ~6 min (estimate, not measured).
+  p="--device cuda --backend inductor --layers 2 --lengths 3000,3000"
+  rm -rf /tmp/compile_knobs_cache
+  for run in cold warm; do
+    variants=static,no_pointwise_autotune,in_process_compile; [ $run = warm ] && variants=in_process_compile
+    CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python bench/compile_probe.py $p --variants $variants \
+      --cache-dir /tmp/compile_knobs_cache --json $OUT/compile_knobs_$run.json > $OUT/compile_knobs_$run.log 2>&1 \
+      || echo "compile_probe knobs $run: exit $?"
+  done
+  grep -hE "^(static|no_pointwise_autotune|in_process_compile):|Error" $OUT/compile_knobs_*.log || true
   ;;
 relaunch)
   # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1

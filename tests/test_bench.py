@@ -216,3 +216,47 @@ def test_compile_caches_count_inductors_cache_and_name_a_bypass():
         logging.getLogger("torch._inductor.codecache").info("something else")
     assert log.reasons == ["Bypassing FX Graph Cache because 'a reason'"]
     torch._dynamo.reset()
+
+
+def test_compile_probe_times_a_variant_in_its_own_process(tiny_config, tmp_path):
+    """bench/compile_probe.py on the tiny architecture, a variant in a fresh process with its own caches: one graph
+    for both lengths, and for the floats-as-inputs variant the second trace that the shipped compile avoids
+    (the shipped one is checked in-process below, to keep this test to one process)."""
+    import compile_probe
+
+    result = compile_probe.main(["--config", str(tiny_config), "--lengths", "12,9", "--variants", "float_inputs",
+                                 "--cache-dir", str(tmp_path / "caches"), "--json", str(tmp_path / "probe.json")])
+    assert json.loads((tmp_path / "probe.json").read_text()) == result and result["machine"]["device"] == "cpu"
+    (r,) = result["variants"]
+    assert r["variant"] == "float_inputs" and r["graphs"] == 1 and r["recompiles"] == 0 and r["second_lengths"] == [49, 83]
+    assert r["compile_s_first_step"] > 0 and r["compile_phases_s"]["entire_frame_compile"] > 0
+    assert r["compile_attempts"] == ["compile_attempt_0", "compile_attempt_1"]
+    assert (tmp_path / "caches" / "float_inputs").is_dir()  # kept for a warm second call
+
+
+def test_compile_probe_profiles_the_first_step_by_area(tiny_config):
+    """With --profile the first step's own time is summed by area (Dynamo, AOTAutograd, ...), in this process."""
+    import argparse
+
+    import compile_probe
+    import torch
+
+    args = argparse.Namespace(config=tiny_config, layers=2, lengths="8,5", backend="aot_eager", device="cpu", dtype="float32", profile=5)
+    result = compile_probe.run_variant(args, "shipped")
+    torch._dynamo.reset()
+    areas = result["profiled_s_by_area"]
+    assert areas["dynamo"] > 0 and areas["aot_autograd"] > 0 and "transformers" in areas  # the text model runs eagerly
+    assert sum(areas.values()) <= result["first_step_s"] * 1.05  # own times add up to the profiled step, no more
+    assert len(result["top_cumulative"]) == 5
+    assert result["compile_attempts"] == ["compile_attempt_0"] and result["graphs"] == 1 and result["recompiles"] == 0
+
+
+def test_compile_probe_sorts_files_into_areas():
+    from compile_probe import area
+
+    assert area("/x/site-packages/torch/_inductor/scheduler.py", "codegen") == "inductor"
+    assert area("/x/site-packages/torch/fx/experimental/symbolic_shapes.py", "evaluate_expr") == "symbolic shapes"
+    assert area("/x/site-packages/torch/fx/graph.py", "node") == "fx"
+    assert area("~", "<method 'acquire' of '_thread.lock' objects>") == "waiting (locks, subprocesses)"
+    assert area("~", "<built-in method torch._C._nn.linear>") == "C++ (ops, kernels, builtins)"
+    assert area("/work/x/eogym_sft/attention.py", "f") == "eogym_sft"
