@@ -136,7 +136,7 @@ def time_by_area(stats: pstats.Stats) -> dict[str, float]:
 
 def run_variant(args, name: str) -> dict:
     """One variant, in this process: build, compile, three steps (first, other lengths, first again)."""
-    from torch._dynamo.utils import compile_times
+    from torch._dynamo.utils import compile_times, counters
 
     from eogym_sft.modeling import compile_language_layers
 
@@ -149,6 +149,7 @@ def run_variant(args, name: str) -> dict:
     other = [n + 37 * (k + 1) for k, n in enumerate(lengths)]  # other lengths, other boundaries
     inputs = [packed_inputs(ls, decoder.config.hidden_size, args.device, args.dtype, seed=k) for k, ls in enumerate((lengths, other))]
     torch._dynamo.reset()
+    counters.clear()  # graphs and cache hits of this variant only
     compile_language_layers(model, backend=args.backend, **variant.get("compile", {}))
     if variant.get("float_inputs"):
         for layer in decoder.layers:
