@@ -1,7 +1,7 @@
 """Causal attention of packed EO-Gym-sized samples, forward + backward, by kernel: what ``eogym_varlen``
-and ``eogym_varlen_cudnn`` call (its ragged and per-sample paths, the per-sample one also with new sample
-lengths every call, which makes cuDNN build a plan each time), cuDNN's ragged kernel by its bare aten ops,
-and SDPA's backends on a dense batch.
+and ``eogym_varlen_cudnn`` call (cuDNN's dense kernel per sample, also with new sample lengths every call,
+which would make cuDNN build a plan each time but for the 128-token rounding), cuDNN's ragged kernel by its
+bare aten ops (torch routes to it from 2.14; on 2.11 its backward is wrong), and SDPA's backends on a dense batch.
 
     python bench/attention_probe.py --lengths 6000,6000 --json attention.json
     python bench/attention_probe.py --lengths 3500,8500 --json attention_unequal.json
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eogym_sft.attention import _varlen_cuda, cudnn_varlen_attention, per_sample_op, takes_gqa_flag
+    from eogym_sft.attention import _varlen_cuda, per_sample_op, takes_gqa_flag
 
     lengths = [int(n) for n in args.lengths.split(",")]
     heads, kv_heads, dim, max_len, scale = 32, 8, 128, max(lengths), 128**-0.5
@@ -126,8 +126,6 @@ def main(argv=None) -> dict:
             arms[f"sdpa {name}, dense, k/v expanded"] = dense(backend, expand=True)
     # cuDNN's ragged arms last: on torch < 2.14 its packed backward can hit an illegal memory access
     # (pytorch#186142), which leaves the CUDA context unusable for every arm after it.
-    arms["eogym_varlen_cudnn's ragged path: torch's varlen op, causal full window, k/v expanded (cuDNN from torch 2.14)"] = packed(
-        lambda: cudnn_varlen_attention(q, k, v, cu, max_len, scale))
     arms["cuDNN ragged (aten ops), k/v expanded"] = packed(
         lambda: cudnn_ragged(q, ek, ev, cu, max_len, scale, grad)[0])
     flops = 3.5 * sum(2 * 2 * n * n * heads * dim / 2 for n in lengths)

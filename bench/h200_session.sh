@@ -16,8 +16,8 @@
 #   bash bench/h200_session.sh recipe20_a; bash bench/h200_session.sh recipe20_b   # 2 GPUs, two calls back to back:
 #                                           # the recipe for 20 timed steps in resumed halves, beside arm B's 6; then GPU tests, attention probe
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
-#   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B against B-cudnn (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
-#   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B against B-cudnn
+#   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B-flash against B (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
+#   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B-flash against B
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -190,7 +190,7 @@ recipe20_b)
   ;;
 cudnn_x2)
   # Issue 13's MFU lever: attention is 37% of arm B's step and cuDNN's dense kernel ran it 1.75x faster than
-  # flash's varlen (attention_probe). GPU 0: arm B and B-cudnn (cuDNN's dense kernel per sample since 2026-12-01)
+  # flash's varlen (attention_probe). GPU 0: arm B-flash (flash varlen) and B (cuDNN per sample, the recipe default since 2026-12-01)
   # in one process (1 warm-up + 3 timed steps each, the recipe's 32 micro-batches). GPU 1 at the same time: the
   # attention probe, the GPU tests of the kernels, then plain TRL (arm A: one micro-batch of 4 a step,
   # --grad-accum ignored; 1 + 8 steps) for the >= 5x target. ~9 min (8.4 on 2026-11-30 with 3 steps of A).
@@ -206,14 +206,14 @@ cudnn_x2)
       --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > /tmp/logs/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
   gpu1=$!
   CUDA_VISIBLE_DEVICES=0 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
+    --workdir /tmp/bt --parity-samples 0 --arms B-flash,B --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
   wait $gpu1
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8; grep -hvE "Warning|warn" /tmp/logs/attention_*.log | grep arm | cut -c1-160
   for f in cudnn_armsB cudnn_armA; do echo "== $f"; grep -vE "Warning|warn" /tmp/logs/$f.log | tail -4; done
   ;;
 cudnn_1gpu)
   # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
-  # (~1.5 min, estimate), then arm B against B-cudnn in one process (1 warm-up + 3 timed steps each). ~9 min.
+  # (~1.5 min, estimate), then arm B-flash against B in one process (1 warm-up + 3 timed steps each). ~9 min.
   make_bench_data; mkdir -p /tmp/logs
   timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
     > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
@@ -222,7 +222,7 @@ cudnn_1gpu)
     > /tmp/logs/attention.log 2>&1 || echo "attention_probe: exit $?"
   grep arm /tmp/logs/attention.log | cut -c1-160
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-cudnn --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
+    --workdir /tmp/bt --parity-samples 0 --arms B-flash,B --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
   grep -vE "Warning|warn" /tmp/logs/cudnn_armsB.log | tail -4
   ;;
 relaunch_x2)

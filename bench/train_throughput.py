@@ -71,7 +71,7 @@ ARMS = {
     "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
     "B-sdpa": {"attn": "sdpa"},
-    "B-cudnn": {"attn": "eogym_varlen_cudnn"},  # cuDNN: its ragged kernel where it runs (torch >= 2.14), else its dense one per sample
+    "B-flash": {"attn": "eogym_varlen"},  # flash's varlen kernel, the recipe's attention until 2026-12-01 (B: cuDNN's, per sample)
     "B-fullhead": {"head": "full"},
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},

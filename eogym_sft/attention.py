@@ -12,9 +12,11 @@ the decoder layers, so that a regionally compiled layer (attention kernel includ
 
 ``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
 of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
-(H200, ``bench/attention_probe.py``, 2026-11-30). Where cuDNN's ragged (packed) kernel runs (torch >= 2.14,
-cuDNN >= 9.18, sm90/sm100) the packed rows go to it as they are (not yet run on a GPU); elsewhere
-:func:`per_sample_op` calls the dense kernel once per sample, padded only up to a multiple of 128 tokens.
+(H200, ``bench/attention_probe.py``, 2026-11-30). :func:`per_sample_op` calls that kernel once per sample,
+each padded only up to a multiple of 128 tokens: 1.44x flash's varlen on samples of 3,500 and 8,500 tokens,
+and +9.7% tokens/s for a whole training step (H200, 2026-12-01; docs/benchmarks.md). cuDNN's ragged (packed)
+kernel would take the rows as they are, but torch routes to it only from 2.14, whose backward fix
+(pytorch#186142) the H200 image's torch 2.11 lacks (there it gave wrong gradients), so no GPU here has run it.
 Right-padding a micro-batch's samples to its longest into one dense batch instead (the path until 2026-12-01)
 costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores;
 on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
@@ -195,36 +197,6 @@ def per_sample_op():
     return attend
 
 
-@torch.compiler.assume_constant_result  # a property of the machine: a constant to a compiled layer, no guard
-def cudnn_ragged_available(device_index: int) -> bool:
-    """Whether cuDNN's ragged (packed) attention kernel runs here: torch >= 2.14, cuDNN >= 9.18 on sm90/sm100.
-
-    The cuDNN and GPU bounds are those torch's own ``varlen_attn`` checks before it routes a call to this
-    kernel. The torch bound is ours: older torch's ``_cudnn_attention_backward`` sized packed inputs by
-    their head dim instead of the longest sample (pytorch#186142: an illegal memory access for samples
-    longer than 128 tokens), and its varlen op does not route to cuDNN.
-    """
-    from torch.torch_version import TorchVersion
-
-    if TorchVersion(torch.__version__) < (2, 14) or not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-        return False
-    version = torch.backends.cudnn.version() or 0
-    return version >= 91800 and torch.cuda.get_device_capability(device_index)[0] in (9, 10)
-
-
-def cudnn_varlen_attention(q, k, v, cu, max_len, scale):
-    """Causal attention of the packed samples ``cu`` by torch's own varlen op, called so that it takes cuDNN's
-    ragged kernel: a causal call over the full window, with grouped key/value heads expanded first (torch
-    routes grouped heads, sliding windows and samples of at most 128 tokens to flash). The op is private
-    (``torch_attn::_varlen_attn``, torch >= 2.14, with its own fake and autograd); tests pin its arguments
-    and that this call routes to cuDNN. ``[tokens, heads, dim]``."""
-    from torch.nn.attention.varlen import _varlen_attn
-
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    return _varlen_attn(q, k, v, cu, cu, max_len, max_len, True, scale)[0]
-
-
 def _varlen_reference(q, k, v, cu, scale):
     out = torch.empty_like(q)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -300,13 +272,6 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
     return (boundaries or SampleBoundaries())(position_ids)
 
 
-def _cudnn_attention(q, k, v, cu, max_len, scale, per_sample=None):
-    """``eogym_varlen_cudnn``'s kernel: cuDNN's ragged one where it runs, else cuDNN's dense one sample by sample."""
-    if cudnn_ragged_available(q.device.index):
-        return cudnn_varlen_attention(q, k, v, cu, max_len, scale)
-    return (per_sample or per_sample_op())(q, k, v, cu, scale)[0]
-
-
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
     boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash", per_sample=None,
@@ -318,7 +283,7 @@ def varlen_attention_forward(
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
     splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed
-    batches, see :func:`_cudnn_attention`, and flash for right-padded ones) are bound by
+    batches, see :func:`per_sample_op`, and flash for right-padded ones) are bound by
     :func:`register_varlen_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
@@ -344,7 +309,7 @@ def varlen_attention_forward(
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = _cudnn_attention(q, k, v, cu, max_length_q, scale, per_sample)
+        out = (per_sample or per_sample_op())(q, k, v, cu, scale)[0]
     elif q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
