@@ -18,6 +18,7 @@
 #   bash bench/h200_session.sh balance_x2   # 2 GPUs, ZeRO-2: token-balanced against fixed-count micro-batches, 64-sample steps
 #   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B-flash against B (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
 #   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B-flash against B
+#   bash bench/h200_session.sh vs_trl       # 1 GPU: plain TRL (A) then the recipe's settings (B, profiled) in one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -224,6 +225,17 @@ cudnn_1gpu)
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms B-flash,B --json $OUT/cudnn_armsB.json > /tmp/logs/cudnn_armsB.log 2>&1 || echo "arms B: exit $?"
   grep -vE "Warning|warn" /tmp/logs/cudnn_armsB.log | tail -4
+  ;;
+vs_trl)
+  # Issue 13's ">= 5x plain TRL in the same run" and its profile after the cuDNN attention: arm A (plain TRL,
+  # one micro-batch of 4 a step; --grad-accum does not apply to it) then arm B (the recipe's settings) in ONE
+  # process on one GPU, 1 warm-up + 4 timed steps each, B profiled over one more untimed step (kernel
+  # families, vision tower). ~6 min (estimate: A ~7 s a step, B ~26 s a step and ~60 s to its first step).
+  make_bench_data; mkdir -p /tmp/logs
+  CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 4 \
+    --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms A,B --profile B --json $OUT/vs_trl.json \
+    > /tmp/logs/vs_trl.log 2>&1 || echo "vs_trl: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/vs_trl.log | tail -4
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm
