@@ -112,11 +112,12 @@ def _sample_kernels(device_type: str):
 
 
 def _samples(cu: torch.Tensor):
-    """``(start, end, padded length)`` of each sample: one host sync, inside the op, where it does not split a
-    compiled graph."""
+    """``(start, end, padded length)`` of each non-empty sample: one host sync, inside the op, where it does not
+    split a compiled graph."""
     bounds = cu.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        yield start, end, -(-(end - start) // LENGTH_BUCKET) * LENGTH_BUCKET
+        if end > start:  # boundaries padded to a fixed count repeat; CPU's kernel dies on an empty sample (SIGFPE)
+            yield start, end, -(-(end - start) // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
 def _padded_sample(t: torch.Tensor, start: int, end: int, length: int) -> torch.Tensor:
@@ -282,9 +283,9 @@ def varlen_attention_forward(
     The samples' boundaries come as transformers' packed-sequence arguments ``cu_seq_lens_q`` and
     ``max_length_q`` (:func:`add_sample_boundaries` computes them once per forward, before the layers, so a
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
-    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: cuDNN for packed
-    batches, see :func:`per_sample_op`, and flash for right-padded ones) are bound by
-    :func:`register_varlen_attention`.
+    splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op), ``per_sample`` (the
+    cuDNN op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`per_sample_op` for packed
+    batches, flash for right-padded ones) are bound by :func:`register_varlen_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:

@@ -201,6 +201,48 @@ def test_per_sample_op_is_the_reference_with_its_gradient():
     torch.testing.assert_close(lse[start * 4:end * 4].view(4, end - start), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_per_sample_op_passes_torchs_op_checks_on_strided_inputs():
+    """``torch.library.opcheck`` (fake tensors against the real op, strides included; the autograd registration;
+    AOTAutograd with dynamic shapes) on queries strided as ``varlen_attention_forward`` passes them from
+    ``[1, heads, length, dim]``: head-major, not contiguous."""
+    from eogym_sft.attention import per_sample_op
+
+    q, k, v, cu = _packed([3, 1, 6], dtype=torch.float32)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q.is_contiguous()
+    torch.library.opcheck(per_sample_op(), ([t.clone().requires_grad_() for t in (q, k, v)] + [cu, 0.3]))
+
+
+def test_per_sample_op_in_bf16_with_strided_gradients():
+    """bf16 as training runs it, a strided query, an upstream gradient that is not contiguous and one that is
+    broadcast (``out.sum()``'s): the reference's output and gradients in float32, up to bf16 rounding."""
+    from eogym_sft.attention import per_sample_op
+
+    q, k, v, cu = _packed([5, 130], dtype=torch.bfloat16)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    for grad in (torch.randn(q.shape[::-1]).permute(2, 1, 0), torch.ones(()).expand(q.shape)):
+        results = []
+        for attend, dtype in ((_varlen_reference, torch.float32), (lambda *t: per_sample_op()(*t)[0], torch.bfloat16)):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out = attend(*leaves, cu, 0.3)
+            results.append((out, *torch.autograd.grad(out, leaves, grad.to(dtype))))
+        for want, got in zip(*results):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_per_sample_op_skips_empty_samples():
+    """Boundaries that repeat (an empty sample, as boundaries padded to a fixed count have) give the result of
+    the same boundaries without the repeat; CPU's kernel on an empty sample kills the process instead."""
+    from eogym_sft.attention import per_sample_op
+
+    q, k, v, cu = _packed([3, 4], dtype=torch.float32)
+    repeated = torch.tensor([0, 3, 3, 7, 7], dtype=torch.int32)
+    out, lse = per_sample_op()(q, k, v, repeated, 0.3)
+    want_out, want_lse = per_sample_op()(q, k, v, cu, 0.3)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
 def test_per_sample_op_compiles_to_one_graph_for_any_boundaries():
     """One opaque node: one dynamic graph for packs of 1-5 samples, each with the eager result and gradients."""
     from torch._dynamo.utils import counters
@@ -228,8 +270,9 @@ def test_per_sample_op_compiles_to_one_graph_for_any_boundaries():
 
 def test_per_sample_cudnn_kernels_take_our_arguments():
     """The private aten cuDNN ops the per-sample op calls on CUDA, on meta tensors (their fakes are torch's): the
-    arguments we pass bind, the log-sum-exp flattens to ``heads * length`` and goes back in, and gradients come
-    back in the inputs' shapes, grouped key/value heads as they are."""
+    arguments we pass bind, the log-sum-exp is ``[1, heads, length, 1]`` (the layout the backward is handed back),
+    flattens to ``heads * length`` and goes back in, and gradients come back in the inputs' shapes, grouped
+    key/value heads as they are."""
     from eogym_sft.attention import _padded_sample, _sample_kernels
 
     forward, backward = _sample_kernels("cuda")
@@ -237,6 +280,8 @@ def test_per_sample_cudnn_kernels_take_our_arguments():
     kv = torch.empty(11, 8, 128, dtype=torch.bfloat16, device="meta")
     views = [_padded_sample(q, 2, 9, 16), _padded_sample(kv, 2, 9, 16), _padded_sample(kv, 2, 9, 16)]
     assert [tuple(t.shape) for t in views] == [(1, 32, 16, 128), (1, 8, 16, 128), (1, 8, 16, 128)]
+    raw_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(*views, None, True, 0.0, True, False, scale=0.1)[1]
+    assert tuple(raw_lse.shape) == (1, 32, 16, 1) and raw_lse.is_contiguous()
     out, lse = forward(*views, 0.1)
     assert tuple(out.shape) == (1, 32, 16, 128) and tuple(lse.shape) == (32, 16) and lse.dtype == torch.float32
     grads = backward(out, *views, out, lse, 0.1)
