@@ -266,6 +266,30 @@ def test_compiled_layer_is_traced_once(compiled_run):
     assert compiled_run["attempts"] == ["compile_attempt_0"]
 
 
+def test_compile_language_layers_sets_constant_floats_only_inside_the_layers(processor):
+    """The private torch behaviour the constant floats rely on: ``Module.compile`` keeps its compiled call in
+    ``_compiled_call_impl``, which ``Module.__call__`` runs, so Dynamo's ``specialize_float`` is on while each
+    layer compiles, and back to what it was outside them. A torch that moves either fails here."""
+    from eogym_sft.modeling import compile_language_layers
+    from eogym_sft.tiny import build_tiny_model
+
+    seen = []
+
+    def recording_backend(graph, example_inputs):
+        seen.append(torch._dynamo.config.specialize_float)
+        return graph.forward
+
+    before = torch._dynamo.config.specialize_float
+    model = build_tiny_model(seed=3)
+    torch._dynamo.reset()
+    compile_language_layers(model, backend=recording_backend)
+    with torch.no_grad():
+        model(**_packed_batch(processor), use_cache=False)
+    torch._dynamo.reset()
+    assert seen and all(seen)
+    assert torch._dynamo.config.specialize_float == before
+
+
 def test_compile_language_layers_needs_decoder_layers():
     from eogym_sft.modeling import compile_language_layers
 
