@@ -1,5 +1,6 @@
 """``eogym_varlen`` attention: the same loss as SDPA on padded and packed batches, sample boundaries
-from the position row, and (on a GPU) the CUDA varlen kernel against the CPU reference path."""
+from the position row, and (on a GPU) the CUDA varlen kernel against the CPU reference path;
+``eogym_varlen_cudnn``'s per-sample op (on CPU with torch's flash kernel for CPU) against the reference."""
 
 from __future__ import annotations
 
@@ -398,7 +399,7 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attn", ["eogym_varlen", "eogym_varlen_cudnn"])
 def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor, attn):
-    """On each GPU kernel (torch's varlen_attn; cuDNN on padded samples) and Inductor: no graph break in a
+    """On each GPU kernel (torch's varlen_attn; cuDNN's, sample by sample) and Inductor: no graph break in a
     compiled layer, one graph for micro-batches of several lengths and sample counts (one sample included),
     and the eager loss up to bf16 rounding. (The demo's tiny model:
     flash kernels need a head dim that is a multiple of 8, and the tests' tiny one has 4.)"""
