@@ -5,8 +5,9 @@
 
 Builds Qwen3-VL's text tower at the given config's dimensions (the 4B one by default) with ``--layers``
 decoder layers and a tiny vision tower (it is not compiled), puts the recipe's LoRA on it
-(``apply_lora``: r16, alpha 32, dropout 0.05 on q/k/v/o/gate/up/down), switches the text attention to
-``eogym_varlen`` and compiles the layers as the recipe does (``compile_language_layers``). Then it runs
+(``apply_lora``: r16, alpha 32, dropout 0.05 on q/k/v/o/gate/up/down), switches the text attention to the
+recipe's (``attn_implementation`` in recipes/eo_gym_4b.yaml) and compiles the layers as the recipe does
+(``compile_language_layers``). Then it runs
 forward + backward of the text tower on a packed micro-batch (``--lengths``: one sample each, position
 ids restarting at 0 as ``EOGymCollator`` gives them), then on a micro-batch of other lengths, which must
 not compile again, then on the first one again.
@@ -40,6 +41,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_throughput import machine_info  # noqa: E402
@@ -48,6 +50,7 @@ from step_probe import RecompileLog, compile_caches, compile_phases, compile_sta
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "recipes" / "configs" / "qwen3_vl_4b_instruct.json"
+ATTENTION = yaml.safe_load((REPO / "recipes" / "eo_gym_4b.yaml").read_text())["attn_implementation"]
 TINY_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "deepstack_visual_indexes": [0]}
 
 # Each variant changes one thing of the recipe's compile: "compile" adds compile_language_layers keyword
@@ -71,7 +74,7 @@ AREAS = (
 
 def build_model(config_path: Path, layers: int, device: str, dtype: str, vocab: int = 1024):
     """Qwen3-VL at ``config_path``'s text dimensions with ``layers`` decoder layers, the recipe's LoRA and
-    ``eogym_varlen`` attention; the vocabulary and vision tower are shrunk (neither is compiled)."""
+    attention; the vocabulary and vision tower are shrunk (neither is compiled)."""
     from eogym_sft.attention import add_sample_boundaries, register_varlen_attention
     from eogym_sft.modeling import apply_lora
     from eogym_sft.tiny import build_tiny_model
@@ -81,7 +84,7 @@ def build_model(config_path: Path, layers: int, device: str, dtype: str, vocab: 
     config["vision_config"].update(TINY_VISION, out_hidden_size=config["text_config"]["hidden_size"])
     model = build_tiny_model(seed=0, config=config, dtype=dtype, device=device)
     register_varlen_attention()
-    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+    model.set_attn_implementation({"text_config": ATTENTION, "vision_config": "sdpa"})
     add_sample_boundaries(model)
     return apply_lora(model).train()
 
