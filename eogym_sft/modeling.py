@@ -111,7 +111,8 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     for layer in layers:
         layer.compile(**compile_kwargs)
         # Module.compile keeps the compiled call here; the setting applies while a layer runs (and compiles),
-        # not to the rest of the process. tests/test_modeling.py fails if a layer is traced twice.
+        # not to the rest of the process. tests/test_modeling.py fails if a layer is traced twice, or if torch
+        # stops calling this attribute or applying the setting.
         layer._compiled_call_impl = torch._dynamo.config.patch(specialize_float=True)(layer._compiled_call_impl)
     return len(layers)
 
