@@ -90,7 +90,14 @@ def _sample_kernels(device_type: str):
     aten = torch.ops.aten
     if device_type == "cuda":
         def forward(q, k, v, scale):
-            out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+            try:
+                out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+            except RuntimeError as err:  # a GPU, dtype or build without cuDNN's fused attention: say what to set
+                raise RuntimeError(
+                    f"attn_implementation={CUDNN_NAME!r}: cuDNN's fused attention failed on a sample of {q.shape[2]} rows "
+                    f"({q.dtype}, {torch.cuda.get_device_name(q.device)}); set attn_implementation: {NAME} for "
+                    f"flash's kernel. cuDNN: {err}"
+                ) from err
             return out, lse.reshape(q.shape[1], q.shape[2])
 
         def backward(grad, q, k, v, out, lse, scale):

@@ -289,6 +289,24 @@ def test_per_sample_cudnn_kernels_take_our_arguments():
     assert [tuple(g.shape) for g in grads] == [(1, 32, 16, 128), (1, 8, 16, 128), (1, 8, 16, 128)]
 
 
+def test_cudnn_kernel_failure_names_the_setting_to_change(monkeypatch):
+    """A machine without cuDNN's fused attention (GPU, dtype or build) gets an error that names
+    ``eogym_varlen_cudnn`` and the setting that avoids it, with cuDNN's own message kept as the cause."""
+    from eogym_sft.attention import _sample_kernels
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("No valid execution plans built.")
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", refuse)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    forward, _ = _sample_kernels("cuda")
+    q = torch.zeros(1, 4, 256, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="'eogym_varlen_cudnn'.*256 rows.*Some GPU.*attn_implementation: eogym_varlen .*"
+                                           "No valid execution plans") as caught:
+        forward(q, q, q, 0.3)
+    assert str(caught.value.__cause__) == "No valid execution plans built."
+
+
 def test_padded_sample_zero_pads_a_samples_rows():
     """Sample rows 1:3 of 2 heads padded to 4 rows: ``[1, heads, rows, dim]``, zero after the sample."""
     from eogym_sft.attention import _padded_sample
