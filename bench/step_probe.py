@@ -43,9 +43,10 @@ def compile_phases(top: int = 16) -> dict[str, float]:
     (tracing, AOTAutograd, ...). Phases nest, so they do not add up."""
     from torch._dynamo.utils import calculate_time_spent, compile_times
 
-    # On the H200 image (torch 2.11) the per-function timers came back empty on 2026-11-30 while the phase
-    # totals were filled, so both are read. The per-function ones in their "csv" form: the printable one is
-    # a table whose layout depends on whether `tabulate` is installed.
+    # Both are read because torch versions fill different ones: torch 2.14 (CPU) fills both; on the H200
+    # image's torch 2.11 both came back empty (2026-11-30 and 2026-12-01), only the total being filled.
+    # The per-function ones in their "csv" form: the printable one is a table whose layout depends on
+    # whether `tabulate` is installed.
     names, seconds = compile_times(repr="csv", aggregate=True)
     phases = {name: float(value) for name, value in zip(names, seconds)}
     totals = {phase: s for phase, s in calculate_time_spent().items() if phase != "total_wall_time"}

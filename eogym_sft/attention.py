@@ -15,8 +15,9 @@ of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms,
 (H200, ``bench/attention_probe.py``, 2026-11-30). :func:`per_sample_op` calls that kernel once per sample,
 each padded only up to a multiple of 128 tokens: 1.44x flash's varlen on samples of 3,500 and 8,500 tokens,
 and +9.7% tokens/s for a whole training step (H200, 2026-12-01; docs/benchmarks.md). cuDNN's ragged (packed)
-kernel would take the rows as they are, but torch routes to it only from 2.14, whose backward fix
-(pytorch#186142) the H200 image's torch 2.11 lacks (there it gave wrong gradients), so no GPU here has run it.
+kernel would take the rows as they are, but it is not used: torch routes to it only from 2.14, and the H200
+image's torch 2.11 lacks that release's backward fix (pytorch#186142; there its gradients came out wrong), so
+no GPU here could check a path through it.
 Right-padding a micro-batch's samples to its longest into one dense batch instead (the path until 2026-12-01)
 costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores;
 on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
@@ -165,7 +166,7 @@ def per_sample_op():
     """Causal attention of the packed samples, one fused dense kernel call per sample, as one custom op with its
     own backward (defined on first use, not at import).
 
-    The kernel is cuDNN's dense one on CUDA, the kernel that ran 1.75x flash's on these shapes (module docstring).
+    The kernel is cuDNN's dense one on CUDA: sample by sample, 1.44x flash's varlen (module docstring).
     cuDNN builds an execution plan for each new shape, about 50 ms on an H200 (``bench/attention_probe.py``,
     2026-12-01), longer than the attention itself, and nearly every sample has a length of its own; so each
     sample is right-padded with zero rows to a multiple of ``LENGTH_BUCKET`` tokens, which is exact under the
