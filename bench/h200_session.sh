@@ -19,6 +19,7 @@
 #   bash bench/h200_session.sh cudnn_x2     # 2 GPUs: arm B-flash against B (GPU 0); attention probe, GPU tests, plain TRL's arm A (GPU 1)
 #   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B-flash against B
 #   bash bench/h200_session.sh vs_trl       # 1 GPU: plain TRL (A) then the recipe's settings (B, profiled) in one process
+#   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -236,6 +237,19 @@ vs_trl)
     --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms A,B --profile B --json $OUT/vs_trl.json \
     > /tmp/logs/vs_trl.log 2>&1 || echo "vs_trl: exit $?"
   grep -vE "Warning|warn" /tmp/logs/vs_trl.log | tail -4
+  ;;
+idle_trace)
+  # Issue 13: arm B's GPU was busy 73% of its profiled window (vs_trl, 2026-12-01), so a quarter of a step is
+  # the GPU waiting on the host. Arm B profiled over one more step with its Chrome trace (the last 2 micro-batches
+  # and the optimizer step), whose idle gaps bench/idle_gaps.py names by the host call behind each; then
+  # B-workers8, for the first step's wait for its 32 micro-batches with 8 dataloader workers against B's 4.
+  # 1 warm-up + 2 timed steps each, in one process. ~6.5 min (estimate).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-workers8 --profile B --trace $OUT/trace_ARM.json.gz \
+    --json $OUT/idle_trace.json > /tmp/logs/idle_trace.log 2>&1 || echo "idle_trace: exit $?"
+  timeout $((595 - SECONDS)) python bench/idle_gaps.py $OUT/trace_B.json.gz --json $OUT/idle_gaps_B.json || echo "idle_gaps: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/idle_trace.log | tail -3
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

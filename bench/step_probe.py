@@ -202,6 +202,7 @@ class StepProbe:
 COMPONENTS = ("vision_tower", "attention", "base_matmul", "lora_matmul", "lm_head_and_loss", "optimizer", "other_kernels")
 VISION_RANGE = "eogym::vision_tower"
 HEAD_RANGE = "eogym::lm_head"
+TEXT_RANGE = "eogym::language_model"  # the decoder layers' forward, for bench/idle_gaps.py (no component of its own)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_forward_kernel", "_backward_kernel")
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa")
@@ -222,11 +223,12 @@ def kernel_family(name: str) -> str:
 
 
 def annotate(model) -> list:
-    """Profiler ranges around the vision tower and the LM head (module hooks, outside compiled code).
-    Returns the hook handles; remove them when done."""
+    """Profiler ranges around the vision tower, the language model and the LM head (module hooks, outside
+    compiled code). Returns the hook handles; remove them when done."""
+    labels = {"model.visual": VISION_RANGE, "model.language_model": TEXT_RANGE, "lm_head": HEAD_RANGE}
     handles = []
     for name, module in model.named_modules():
-        label = VISION_RANGE if name.endswith("model.visual") else HEAD_RANGE if name.endswith("lm_head") else None
+        label = next((label for end, label in labels.items() if name.endswith(end)), None)
         if label is None:
             continue
         ranges = []
@@ -318,15 +320,28 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
     }
 
 
+def save_trace(prof, path: str) -> None:
+    """The profiler's Chrome trace, gzipped (a call brings back files of at most 16 MiB)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as plain:
+        prof.export_chrome_trace(plain.name)
+        with open(plain.name, "rb") as fin, gzip.open(path, "wb") as fout:
+            shutil.copyfileobj(fin, fout)
+
+
 class ProfileLastStep:
     """Trainer callback: torch.profiler over the last ``micro_batches`` micro-batches of step
     ``step`` (0-based) and its optimizer step. A whole 32-micro-batch step would be a trace too
     large to fold in the time a GPU session has."""
 
-    def __init__(self, step: int, grad_accum: int, micro_batches: int = 2):
+    def __init__(self, step: int, grad_accum: int, micro_batches: int = 2, trace: str | None = None):
         self.step, self.start_after = step, max(0, grad_accum - micro_batches)
         self.prof, self._step, self._done = None, -1, 0
         self.window_s = None
+        self.trace = trace  # a gzipped Chrome trace of the window, for bench/idle_gaps.py
 
     def on_step_begin(self, *a, **k):
         self._step += 1
@@ -352,6 +367,8 @@ class ProfileLastStep:
             _sync()
             self.window_s = time.perf_counter() - self._start
             self.prof.__exit__(None, None, None)
+            if self.trace:
+                save_trace(self.prof, self.trace)
 
     def __getattr__(self, name):
         if name.startswith("on_"):

@@ -231,7 +231,7 @@ def _uncompile(model) -> None:
 
 
 def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps: int, warmup: int, grad_accum: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, trace: str | None = None) -> dict:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -240,7 +240,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup + extra, micro)
     probe = StepProbe()
     trainer.add_callback(probe)
-    profiler = ProfileLastStep(steps + warmup, micro) if profile else None
+    profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
     if profiler:
         trainer.add_callback(profiler)
@@ -378,6 +378,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches a step for the B arms (the recipe has 32)")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--profile", default="", help="comma-separated arms to profile for one extra step (component breakdown)")
+    parser.add_argument("--trace", default=None, help="with --profile: the profiled window's Chrome trace, gzipped, to "
+                        "this path (ARM in it replaced by the arm's name); bench/idle_gaps.py reads it")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -399,7 +401,9 @@ def main(argv=None) -> dict:
     for arm in args.arms.split(","):
         try:
             profile = arm in args.profile.split(",")
-            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum, profile))
+            trace = args.trace.replace("ARM", arm) if args.trace and profile else None
+            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum,
+                                   profile, trace))
         except Exception as err:  # a failing arm is reported, not hidden, and the others still run
             traceback.print_exc()
             results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})

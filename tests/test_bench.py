@@ -260,3 +260,35 @@ def test_compile_probe_sorts_files_into_areas():
     assert area("~", "<method 'acquire' of '_thread.lock' objects>") == "waiting (locks, subprocesses)"
     assert area("~", "<built-in method torch._C._nn.linear>") == "C++ (ops, kernels, builtins)"
     assert area("/work/x/eogym_sft/attention.py", "f") == "eogym_sft"
+
+
+def test_idle_gaps_name_the_host_call_behind_each_wait():
+    """A gap that ends after a host sync returned inside it is the sync's (named by the ops around it); one
+    without is the launch's; GPU events on two streams that overlap leave no gap between them."""
+    from idle_gaps import idle_report
+
+    def host(name, ts, dur, tid=1, cat="cpu_op", **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+    def gpu(name, ts, dur, correlation, stream=7):
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}
+
+    events = [
+        host("eogym::vision_tower", 0, 100, cat="user_annotation"),
+        host("aten::mm", 0, 5), host("cudaLaunchKernel", 1, 2, cat="cuda_runtime", correlation=1),
+        host("aten::item", 10, 20), host("cudaMemcpyAsync", 12, 16, cat="cuda_runtime", correlation=9),
+        host("aten::add", 34, 3), host("cudaLaunchKernel", 35, 1, cat="cuda_runtime", correlation=2),
+        host("autograd::engine::evaluate_function: MulBackward0", 50, 20, tid=2),
+        host("aten::mul", 55, 10, tid=2), host("cudaLaunchKernel", 58, 1, tid=2, cat="cuda_runtime", correlation=3),
+        gpu("gemm", 0, 12, 1), gpu("Memcpy DtoH", 12, 0, 9), gpu("add", 40, 10, 2), gpu("mul", 60, 10, 3),
+        gpu("other_stream", 41, 4, 4, stream=8),
+    ]
+    report = idle_report(events, depth=2)
+    assert report["gpu_span_ms"] == pytest.approx(0.070) and report["idle_ms"] == pytest.approx(0.038)
+    assert report["idle_after_sync_ms"] == pytest.approx(0.028) and report["host_syncs"] == 1
+    causes = [(c["cause"], round(c["idle_ms"] * 1e3), c["gaps"]) for c in report["causes"]]
+    assert causes == [
+        ("sync: eogym::vision_tower > aten::item > cudaMemcpyAsync", 28, 1),
+        ("launch: autograd::engine::evaluate_function: MulBackward0 > aten::mul", 10, 1),
+    ]
