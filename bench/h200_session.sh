@@ -20,6 +20,7 @@
 #   bash bench/h200_session.sh cudnn_1gpu   # 1 GPU: the cuDNN kernels' GPU test and probe, then arm B-flash against B
 #   bash bench/h200_session.sh vs_trl       # 1 GPU: plain TRL (A) then the recipe's settings (B, profiled) in one process
 #   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
+#   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -250,6 +251,17 @@ idle_trace)
     --json $OUT/idle_trace.json > /tmp/logs/idle_trace.log 2>&1 || echo "idle_trace: exit $?"
   timeout $((595 - SECONDS)) python bench/idle_gaps.py $OUT/trace_B.json.gz --json $OUT/idle_gaps_B.json || echo "idle_gaps: exit $?"
   grep -vE "Warning|warn" /tmp/logs/idle_trace.log | tail -3
+  ;;
+windows_1gpu)
+  # The per-sample op reading the packed rows in place (windows, +inf log-sum-exp after each sample in the backward)
+  # with the boundaries on the host: its GPU tests (cuDNN against flash, outputs and gradients; the compiled layer,
+  # where the boundaries arrive), then the probe on 3,500 + 8,500 tokens with flash's kernel beside it. ~4 min (estimate).
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
+    > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
+  grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
+  timeout $((280 - SECONDS)) python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
+    > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
+  grep arm $OUT/attention.log | cut -c1-160
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

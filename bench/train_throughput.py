@@ -60,6 +60,7 @@ SHIPPED = {
     "prefetch": RECIPE.get("dataloader_prefetch_factor"),  # None: the trainer keeps a whole step in flight
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
+    "nan_filter": RECIPE["logging_nan_inf_filter"],
 }
 ARMS = {
     "A": None,
@@ -78,6 +79,7 @@ ARMS = {
     "B-workers0": {"workers": 0},
     "B-workers8": {"workers": 8},  # the first step's wait for its 32 micro-batches (11-14 s with 4 workers on an H200 host)
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
+    "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
 }
 
 
@@ -212,7 +214,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         dataloader_prefetch_factor=s["prefetch"] if s["workers"] > 0 else None,
         dataset_kwargs={"skip_prepare_dataset": True}, optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
         train_sampling_strategy="batch_rebalance" if s["rebalance"] else "random", length_column_name="n_tokens",
-        **common,
+        logging_nan_inf_filter=s["nan_filter"], **common,
     )
     pixels = processor.image_processor.size  # the cap data prep used (load_processor wrote it here)
     collator = EOGymCollator(

@@ -120,8 +120,9 @@ def _sample_kernels(device_type: str):
 
 
 def _samples(cu: torch.Tensor):
-    """``(start, end, padded length)`` of each non-empty sample: one host sync, inside the op, where it does not
-    split a compiled graph."""
+    """``(start, end, padded length)`` of each non-empty sample. The loop reads the boundaries on the host: the
+    pre-hook hands them over there (:func:`add_sample_boundaries`); boundaries on the GPU cost a sync here, inside
+    the op, where it does not split a compiled graph."""
     bounds = cu.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:  # boundaries padded to a fixed count repeat; CPU's kernel dies on an empty sample (SIGFPE)
@@ -136,26 +137,47 @@ def _padded_sample(t: torch.Tensor, start: int, end: int, length: int) -> torch.
     return padded.transpose(0, 1)[None]
 
 
+def _window(t: torch.Tensor, start: int, end: int, length: int) -> torch.Tensor:
+    """``length`` rows of contiguous packed ``t`` from a sample's start as ``[1, heads, length, dim]``: a view where
+    the packed rows reach that far (the rows after the sample are the next samples'), else a zero-padded copy.
+
+    Rows after the sample change nothing of it: under the causal mask none of its rows attends to them, and the
+    backward gives them a log-sum-exp of +inf (:func:`_sample_lse`), so their softmax weights are 0 and their
+    output gradients are not read into the sample's."""
+    if start + length <= t.shape[0]:
+        return t[start:start + length].transpose(0, 1)[None]
+    return _padded_sample(t, start, end, length)
+
+
+def _sample_lse(lse: torch.Tensor, heads: int, start: int, end: int, length: int) -> torch.Tensor:
+    """A sample's saved log-sum-exp ``[heads, length]`` for the backward kernel, +inf in the rows after it."""
+    sample_lse = lse.new_full((heads, length), float("inf"))
+    sample_lse[:, :end - start] = lse[start * heads:end * heads].view(heads, end - start)
+    return sample_lse
+
+
 def _per_sample_forward(q, k, v, cu, scale):
     forward, _ = _sample_kernels(q.device.type)
     heads = q.shape[1]
     out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * heads, dtype=torch.float32)  # lse: [heads, length] a sample
+    # Windows are row ranges of a token-major [tokens, heads, dim], as the model's projections give them; other
+    # strides would change with the token count, and cuDNN builds a plan for every new stride too.
+    q, k, v = (t.contiguous() for t in (q, k, v))
     for start, end, length in _samples(cu):
-        res, res_lse = forward(*(_padded_sample(t, start, end, length) for t in (q, k, v)), scale)
+        res, res_lse = forward(*(_window(t, start, end, length) for t in (q, k, v)), scale)
         out[start:end] = res[0, :, :end - start].transpose(0, 1)
         lse[start * heads:end * heads].view(heads, end - start).copy_(res_lse[:, :end - start])
     return out, lse
 
 
 def _per_sample_backward(grad, q, k, v, out, lse, cu, scale):
-    """The pad rows add nothing: their output gradient is zero, and their log-sum-exp (zero) only needs to be finite."""
     _, backward = _sample_kernels(q.device.type)
     heads = q.shape[1]
     grads = [torch.empty_like(t) for t in (q, k, v)]
+    grad, q, k, v, out = (t.contiguous() for t in (grad, q, k, v, out))
     for start, end, length in _samples(cu):
-        sample_lse = lse.new_zeros(heads, length)
-        sample_lse[:, :end - start] = lse[start * heads:end * heads].view(heads, end - start)
-        parts = backward(*(_padded_sample(t, start, end, length) for t in (grad, q, k, v, out)), sample_lse, scale)
+        sample_lse = _sample_lse(lse, heads, start, end, length)
+        parts = backward(*(_window(t, start, end, length) for t in (grad, q, k, v, out)), sample_lse, scale)
         for full, part in zip(grads, parts):
             full[start:end] = part[0, :, :end - start].transpose(0, 1)
     return tuple(grads)
@@ -169,11 +191,13 @@ def per_sample_op():
     The kernel is cuDNN's dense one on CUDA: sample by sample, 1.44x flash's varlen (module docstring).
     cuDNN builds an execution plan for each new shape, about 50 ms on an H200 (``bench/attention_probe.py``,
     2026-12-01), longer than the attention itself, and nearly every sample has a length of its own; so each
-    sample is right-padded with zero rows to a multiple of ``LENGTH_BUCKET`` tokens, which is exact under the
-    causal mask and bounds the shapes (and plans) of a run to ``max_length / LENGTH_BUCKET``, at the cost of at
-    most 127 rows a sample. Under ``torch.compile`` it is one opaque node whose loop reads the boundaries on the
-    host: a compiled layer stays one graph for any number of samples. The forward keeps each sample's
-    log-sum-exp (sample-major, flat) for the backward kernel. ``q/k/v`` are ``[tokens, heads, dim]``.
+    sample is run at a length rounded up to a multiple of ``LENGTH_BUCKET`` tokens, which bounds the shapes (and
+    plans) of a run to ``max_length / LENGTH_BUCKET``, at the cost of at most 127 rows a sample. The extra rows are
+    the packed rows that follow the sample, read in place (:func:`_window`); only a sample too close to the end of
+    the pack is copied and zero-padded. Under ``torch.compile`` it is one opaque node whose loop reads the
+    boundaries on the host (from the pre-hook, :func:`add_sample_boundaries`, without a sync): a compiled layer
+    stays one graph for any number of samples. The forward keeps each sample's log-sum-exp (sample-major, flat)
+    for the backward kernel. ``q/k/v`` are ``[tokens, heads, dim]``.
     """
 
     @torch.library.custom_op("eogym::per_sample_attention", mutates_args=())
@@ -313,13 +337,14 @@ def varlen_attention_forward(
         raise ValueError(f"attn_implementation={name!r} is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
-    cu = cu_seq_lens_q.to(q.device)
     scale = scaling if scaling is not None else dim**-0.5
     # Right-padded rows (batch > 1) make each pad token a sample of its own: padded to the longest sample,
     # they would cost memory of pads x max_len, so those batches take the flash kernel.
     if q.is_cuda and cuda_kernel == "cudnn" and batch == 1:
-        out = (per_sample or per_sample_op())(q, k, v, cu, scale)[0]
-    elif q.is_cuda:
+        # The op reads the boundaries on the host: where they are there already (the pre-hook's), without a sync.
+        return (per_sample or per_sample_op())(q, k, v, cu_seq_lens_q, scale)[0].view(batch, length, heads, dim), None
+    cu = cu_seq_lens_q.to(q.device)
+    if q.is_cuda:
         out = _varlen_cuda(q, k, v, cu, max_length_q, scale, gqa_flag)
     elif torch.compiler.is_compiling():  # one opaque op, so the compiled layer stays one graph
         out = (reference or reference_op())(q, k, v, cu, scale)
@@ -352,6 +377,10 @@ def add_sample_boundaries(model) -> None:
         if module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None:
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
+        if module.config._attn_implementation == CUDNN_NAME:
+            # Its op loops over the samples on the host, in every layer's forward and backward: from here, not a
+            # GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py).
+            cu = cu.cpu()
         packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         return args, {**kwargs, **packed}
 

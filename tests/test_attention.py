@@ -316,6 +316,28 @@ def test_padded_sample_zero_pads_a_samples_rows():
     assert torch.equal(got, torch.tensor([[2.0, 4, 0, 0], [3, 5, 0, 0]]))
 
 
+def test_window_is_a_view_where_the_packed_rows_reach():
+    """A sample's rows padded to ``length``: the packed rows themselves (the next sample's after it) while they
+    reach that far, a zero-padded copy at the end of the pack."""
+    from eogym_sft.attention import _window
+
+    t = torch.arange(5 * 2 * 1, dtype=torch.float32).view(5, 2, 1)  # [tokens, heads, dim]: token * 2 + head
+    inside = _window(t, 1, 3, 4)
+    assert inside.data_ptr() == t[1].data_ptr() and torch.equal(inside[0, :, :, 0], torch.tensor([[2.0, 4, 6, 8], [3, 5, 7, 9]]))
+    at_end = _window(t, 3, 5, 4)
+    assert torch.equal(at_end[0, :, :, 0], torch.tensor([[6.0, 8, 0, 0], [7, 9, 0, 0]]))
+
+
+def test_sample_lse_is_infinite_after_the_sample():
+    """The backward's log-sum-exp of sample rows 1:3 (2 heads, stored sample-major) padded to 4 rows: +inf in the
+    rows after the sample, whose softmax weights are then 0 whatever their scores."""
+    from eogym_sft.attention import _sample_lse
+
+    lse = torch.arange(10, dtype=torch.float32)  # 5 tokens x 2 heads; the sample at rows 1:3 holds [h0: 2, 3; h1: 4, 5]
+    inf = float("inf")
+    assert torch.equal(_sample_lse(lse, 2, 1, 3, 4), torch.tensor([[2.0, 3, inf, inf], [4, 5, inf, inf]]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cudnn_kernels_match_the_varlen_kernel():
@@ -441,6 +463,9 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
 
     eager = lora_model()
     want = [eager(**b, use_cache=False).loss.item() for b in batches]
+    # cuDNN's per-sample loop gets the boundaries on the host from the pre-hook (no sync in each layer); flash's kernel on the GPU
+    boundaries = _layer_kwargs(eager, batches[0])["cu_seq_lens_q"]
+    assert boundaries.device.type == ("cpu" if attn == "eogym_varlen_cudnn" else "cuda")
     torch._dynamo.reset()
     counters.clear()
     compiled = lora_model()
