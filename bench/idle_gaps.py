@@ -4,9 +4,9 @@
 gzipped). The GPU's kernels, copies and fills, merged over its streams, leave gaps; each gap ends with a launch,
 and the host call behind it says why the GPU waited:
 
-- after a host sync (a ``cudaStreamSynchronize``, a device-to-host copy, ...) that returned inside the gap, the
-  GPU drained its queue and then waited for the host to launch again: the gap is the sync's, named by the ops
-  around that sync (``aten::item`` inside ``eogym::vision_tower``, say);
+- after a host sync (a ``cudaStreamSynchronize``, a copy to the host) the GPU has no queue: if it ran at most
+  ``SYNC_LEAD_US`` between the sync's return and the gap, it waited for the host's work after the sync, and the gap
+  is the sync's, named by the ops around it (``aten::item`` inside ``eogym::vision_tower``, say);
 - otherwise the host was slower than the GPU (launch-bound code): the gap is named by the ops around the launch.
 
     python bench/idle_gaps.py trace_B.json.gz [--top 15] [--json out.json]
@@ -23,7 +23,7 @@ from collections import defaultdict
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
-SYNC_WORDS = ("Synchronize", "cudaMemcpy", "cuMemcpy")  # calls that can block the host until the GPU is done
+SYNC_LEAD_US = 200.0  # a sync is behind a gap if the GPU ran at most this much between its return and the gap
 
 
 def load_trace(path: str) -> list[dict]:
@@ -75,6 +75,13 @@ class HostStacks:
         return names[::-1]
 
 
+def _blocks(call: dict, gpu_names: dict) -> bool:
+    """Whether a runtime call waits for the GPU: a synchronize, or a copy to the host (a copy on the device does not)."""
+    if "Synchronize" in call["name"]:
+        return True
+    return "Memcpy" in call["name"] and "DtoH" in gpu_names.get(call.get("args", {}).get("correlation"), "")
+
+
 def _end(event: dict) -> float:
     return event["ts"] + event.get("dur", 0)
 
@@ -93,20 +100,35 @@ def idle_report(events: list[dict], top: int = 15, depth: int = 3) -> dict:
         raise ValueError("the trace has no GPU events (kernels, copies, fills): was it profiled on a GPU?")
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    syncs = sorted((e for e in events if e.get("cat") in LAUNCH_CATEGORIES and any(w in e["name"] for w in SYNC_WORDS)),
-                   key=_end)
+    copies = {e["args"]["correlation"]: e["name"] for e in gpu if "correlation" in e.get("args", {})}
+    syncs = sorted((e for e in events if e.get("cat") in LAUNCH_CATEGORIES and _blocks(e, copies)), key=_end)
     sync_ends = [_end(e) for e in syncs]
     stacks = HostStacks(events)
+    found = gaps(gpu)
+    starts, idle_before = [g[0] for g in found], [0.0]  # idle_before[i]: idle time before gap i
+    for start, end, _ in found:
+        idle_before.append(idle_before[-1] + end - start)
+
+    def busy_between(t0: float, t1: float) -> float:  # GPU busy time in [t0, t1], t1 the start of a gap
+        if t0 >= t1:
+            return 0.0
+        i, j = bisect.bisect_right(starts, t0), bisect.bisect_left(starts, t1)
+        idle_in = idle_before[j] - idle_before[i]  # the gaps that start inside
+        if i > 0 and found[i - 1][1] > t0:  # and the rest of the one t0 falls in
+            idle_in += found[i - 1][1] - t0
+        return (t1 - t0) - idle_in
+
     by_cause = defaultdict(lambda: [0.0, 0])
     idle = after_sync = 0.0
-    for start, end, nxt in gaps(gpu):
+    for start, end, nxt in found:
         length = end - start
         idle += length
         launch = launches.get(nxt.get("args", {}).get("correlation"))
         launched_at = launch["ts"] if launch else end
-        # The last sync to return between the GPU going idle and the launch that ended the wait.
+        # The last sync to return before the launch that ended the wait counts if the GPU had at most SYNC_LEAD_US of
+        # work left when it returned: the host then had no lead, and the gap is that sync's and the host work after it.
         k = bisect.bisect_right(sync_ends, launched_at) - 1
-        sync = syncs[k] if k >= 0 and sync_ends[k] >= start else None
+        sync = syncs[k] if k >= 0 and busy_between(min(sync_ends[k], start), start) <= SYNC_LEAD_US else None
         if sync is not None:
             after_sync += length
             cause = "sync: " + _name(stacks.at((sync["pid"], sync["tid"]), sync["ts"]) + [sync["name"]], depth + 1)

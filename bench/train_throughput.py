@@ -140,26 +140,48 @@ def trl_dataset(dataset, root: Path, processor):
     return Dataset.from_dict(rows).cast_column("images", Sequence(Image()))
 
 
-class Counted:
-    """Wrap ``compute_loss`` to count real and supervised tokens and per-sample lengths."""
+COUNTS_KEY = "_bench_counts"  # where CountingCollator puts a micro-batch's counts; Counted takes them out
 
-    def __init__(self, trainer, merge: int):
+
+def batch_counts(batch: dict) -> tuple[list[int], int, list[int]]:
+    """A collated micro-batch's sample lengths (real tokens), supervised tokens and image patch counts."""
+    if "attention_mask" in batch:
+        lengths = batch["attention_mask"].sum(-1).tolist()
+    else:
+        pos = batch["position_ids"][0].reshape(-1)
+        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+        lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    sup = int((batch["labels"][:, 1:] != -100).sum())
+    grid = batch.get("image_grid_thw")
+    return lengths, sup, [] if grid is None else grid.prod(-1).tolist()
+
+
+class CountingCollator:
+    """The trainer's collator, plus :func:`batch_counts` of each micro-batch, counted on the host where it is built
+    (in the dataloader's workers): counting the GPU copy in the step would add host syncs to what is timed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, examples):
+        batch = self.inner(examples)
+        batch[COUNTS_KEY] = batch_counts(batch)  # plain lists: the trainer moves tensors to the GPU, not these
+        return batch
+
+
+class Counted:
+    """Record each micro-batch's counts (see :class:`CountingCollator`) as ``compute_loss`` takes it."""
+
+    def __init__(self, trainer):
         self.lengths, self.images, self.real, self.supervised = [], [], [], []
-        self.inner, self.merge = trainer.compute_loss, merge
+        trainer.data_collator = CountingCollator(trainer.data_collator)  # the dataloader is built in train()
+        self.inner = trainer.compute_loss
         trainer.compute_loss = self
 
     def __call__(self, model, inputs, *args, **kwargs):
-        labels = inputs["labels"]
-        if "attention_mask" in inputs:
-            lengths = inputs["attention_mask"].sum(-1).tolist()
-        else:
-            pos = inputs["position_ids"][0].reshape(-1)
-            starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
-            lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
-        sup = int((labels[:, 1:] != -100).sum())
+        lengths, sup, images = inputs.pop(COUNTS_KEY)
         self.lengths.append([(n, sup / len(lengths)) for n in lengths])
-        grid = inputs.get("image_grid_thw")
-        self.images.append([] if grid is None else grid.prod(-1).tolist())
+        self.images.append(images)
         self.real.append(sum(lengths))
         self.supervised.append(sup)
         return self.inner(model, inputs, *args, **kwargs)
@@ -247,7 +269,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     if profiler:
         trainer.add_callback(profiler)
         hooks = annotate(trainer.model)
-    counted = Counted(trainer, 2)
+    counted = Counted(trainer)
     t0 = time.perf_counter()
     try:
         with RecompileLog() as recompiles, CacheBypassLog() as bypasses:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -54,6 +55,26 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     assert all(seconds > 0 for seconds in profile["seconds"].values()), profile["seconds"]
     assert sum(profile["share"].values()) == pytest.approx(1.0)
     assert 0 < profile["window_s"] < result["timed_wall_s"] * 10 and profile["gpu_busy_fraction"] is None  # CPU run
+
+
+def test_micro_batches_are_counted_where_they_are_collated():
+    """The bench counts each micro-batch on the host, as the collator builds it (no sync in the timed step):
+    packed samples by their position restarts, padded rows by their mask; supervised tokens after the shift."""
+    from train_throughput import COUNTS_KEY, Counted
+
+    packed = {"position_ids": torch.tensor([0, 1, 2, 0, 1]).expand(4, 1, 5), "labels": torch.tensor([[-100, 5, 6, -100, 7]]),
+              "image_grid_thw": torch.tensor([[1, 4, 6]])}
+    padded = {"attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "labels": torch.tensor([[-100, 5, 6], [-100, 7, -100]])}
+    trainer = type("Trainer", (), {})()
+    trainer.data_collator = lambda examples: dict(examples[0])
+    trainer.compute_loss = lambda model, inputs: sorted(inputs)
+    counted = Counted(trainer)
+    for batch, keys in ((packed, ["image_grid_thw", "labels", "position_ids"]), (padded, ["attention_mask", "labels"])):
+        inputs = trainer.data_collator([batch])
+        assert isinstance(inputs[COUNTS_KEY], tuple)
+        assert trainer.compute_loss(None, inputs) == keys  # the counts do not reach the model
+    assert counted.real == [5, 5] and counted.supervised == [3, 3] and counted.images == [[24], []]
+    assert counted.lengths == [[(3, 1.5), (2, 1.5)], [(3, 1.5), (2, 1.5)]]
 
 
 def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
@@ -263,8 +284,9 @@ def test_compile_probe_sorts_files_into_areas():
 
 
 def test_idle_gaps_name_the_host_call_behind_each_wait():
-    """A gap that ends after a host sync returned inside it is the sync's (named by the ops around it); one
-    without is the launch's; GPU events on two streams that overlap leave no gap between them."""
+    """A gap after a host sync that waited on the GPU's last work is the sync's (named by the ops around it), also
+    when the sync's end is stamped a little before that work's; a gap without is the launch's; GPU events on two
+    streams that overlap leave no gap between them."""
     from idle_gaps import idle_report
 
     def host(name, ts, dur, tid=1, cat="cpu_op", **args):
@@ -275,20 +297,26 @@ def test_idle_gaps_name_the_host_call_behind_each_wait():
                 "args": {"correlation": correlation}}
 
     events = [
-        host("eogym::vision_tower", 0, 100, cat="user_annotation"),
+        host("eogym::vision_tower", 0, 40, cat="user_annotation"),
         host("aten::mm", 0, 5), host("cudaLaunchKernel", 1, 2, cat="cuda_runtime", correlation=1),
         host("aten::item", 10, 20), host("cudaMemcpyAsync", 12, 16, cat="cuda_runtime", correlation=9),
         host("aten::add", 34, 3), host("cudaLaunchKernel", 35, 1, cat="cuda_runtime", correlation=2),
-        host("autograd::engine::evaluate_function: MulBackward0", 50, 20, tid=2),
-        host("aten::mul", 55, 10, tid=2), host("cudaLaunchKernel", 58, 1, tid=2, cat="cuda_runtime", correlation=3),
-        gpu("gemm", 0, 12, 1), gpu("Memcpy DtoH", 12, 0, 9), gpu("add", 40, 10, 2), gpu("mul", 60, 10, 3),
-        gpu("other_stream", 41, 4, 4, stream=8),
+        host("autograd::engine::evaluate_function: MulBackward0", 450, 20, tid=2),
+        host("aten::mul", 455, 10, tid=2), host("cudaLaunchKernel", 458, 1, tid=2, cat="cuda_runtime", correlation=3),
+        # a sync stamped as returning a little before the kernel it waited on ends (host and GPU clocks differ
+        # slightly), then a 1-us kernel, then the host's own work: the gaps after it are still the sync's
+        host("aten::is_nonzero", 462, 8), host("cudaStreamSynchronize", 462, 7.86, cat="cuda_runtime", correlation=10),
+        host("aten::add", 470, 1), host("cudaLaunchKernel", 470, 0.5, cat="cuda_runtime", correlation=6),
+        host("aten::eq", 487, 2), host("cudaLaunchKernel", 488, 1, cat="cuda_runtime", correlation=5),
+        gpu("gemm", 0, 12, 1), gpu("Memcpy DtoH", 12, 0, 9), gpu("add", 40, 400, 2), gpu("other_stream", 41, 4, 4, stream=8),
+        gpu("mul", 460, 10, 3), gpu("add", 470.5, 1, 6), gpu("eq", 490, 10, 5),
     ]
     report = idle_report(events, depth=2)
-    assert report["gpu_span_ms"] == pytest.approx(0.070) and report["idle_ms"] == pytest.approx(0.038)
-    assert report["idle_after_sync_ms"] == pytest.approx(0.028) and report["host_syncs"] == 1
+    assert report["gpu_span_ms"] == pytest.approx(0.5) and report["idle_ms"] == pytest.approx(0.067)
+    assert report["idle_after_sync_ms"] == pytest.approx(0.047) and report["host_syncs"] == 2
     causes = [(c["cause"], round(c["idle_ms"] * 1e3), c["gaps"]) for c in report["causes"]]
-    assert causes == [
+    assert causes == [  # the mul's gap: 400 us of GPU work since the last sync, far over SYNC_LEAD_US
         ("sync: eogym::vision_tower > aten::item > cudaMemcpyAsync", 28, 1),
-        ("launch: autograd::engine::evaluate_function: MulBackward0 > aten::mul", 10, 1),
+        ("launch: autograd::engine::evaluate_function: MulBackward0 > aten::mul", 20, 1),
+        ("sync: aten::is_nonzero > cudaStreamSynchronize", 19, 2),
     ]
