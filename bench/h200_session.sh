@@ -21,6 +21,7 @@
 #   bash bench/h200_session.sh vs_trl       # 1 GPU: plain TRL (A) then the recipe's settings (B, profiled) in one process
 #   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
+#   bash bench/h200_session.sh after_1gpu   # 1 GPU: A, B-nanfilter and B (profiled, traced) in one process, after 2026-12-01's changes
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -262,6 +263,19 @@ windows_1gpu)
   timeout $((280 - SECONDS)) python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
     > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
   grep arm $OUT/attention.log | cut -c1-160
+  ;;
+after_1gpu)
+  # After the per-sample op's host boundaries and in-place samples, the recipe without the NaN-check sync and the
+  # bench counting in the collator (2026-12-01): plain TRL (A), B-nanfilter (transformers' per-micro-batch NaN check
+  # back on) and B in ONE process on one GPU, 1 warm-up + 3 timed steps each at the recipe's 32 micro-batches (A: 4),
+  # B profiled over one more step with its trace, whose idle gaps bench/idle_gaps.py names. The >= 5x and >= 45% MFU
+  # targets and the profile after. ~8 min (estimate: A ~50 s, B-nanfilter ~2.3 min cold, B ~2.5 min with its profile).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms A,B-nanfilter,B --profile B --trace $OUT/trace_ARM.json.gz \
+    --json $OUT/after.json > /tmp/logs/after.log 2>&1 || echo "after: exit $?"
+  timeout $((595 - SECONDS)) python bench/idle_gaps.py $OUT/trace_B.json.gz --json $OUT/idle_gaps_after.json || echo "idle_gaps: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/after.log | tail -4
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm
