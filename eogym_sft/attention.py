@@ -377,9 +377,9 @@ def add_sample_boundaries(model) -> None:
         if module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None:
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
-        if module.config._attn_implementation == CUDNN_NAME:
-            # Its op loops over the samples on the host, in every layer's forward and backward: from here, not a
-            # GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py).
+        if module.config._attn_implementation == CUDNN_NAME and positions.shape[0] == 1:
+            # Its op (packed batches: one row) loops over the samples on the host, in every layer's forward and
+            # backward: from here, not a GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py).
             cu = cu.cpu()
         packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
         return args, {**kwargs, **packed}

@@ -463,9 +463,12 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
 
     eager = lora_model()
     want = [eager(**b, use_cache=False).loss.item() for b in batches]
-    # cuDNN's per-sample loop gets the boundaries on the host from the pre-hook (no sync in each layer); flash's kernel on the GPU
+    # cuDNN's per-sample loop gets a packed batch's boundaries on the host from the pre-hook (no sync in each layer);
+    # flash's kernel, and right-padded batches (flash's kernel under either name), on the GPU
     boundaries = _layer_kwargs(eager, batches[0])["cu_seq_lens_q"]
     assert boundaries.device.type == ("cpu" if attn == "eogym_varlen_cudnn" else "cuda")
+    padded = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=False)(_examples())
+    assert _layer_kwargs(eager, {k: v.cuda() for k, v in padded.items()})["cu_seq_lens_q"].device.type == "cuda"
     torch._dynamo.reset()
     counters.clear()
     compiled = lora_model()
