@@ -21,7 +21,8 @@
 #   bash bench/h200_session.sh vs_trl       # 1 GPU: plain TRL (A) then the recipe's settings (B, profiled) in one process
 #   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
-#   bash bench/h200_session.sh after_1gpu   # 1 GPU: A, B-nanfilter and B (profiled, traced) in one process, after 2026-12-01's changes
+#   bash bench/h200_session.sh after_1gpu   # 1 GPU: A and B (profiled, traced) in one process, after 2026-12-01's changes
+#   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionsync and B in one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -219,8 +220,8 @@ cudnn_1gpu)
   # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
   # (~1.5 min, estimate), then arm B-flash against B in one process (1 warm-up + 3 timed steps each). ~9 min.
   make_bench_data; mkdir -p /tmp/logs
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
-    > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_vision_inputs.py \
+    -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout 90 python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
     > /tmp/logs/attention.log 2>&1 || echo "attention_probe: exit $?"
@@ -257,25 +258,35 @@ windows_1gpu)
   # The per-sample op reading the packed rows in place (windows, +inf log-sum-exp after each sample in the backward)
   # with the boundaries on the host: its GPU tests (cuDNN against flash, outputs and gradients; the compiled layer,
   # where the boundaries arrive), then the probe on 3,500 + 8,500 tokens with flash's kernel beside it. ~4 min (estimate).
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn)" \
-    > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_vision_inputs.py \
+    -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout $((280 - SECONDS)) python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
     > $OUT/attention.log 2>&1 || echo "attention_probe: exit $?"
   grep arm $OUT/attention.log | cut -c1-160
   ;;
 after_1gpu)
-  # After the per-sample op's host boundaries and in-place samples, the recipe without the NaN-check sync and the
-  # bench counting in the collator (2026-12-01): plain TRL (A), B-nanfilter (transformers' per-micro-batch NaN check
-  # back on) and B in ONE process on one GPU, 1 warm-up + 3 timed steps each at the recipe's 32 micro-batches (A: 4),
-  # B profiled over one more step with its trace, whose idle gaps bench/idle_gaps.py names. The >= 5x and >= 45% MFU
-  # targets and the profile after. ~8 min (estimate: A ~50 s, B-nanfilter ~2.3 min cold, B ~2.5 min with its profile).
+  # After 2026-12-01's changes (the per-sample op's host boundaries and in-place samples, no NaN-check sync, the vision
+  # tower's metadata on the host, the bench counting in the collator): plain TRL (A) and B in ONE process on one GPU,
+  # 1 warm-up + 4 timed steps each (B at the recipe's 32 micro-batches), B profiled over one more step with its trace,
+  # whose idle gaps bench/idle_gaps.py names: the >= 5x and >= 45% MFU targets and the profile after. Run
+  # windows_1gpu's GPU tests first. ~6 min (estimate: A ~50 s, B ~3.5 min with its profile).
   make_bench_data; mkdir -p /tmp/logs
-  timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms A,B-nanfilter,B --profile B --trace $OUT/trace_ARM.json.gz \
+  timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 4 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms A,B --profile B --trace $OUT/trace_ARM.json.gz \
     --json $OUT/after.json > /tmp/logs/after.log 2>&1 || echo "after: exit $?"
   timeout $((595 - SECONDS)) python bench/idle_gaps.py $OUT/trace_B.json.gz --json $OUT/idle_gaps_after.json || echo "idle_gaps: exit $?"
   grep -vE "Warning|warn" /tmp/logs/after.log | tail -4
+  ;;
+ablate_1gpu)
+  # What each of 2026-12-01's host-side changes buys: B-nanfilter (transformers' per-micro-batch NaN check back on),
+  # B-visionsync (the vision tower computes its metadata on the GPU) and B in one process, 1 warm-up + 2 timed steps
+  # each at the recipe's 32 micro-batches. ~6.5 min (estimate).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B-nanfilter,B-visionsync,B --json $OUT/ablate.json \
+    > /tmp/logs/ablate.log 2>&1 || echo "ablate: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/ablate.log | tail -5
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

@@ -43,6 +43,7 @@ from step_probe import (  # noqa: E402
 )
 
 from eogym_sft.config import ImageConfig  # noqa: E402
+from eogym_sft.vision_inputs import precompute_vision_inputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # the H200 bf16 dense figure that MFU is computed against (docs/benchmarks.md, MFU formula)
@@ -61,6 +62,7 @@ SHIPPED = {
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
+    "vision_host": True,  # load_base_model's: the vision tower's per-image metadata computed on the host
 }
 ARMS = {
     "A": None,
@@ -80,6 +82,7 @@ ARMS = {
     "B-workers8": {"workers": 8},  # the first step's wait for its 32 micro-batches (11-14 s with 4 workers on an H200 host)
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
+    "B-visionsync": {"vision_host": False},  # the vision tower computes its per-image metadata on the GPU (syncs)
 }
 
 
@@ -266,9 +269,11 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     trainer.add_callback(probe)
     profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
+    if arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]:  # as load_base_model does; plain TRL computes them itself
+        hooks.append(precompute_vision_inputs(base))
     if profiler:
         trainer.add_callback(profiler)
-        hooks = annotate(trainer.model)
+        hooks += annotate(trainer.model)
     counted = Counted(trainer)
     t0 = time.perf_counter()
     try:

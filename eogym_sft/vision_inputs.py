@@ -1,0 +1,64 @@
+"""The vision tower's per-image metadata computed on the host, once per forward, instead of on the GPU.
+
+Qwen3-VL's vision tower derives from ``grid_thw`` (each image's patch grid) the images' boundaries, the
+patches' rotary positions and their position-embedding interpolation taps, with ops whose output size
+depends on the data (``repeat_interleave``, ``.tolist()``, ``.item()``): each a host sync when ``grid_thw``
+is on the GPU, and the tower's SDPA path reads the boundaries on the host again in each of its 24 blocks.
+On an H200 those syncs idled the GPU 26 ms in a window of two micro-batches of the 4B recipe
+(``bench/idle_gaps.py``, docs/benchmarks.md). transformers lets a caller hand these tensors in precomputed
+(``transformers.vision_utils``: each ``get_vision_*`` helper pops its value from the encoder's kwargs);
+:func:`precompute_vision_inputs` computes them with those same helpers from a host copy of ``grid_thw``:
+one sync a forward. The boundaries stay on the host where the tower's attention splits images there (SDPA,
+eager); a flash-attention tower gets them on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def vision_tower(model):
+    """The model's Qwen3-VL vision tower, or ``None`` when it has none (another architecture)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return next((m for m in model.modules() if isinstance(m, Qwen3VLVisionModel)), None)
+
+
+def host_vision_inputs(tower, grid_thw: torch.Tensor) -> dict:
+    """What the tower's forward would compute from ``grid_thw``, computed on the host (one sync) and put where
+    the forward reads it, under the keys its helpers pop."""
+    from transformers.utils.generic import get_max_seqlen, is_flash_attention_requested
+    from transformers.vision_utils import (
+        get_vision_cu_seqlens, get_vision_interpolation_indices_and_weights, get_vision_position_ids,
+    )
+
+    host, device = grid_thw.cpu(), grid_thw.device
+    cu_seqlens = get_vision_cu_seqlens(host)
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        host, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
+    )
+    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731  (from pageable memory: no GPU sync)
+    return {
+        "cu_seqlens": to_device(cu_seqlens) if is_flash_attention_requested(tower.config) else cu_seqlens,
+        "max_seqlen": get_max_seqlen(cu_seqlens, tower.config),
+        "position_ids": to_device(get_vision_position_ids(host, tower.spatial_merge_size)),
+        "interp_indices": to_device(indices),
+        "interp_weights": to_device(weights),
+    }
+
+
+def precompute_vision_inputs(model):
+    """A forward pre-hook on the model's Qwen3-VL vision tower that hands it :func:`host_vision_inputs`.
+    Returns the hook's handle (``None`` for a model without that tower); values a caller passes itself are kept."""
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+
+    def add(module, args, kwargs):
+        grid_thw = kwargs.get("grid_thw")
+        if grid_thw is None or "cu_seqlens" in kwargs:
+            return None
+        return args, {**host_vision_inputs(module, grid_thw), **kwargs}
+
+    return tower.register_forward_pre_hook(add, with_kwargs=True)
