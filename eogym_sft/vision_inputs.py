@@ -38,13 +38,16 @@ def host_vision_inputs(tower, grid_thw: torch.Tensor) -> dict:
         host, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
     )
-    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731  (from pageable memory: no GPU sync)
+    on_device = {  # copies from pageable host memory: staged at once, no wait on the GPU's queue
+        "position_ids": get_vision_position_ids(host, tower.spatial_merge_size),
+        "interp_indices": indices,
+        "interp_weights": weights,
+    }
+    flash = is_flash_attention_requested(tower.config)  # flash takes the boundaries on the GPU; SDPA splits on the host
     return {
-        "cu_seqlens": to_device(cu_seqlens) if is_flash_attention_requested(tower.config) else cu_seqlens,
+        **{key: t.to(device, non_blocking=True) for key, t in on_device.items()},
+        "cu_seqlens": cu_seqlens.to(device) if flash else cu_seqlens,
         "max_seqlen": get_max_seqlen(cu_seqlens, tower.config),
-        "position_ids": to_device(get_vision_position_ids(host, tower.spatial_merge_size)),
-        "interp_indices": to_device(indices),
-        "interp_weights": to_device(weights),
     }
 
 
