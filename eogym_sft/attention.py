@@ -8,13 +8,15 @@ per sample, the same arithmetic, so tests can check it. Right-padded batches wor
 position is 0, so it is a sample of its own that nothing real attends to.
 
 Finding the boundaries needs a host sync. :func:`add_sample_boundaries` does it once per forward, before
-the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph.
+the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph; for
+``eogym_varlen_cudnn``, whose per-sample loop runs on the host, it hands them over there.
 
 ``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
 of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
 (H200, ``bench/attention_probe.py``, 2026-11-30). :func:`per_sample_op` calls that kernel once per sample,
-each padded only up to a multiple of 128 tokens: 1.44x flash's varlen on samples of 3,500 and 8,500 tokens,
-and +9.7% tokens/s for a whole training step (H200, 2026-12-01; docs/benchmarks.md). cuDNN's ragged (packed)
+each run at its length rounded up to a multiple of 128 tokens: 1.56x flash's varlen on samples of 3,500 and
+8,500 tokens, and (before the samples were read in place, at 1.44x) +9.7% tokens/s for a whole training step
+(H200, 2026-12-01; docs/benchmarks.md). cuDNN's ragged (packed)
 kernel would take the rows as they are, but it is not used: torch routes to it only from 2.14, and the H200
 image's torch 2.11 lacks that release's backward fix (pytorch#186142; there its gradients came out wrong), so
 no GPU here could check a path through it.
@@ -188,7 +190,7 @@ def per_sample_op():
     """Causal attention of the packed samples, one fused dense kernel call per sample, as one custom op with its
     own backward (defined on first use, not at import).
 
-    The kernel is cuDNN's dense one on CUDA: sample by sample, 1.44x flash's varlen (module docstring).
+    The kernel is cuDNN's dense one on CUDA: sample by sample, 1.56x flash's varlen (module docstring).
     cuDNN builds an execution plan for each new shape, about 50 ms on an H200 (``bench/attention_probe.py``,
     2026-12-01), longer than the attention itself, and nearly every sample has a length of its own; so each
     sample is run at a length rounded up to a multiple of ``LENGTH_BUCKET`` tokens, which bounds the shapes (and
