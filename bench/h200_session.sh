@@ -331,14 +331,16 @@ relaunch)
   # Issue 13's first-step target on a relaunch: the recipe launched twice on one machine, each with 1
   # warm-up and 1 timed step, both with the same fresh Inductor and Triton caches, so the first launch
   # compiles cold and the second finds its compiled layers on disk. Run after `perf` in the same
-  # machine session (it uses perf's /tmp/bt sample and the model). ~5 min (estimate, not measured).
+  # machine session (it uses perf's /tmp/bt sample and the model). RELAUNCH_FLAGS go to the recipe (e.g.
+  # "--dataloader_num_workers 8"). ~6.5 min with relaunch_x2's set-up (2026-12-01).
   export TORCHINDUCTOR_CACHE_DIR=/tmp/relaunch_inductor TRITON_CACHE_DIR=/tmp/relaunch_triton
   [ -n "${RELAUNCH_KEEP_CACHE:-}" ] || rm -rf $TORCHINDUCTOR_CACHE_DIR $TRITON_CACHE_DIR
   for run in ${RELAUNCH_RUNS:-cold warm}; do
     rm -rf /tmp/relaunch_$run
     CUDA_VISIBLE_DEVICES=0 timeout 270 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml --num_processes 1 \
       bench/recipe_throughput.py --model $model --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data --warmup 1 --steps 1 \
-      --output-dir /tmp/relaunch_$run --json $OUT/relaunch_$run.json 2>&1 | grep -E "time_to_first_step|compile_s" | tail -4 || echo "$run: exit $?"
+      --output-dir /tmp/relaunch_$run --json $OUT/relaunch_$run.json -- ${RELAUNCH_FLAGS:-} 2>&1 \
+      | grep -E "time_to_first_step|compile_s" | tail -4 || echo "$run: exit $?"
   done
   ;;
 attention_probe)

@@ -307,6 +307,9 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "mfu": flops / wall / PEAK_FLOPS,
         **timing,
         "time_to_first_step_s": probe.ends[0] - t0,  # from the call to train(): dataloader and optimizer set-up included
+        # of it, before the Trainer's loop begins (on_train_begin): 0.4 s for a process's first arm on an H200, 21 s
+        # for the second (call 4 of 2026-12-01), so the first step of arms after the first is best read from the loop
+        "pre_loop_s": probe.train_start - t0,
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
         "compile_phases_s": compile_phases(),  # the process's so far: this arm's and those before it
