@@ -49,6 +49,7 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     assert result["timed_steps"] == 1 and result["micro_batches_per_step"] == 2
     assert result["real_tokens_per_s"] == pytest.approx(result["real_tokens_per_step"] / result["timed_wall_s"])
     assert result["graphs_compiled_first_step"] == 0 and result["recompiles"] == 0  # nothing compiled in this arm
+    assert 0 < result["pre_loop_s"] < result["time_to_first_step_s"]
     profile = result["profile"]
     assert set(profile["seconds"]) == {"vision_tower", "attention", "base_matmul", "lora_matmul", "lm_head_and_loss",
                                        "optimizer", "other_kernels"}
