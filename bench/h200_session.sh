@@ -22,7 +22,7 @@
 #   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
 #   bash bench/h200_session.sh after_1gpu   # 1 GPU: A and B (profiled, traced) in one process, after 2026-12-01's changes
-#   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionsync and B in one process
+#   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionhost and B in one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -280,11 +280,11 @@ after_1gpu)
   ;;
 ablate_1gpu)
   # What each of 2026-12-01's host-side changes buys: B-nanfilter (transformers' per-micro-batch NaN check back on),
-  # B-visionsync (the vision tower computes its metadata on the GPU) and B in one process, 1 warm-up + 2 timed steps
+  # B-visionhost (the vision tower handed its metadata computed on the host) and B in one process, 1 warm-up + 2 timed steps
   # each at the recipe's 32 micro-batches. ~6.5 min (estimate).
   make_bench_data; mkdir -p /tmp/logs
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B-nanfilter,B-visionsync,B --json $OUT/ablate.json \
+    --workdir /tmp/bt --parity-samples 0 --arms B-nanfilter,B-visionhost,B --json $OUT/ablate.json \
     > /tmp/logs/ablate.log 2>&1 || echo "ablate: exit $?"
   grep -vE "Warning|warn" /tmp/logs/ablate.log | tail -5
   ;;

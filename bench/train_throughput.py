@@ -62,7 +62,7 @@ SHIPPED = {
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
-    "vision_host": True,  # load_base_model's: the vision tower's per-image metadata computed on the host
+    "vision_host": False,  # as load_base_model leaves it: the vision tower computes its per-image metadata itself
 }
 ARMS = {
     "A": None,
@@ -82,7 +82,7 @@ ARMS = {
     "B-workers8": {"workers": 8},  # the first step's wait for its 32 micro-batches (11-14 s with 4 workers on an H200 host)
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
-    "B-visionsync": {"vision_host": False},  # the vision tower computes its per-image metadata on the GPU (syncs)
+    "B-visionhost": {"vision_host": True},  # eogym_sft.vision_inputs: the tower handed its metadata computed on the host
 }
 
 
@@ -269,7 +269,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     trainer.add_callback(probe)
     profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
-    if arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]:  # as load_base_model does; plain TRL computes them itself
+    if arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]:  # the opt-in eogym_sft.vision_inputs hook
         hooks.append(precompute_vision_inputs(base))
     if profiler:
         trainer.add_callback(profiler)

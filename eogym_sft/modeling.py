@@ -21,13 +21,13 @@ DECODER_LAYER_RE = re.compile(r"(^|\.)language_model\.layers\.\d+$")
 
 
 def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
-    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training, the
-    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions) and the vision tower's
-    per-image metadata computed on the host (:mod:`eogym_sft.vision_inputs`)."""
+    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training and the
+    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions). The vision tower
+    computes its own per-image metadata: handing it a host copy (:mod:`eogym_sft.vision_inputs`) measured 13%
+    slower on an H200 (docs/benchmarks.md)."""
     from transformers import AutoModelForImageTextToText
 
     from .attention import NAMES as VARLEN_NAMES, add_sample_boundaries, register_varlen_attention
-    from .vision_inputs import precompute_vision_inputs
 
     varlen = attn_implementation in VARLEN_NAMES
     if varlen:
@@ -41,7 +41,6 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     model.config.use_cache = False
     if varlen:
         add_sample_boundaries(model)
-    precompute_vision_inputs(model)  # the vision tower's per-image metadata on the host: one sync a forward
     return model
 
 
