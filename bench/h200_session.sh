@@ -246,7 +246,7 @@ idle_trace)
   # the GPU waiting on the host. Arm B profiled over one more step with its Chrome trace (the last 2 micro-batches
   # and the optimizer step), whose idle gaps bench/idle_gaps.py names by the host call behind each; then
   # B-workers8, for the first step's wait for its 32 micro-batches with 8 dataloader workers against B's 4.
-  # 1 warm-up + 2 timed steps each, in one process. ~6.5 min (estimate).
+  # 1 warm-up + 2 timed steps each, in one process. 6.4 min (2026-12-01).
   make_bench_data; mkdir -p /tmp/logs
   timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms B,B-workers8 --profile B --trace $OUT/trace_ARM.json.gz \
@@ -266,11 +266,11 @@ windows_1gpu)
   grep arm $OUT/attention.log | cut -c1-160
   ;;
 after_1gpu)
-  # After 2026-12-01's changes (the per-sample op's host boundaries and in-place samples, no NaN-check sync, the vision
-  # tower's metadata on the host, the bench counting in the collator): plain TRL (A) and B in ONE process on one GPU,
+  # After 2026-12-01's changes (the per-sample op's host boundaries and in-place samples, no NaN-check sync, the bench
+  # counting in the collator): plain TRL (A) and B in ONE process on one GPU,
   # 1 warm-up + 4 timed steps each (B at the recipe's 32 micro-batches), B profiled over one more step with its trace,
   # whose idle gaps bench/idle_gaps.py names: the >= 5x and >= 45% MFU targets and the profile after. Run
-  # windows_1gpu's GPU tests first. ~6 min (estimate: A ~50 s, B ~3.5 min with its profile).
+  # windows_1gpu's GPU tests first. 5.7-6.3 min (2026-12-01).
   make_bench_data; mkdir -p /tmp/logs
   timeout $((560 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 4 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms A,B --profile B --trace $OUT/trace_ARM.json.gz \
@@ -281,7 +281,7 @@ after_1gpu)
 ablate_1gpu)
   # What each of 2026-12-01's host-side changes buys: B-nanfilter (transformers' per-micro-batch NaN check back on),
   # B-visionhost (the vision tower handed its metadata computed on the host) and B in one process, 1 warm-up + 2 timed steps
-  # each at the recipe's 32 micro-batches. ~6.5 min (estimate).
+  # each at the recipe's 32 micro-batches. 6.4 min (2026-12-01).
   make_bench_data; mkdir -p /tmp/logs
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms B-nanfilter,B-visionhost,B --json $OUT/ablate.json \

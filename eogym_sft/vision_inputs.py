@@ -10,6 +10,10 @@ On an H200 those syncs idled the GPU 26 ms in a window of two micro-batches of t
 :func:`precompute_vision_inputs` computes them with those same helpers from a host copy of ``grid_thw``:
 one sync a forward. The boundaries stay on the host where the tower's attention splits images there (SDPA,
 eager); a flash-attention tower gets them on the GPU.
+
+Opt-in, not installed by ``load_base_model``: on an H200 it made the 4B recipe's step 13% slower, because that
+one sync empties the GPU's queue and the GPU then waits while the host computes the interpolation taps
+(~90 ms a micro-batch; docs/benchmarks.md, "Each change's share").
 """
 
 from __future__ import annotations
