@@ -129,6 +129,7 @@ def run(args, extra: list[str]) -> dict:
         "micro_batches_per_step": training_args.gradient_accumulation_steps,
         "samples_per_step": training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps,
         "dataloader": {"workers": training_args.dataloader_num_workers, "prefetch_factor": training_args.dataloader_prefetch_factor},
+        "pixel_dtype": str(trainer.data_collator.pixel_dtype),  # the collator's, from the model's dtype
         "real_tokens_per_step": per_step,
         "real_tokens_per_s": real / trainer.accelerator.num_processes / timing["timed_wall_s"],  # per GPU
         **timing,

@@ -63,6 +63,7 @@ SHIPPED = {
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "vision_host": False,  # as load_base_model leaves it: the vision tower computes its per-image metadata itself
+    "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
 }
 ARMS = {
     "A": None,
@@ -79,9 +80,11 @@ ARMS = {
     "B-trlhead": {"head": "trl"},
     "B-dropout0": {"dropout": 0.0},
     "B-workers0": {"workers": 0},
-    "B-workers8": {"workers": 8},  # the first step's wait for its 32 micro-batches (11-14 s with 4 workers on an H200 host)
-    "B-prefetch2": {"prefetch": 2},  # torch's default queue: 8 micro-batches in flight with 4 workers
+    "B-workers4": {"workers": 4},  # the recipe's until 2026-12-01: the first step waits longer for its 32 micro-batches
+    "B-workers8": {"workers": 8},  # the recipe's since 2026-12-01 (B); kept for the idle_trace stage's command
+    "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
+    "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-visionhost": {"vision_host": True},  # eogym_sft.vision_inputs: the tower handed its metadata computed on the host
 }
 
@@ -243,7 +246,8 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     )
     pixels = processor.image_processor.size  # the cap data prep used (load_processor wrote it here)
     collator = EOGymCollator(
-        processor, data_root=str(root), padding_free=s["pack"], max_pixels=pixels["longest_edge"], min_pixels=pixels["shortest_edge"]
+        processor, data_root=str(root), padding_free=s["pack"], max_pixels=pixels["longest_edge"], min_pixels=pixels["shortest_edge"],
+        pixel_dtype=base.dtype if s["model_dtype_pixels"] else None,
     )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)

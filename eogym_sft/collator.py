@@ -74,6 +74,10 @@ class EOGymCollator:
             is left out of the batch instead of raising, and listed in the batch's ``skipped_samples``.
             A batch whose every example is skipped holds one untrained padding token, so that every
             rank still runs its step. Pop ``skipped_samples`` before calling the model.
+        pixel_dtype (`torch.dtype`, *optional*): dtype of the returned ``pixel_values`` (`None`: the
+            processor's float32). Qwen3-VL's vision tower casts them to its own dtype before anything else, so
+            that dtype (bfloat16 in the recipe) gives the model the same values at half the bytes to concatenate,
+            pass between the dataloader's processes, pin and copy to the GPU.
 
     Returns a dict with ``input_ids``, ``labels``, ``position_ids`` (``[4, batch, length]``),
     ``pixel_values`` and ``image_grid_thw`` (when there are images), ``attention_mask`` (padded mode),
@@ -109,6 +113,7 @@ class EOGymCollator:
     pad_to_multiple_of: int | None = None
     ignore_index: int = -100
     skip_bad_images: bool = False
+    pixel_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         tokenizer = self.processor.tokenizer
@@ -176,6 +181,8 @@ class EOGymCollator:
             size = {"longest_edge": self.max_pixels, "shortest_edge": self.min_pixels}
             out = self.processor.image_processor(images=images, size=size, return_tensors="pt")
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+            if self.pixel_dtype is not None:  # per sample: the batch's concatenation then moves half the bytes
+                pixel_values = pixel_values.to(self.pixel_dtype)
             counts = (grid.prod(-1) // self.merge_size**2).tolist()
             self._check_prepared_sizes(example, grid, name)
         input_ids, labels = self._expand(ids, mask, counts)

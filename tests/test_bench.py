@@ -95,6 +95,7 @@ def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
     assert len(recipe["eval_s"]) == 1  # one evaluation, after the last step
     assert recipe["setup_s"] > 0 and recipe["time_to_first_step_from_start_s"] > recipe["time_to_first_step_s"]
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+    assert recipe["pixel_dtype"] == "torch.float32"  # the model's dtype on CPU (--dtype float32), handed to the collator
     assert json.loads(out.read_text())["side_by_side"] is None
 
 
@@ -321,3 +322,21 @@ def test_idle_gaps_name_the_host_call_behind_each_wait():
         ("launch: autograd::engine::evaluate_function: MulBackward0 > aten::mul", 20, 1),
         ("sync: aten::is_nonzero > cudaStreamSynchronize", 19, 2),
     ]
+
+
+def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_path):
+    """``bench/collate_throughput.py``: both arms collate the same images; bfloat16 pixels are exactly half the bytes."""
+    from PIL import Image
+
+    import collate_throughput
+
+    for i, size in enumerate([(64, 48), (96, 96), (40, 120)]):
+        Image.new("RGB", size, (30 * i, 90, 200)).save(tmp_path / f"im{i}.png")
+    out = tmp_path / "collate.json"
+    report = collate_throughput.main(["--data-root", str(tmp_path), "--micro-batches", "2", "--images", "2,1",
+                                      "--max-pixels", "16384", "--min-pixels", "1024", "--json", str(out)])
+    rows = report["median_per_micro_batch"]
+    assert set(rows) == {"float32", "bfloat16"} and report["timed_micro_batches"] == 2
+    assert rows["bfloat16"]["pixel_mib"] * 2 == rows["float32"]["pixel_mib"] > 0
+    assert all(row["collate_ms"] > 0 and row["handover_ms"] > 0 for row in rows.values())
+    assert json.loads(out.read_text())["images_per_sample"] == [2, 1]

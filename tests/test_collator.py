@@ -272,6 +272,23 @@ def test_padded_and_padding_free_give_the_same_loss(collator, packing_collator, 
         assert abs(loss_leaky.item() - loss_packed.item()) > 1e-3
 
 
+def test_pixels_in_the_models_dtype_give_the_model_the_same_values(packing_collator, processor, tiny_model_dir):
+    """``pixel_dtype``: the processor's float32 pixels cast per sample, bit for bit; a bf16 Qwen3-VL gives the same
+    loss for them as for float32 pixels, which its vision tower casts to bf16 first thing."""
+    from transformers import AutoModelForImageTextToText
+
+    examples = three_examples()
+    f32 = packing_collator(examples)
+    bf16 = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True, pixel_dtype=torch.bfloat16)(examples)
+    assert f32["pixel_values"].dtype == torch.float32 and bf16["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(bf16["pixel_values"], f32["pixel_values"].to(torch.bfloat16))
+    assert not torch.equal(bf16["pixel_values"].float(), f32["pixel_values"])  # the cast does round these pixels
+    assert all(torch.equal(bf16[k], f32[k]) for k in f32 if k != "pixel_values")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert torch.equal(model(**bf16, use_cache=False).loss, model(**f32, use_cache=False).loss)
+
+
 # ---- TRL-shaped and prepared inputs ------------------------------------------------------------------
 
 

@@ -98,7 +98,7 @@ def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
 def test_eo_gym_4b_yaml_ships_the_speed_path(recipe):
     script, training, model = recipe.parse_args(list(CPU))
     assert training.padding_free and script.compile_layers and model.attn_implementation == "eogym_varlen_cudnn"
-    assert training.activation_checkpointing is False and training.dataloader_num_workers == 4
+    assert training.activation_checkpointing is False and training.dataloader_num_workers == 8
     assert training.logging_nan_inf_filter is False  # transformers' default syncs the host after every micro-batch
 
 
