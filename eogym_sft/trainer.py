@@ -72,6 +72,16 @@ class EOGymSFTTrainer(SFTTrainer):
         self._train_entropy: list[torch.Tensor] = []  # per micro-batch entropy sum, on device
         self._entropy_sums: dict[str, float] = defaultdict(float)
         self._skipped: list[dict] = []  # this rank's skipped samples since the last log
+        self._flops_per_token: int | None = None
+
+    def floating_point_ops(self, inputs) -> int:
+        """Trainer's estimate (6 x input tokens x parameters less embeddings), its parameter count taken once: the
+        Trainer asks after every micro-batch, and counting walks the whole model (6.4 ms of host time on the 4B
+        architecture on the 2-core box, between micro-batches: bench/host_overhead.py, docs/benchmarks.md)."""
+        if self._flops_per_token is None:
+            self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        return self._flops_per_token * inputs[main_input].numel() if main_input in inputs else 0
 
     def _get_train_sampler(self, train_dataset=None):
         sampler = super()._get_train_sampler(train_dataset)

@@ -340,3 +340,14 @@ def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_pat
     assert rows["bfloat16"]["pixel_mib"] * 2 == rows["float32"]["pixel_mib"] > 0
     assert all(row["collate_ms"] > 0 and row["handover_ms"] > 0 for row in rows.values())
     assert json.loads(out.read_text())["images_per_sample"] == [2, 1]
+
+
+def test_host_overhead_bench_times_the_trainers_per_micro_batch_host_work(tiny_config, tmp_path):
+    """``bench/host_overhead.py`` on the tiny architecture (meta device): each timing present, the flops figures equal."""
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    report = host_overhead.main(["--config", str(tiny_config), "--calls", "2", "--json", str(out)])
+    assert report["modules"] > 0 and report["parameters"] > 0
+    keys = ("trainer_floating_point_ops_ms", "eogym_floating_point_ops_ms", "model_train_ms")
+    assert all(report[k] > 0 for k in keys) and json.loads(out.read_text())["calls"] == 2

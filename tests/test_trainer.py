@@ -186,6 +186,25 @@ def test_train_counts_stay_on_device_until_the_log(trainer, processor):
     assert trainer._train_steps == []
 
 
+def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(trainer, processor, monkeypatch):
+    """The Trainer adds ``floating_point_ops`` of every micro-batch to ``total_flos``; ours gives its figure with
+    the model's parameters counted on the first call only."""
+    from transformers import Trainer
+
+    from eogym_sft.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    batches = [collator(_examples()[:1]), collator(_examples()[1:])]
+    want = [Trainer.floating_point_ops(trainer, b) for b in batches]
+    calls = []
+    count = trainer.model.num_parameters
+    monkeypatch.setattr(trainer.model, "num_parameters", lambda **kw: calls.append(kw) or count(**kw), raising=False)
+    monkeypatch.setattr(trainer, "_flops_per_token", None)
+    assert [trainer.floating_point_ops(b) for b in batches] == want and want[0] != want[1]
+    assert calls == [{"exclude_embeddings": True}]
+    assert trainer.floating_point_ops({"labels": batches[0]["labels"]}) == 0  # no input ids, as the Trainer's
+
+
 def test_batch_rebalance_gives_token_balanced_micro_batches(processor, tmp_path):
     from datasets import Dataset
     from trl import SFTConfig
