@@ -51,8 +51,8 @@ def micro_batches(files: list[Path], count: int, per_sample: list[int], seed: in
 
     def example(n: int) -> dict:
         content = [{"type": "image"}] * n + [{"type": "text", "text": "What changed?"}]
-        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Final Answer: yes"}],
-                "images": [str(p) for p in rng.sample(files, n)]}
+        messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "Final Answer: yes"}]
+        return {"messages": messages, "images": [str(p) for p in rng.sample(files, n)]}
 
     return [[example(n) for n in per_sample] for _ in range(count)]
 
@@ -95,11 +95,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as in a dataloader worker
-    data_root = Path(args.data_root) if args.data_root else generate_sample(Path(args.workdir) / "sample", rows=60, seed=0)[1]
+    if args.data_root:
+        data_root = Path(args.data_root)
+    else:
+        data_root = generate_sample(Path(args.workdir) / "sample", rows=60, seed=0)[1]
     per_sample = [int(n) for n in args.images.split(",")]
     batches = micro_batches(sample_files(data_root), args.micro_batches + 1, per_sample, args.seed)
     arms = run(batches, args.max_pixels, args.min_pixels)
-    report = {"date": dt.date.today().isoformat(), "command": "python bench/collate_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    command = "python bench/collate_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report = {"date": dt.date.today().isoformat(), "command": command,
               "machine": machine_info(), "images_per_sample": per_sample, "timed_micro_batches": args.micro_batches,
               "median_per_micro_batch": arms}
     base = arms["float32"]

@@ -79,7 +79,8 @@ class EOGymSFTTrainer(SFTTrainer):
         Trainer asks after every micro-batch, and counting walks the whole model (6.4 ms of host time on the 4B
         architecture on the 2-core box, between micro-batches: bench/host_overhead.py, docs/benchmarks.md)."""
         if self._flops_per_token is None:
-            self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
+            counted = hasattr(self.model, "num_parameters")
+            self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True) if counted else 0
         main_input = getattr(self.model, "main_input_name", "input_ids")
         return self._flops_per_token * inputs[main_input].numel() if main_input in inputs else 0
 

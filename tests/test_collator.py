@@ -279,7 +279,10 @@ def test_pixels_in_the_models_dtype_give_the_model_the_same_values(packing_colla
 
     examples = three_examples()
     f32 = packing_collator(examples)
-    bf16 = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True, pixel_dtype=torch.bfloat16)(examples)
+    bf16_collator = EOGymCollator(
+        processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True, pixel_dtype=torch.bfloat16
+    )
+    bf16 = bf16_collator(examples)
     assert f32["pixel_values"].dtype == torch.float32 and bf16["pixel_values"].dtype == torch.bfloat16
     assert torch.equal(bf16["pixel_values"], f32["pixel_values"].to(torch.bfloat16))
     assert not torch.equal(bf16["pixel_values"].float(), f32["pixel_values"])  # the cast does round these pixels
