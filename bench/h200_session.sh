@@ -23,7 +23,7 @@
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
 #   bash bench/h200_session.sh after_1gpu   # 1 GPU: A and B (profiled, traced) in one process, after 2026-12-01's changes
 #   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionhost and B in one process
-#   bash bench/h200_session.sh pixels_1gpu  # 1 GPU: B (bf16 pixels, 8 workers) against B-pixels32 and B-workers4, one process
+#   bash bench/h200_session.sh pixels_1gpu  # 1 GPU: B (bf16 pixels) against B-pixels32 and B-visionbounds, one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -290,13 +290,13 @@ ablate_1gpu)
   grep -vE "Warning|warn" /tmp/logs/ablate.log | tail -5
   ;;
 pixels_1gpu)
-  # The recipe's collator hands pixel_values over in bf16 and the recipe has 8 dataloader workers (both since 2026-12-01,
-  # late): B against B-pixels32 (float32 pixels) and B-workers4 (4 workers; compare first_step_wait_s), one process,
-  # 1 warm-up + 2 timed steps each at the recipe's 32 micro-batches. Then run relaunch_x2 for the cold first step.
-  # ~6.5 min (estimate, from ablate_1gpu's 6.4).
+  # The recipe's collator hands pixel_values over in bf16 (since 2026-12-01, late): B against B-pixels32 (float32
+  # pixels), and B-visionbounds (the vision tower handed only its images' boundaries, computed on the host), one
+  # process, 1 warm-up + 2 timed steps each at the recipe's 32 micro-batches. Then run relaunch_x2 for the cold
+  # first step with the recipe's 8 workers. ~6.5 min (estimate, from ablate_1gpu's 6.4).
   make_bench_data; mkdir -p /tmp/logs
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-pixels32,B-workers4 --json $OUT/pixels.json \
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-pixels32,B-visionbounds --json $OUT/pixels.json \
     > /tmp/logs/pixels.log 2>&1 || echo "pixels: exit $?"
   grep -vE "Warning|warn" /tmp/logs/pixels.log | tail -5
   ;;

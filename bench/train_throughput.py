@@ -86,6 +86,7 @@ ARMS = {
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-visionhost": {"vision_host": True},  # eogym_sft.vision_inputs: the tower handed its metadata computed on the host
+    "B-visionbounds": {"vision_host": "boundaries"},  # the same hook, boundaries_only: only the images' boundaries
 }
 
 
@@ -273,8 +274,9 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     trainer.add_callback(probe)
     profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
-    if arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]:  # the opt-in eogym_sft.vision_inputs hook
-        hooks.append(precompute_vision_inputs(base))
+    vision_host = arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]
+    if vision_host:  # the opt-in eogym_sft.vision_inputs hook
+        hooks.append(precompute_vision_inputs(base, boundaries_only=vision_host == "boundaries"))
     if profiler:
         trainer.add_callback(profiler)
         hooks += annotate(trainer.model)

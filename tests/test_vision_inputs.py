@@ -36,7 +36,8 @@ def _tower_outputs(tower, batch, **kwargs):
     return [out.pooler_output, *out.deepstack_features]
 
 
-def test_the_hook_leaves_the_towers_output_bit_for_bit(model, processor):
+@pytest.mark.parametrize("boundaries_only", [False, True], ids=["all", "boundaries"])
+def test_the_hook_leaves_the_towers_output_bit_for_bit(model, processor, boundaries_only):
     """``load_base_model`` leaves the tower to compute its metadata itself (measured faster on an H200); with the
     hook installed, the tower's output is bit for bit the one it computes itself."""
     from eogym_sft.vision_inputs import precompute_vision_inputs, vision_tower
@@ -45,7 +46,7 @@ def test_the_hook_leaves_the_towers_output_bit_for_bit(model, processor):
     batch = _images_batch(processor)
     assert len(batch["image_grid_thw"]) == 3 and len(tower._forward_pre_hooks) == 0
     own = _tower_outputs(tower, batch)
-    handle = precompute_vision_inputs(model)
+    handle = precompute_vision_inputs(model, boundaries_only)
     try:
         assert len(tower._forward_pre_hooks) == 1
         hooked = _tower_outputs(tower, batch)
@@ -70,6 +71,10 @@ def test_the_tower_reads_what_it_is_handed(model, processor):
         assert not torch.equal(_tower_outputs(tower, batch, **wrong)[0], want[0]), key
     assert right["cu_seqlens"].tolist() == [0, 16, 28, 52]  # 16-px patches: 64x64 -> 4x4, 32x96 -> 2x6, 96x64 -> 6x4
     assert right["max_seqlen"] is None  # SDPA splits the images itself; only flash takes a longest length
+    moved = {**right, "cu_seqlens": torch.tensor([0, 12, 28, 52], dtype=torch.int32)}  # the first boundary 4 early
+    assert not torch.equal(_tower_outputs(tower, batch, **moved)[0], want[0])
+    only = host_vision_inputs(tower, batch["image_grid_thw"], boundaries_only=True)
+    assert set(only) == {"cu_seqlens", "max_seqlen"} and torch.equal(only["cu_seqlens"], right["cu_seqlens"])
 
 
 def test_a_model_without_the_tower_gets_no_hook():
@@ -80,7 +85,8 @@ def test_a_model_without_the_tower_gets_no_hook():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_the_boundaries_stay_on_the_host(tiny_model_dir, processor):
+@pytest.mark.parametrize("boundaries_only", [False, True], ids=["all", "boundaries"])
+def test_on_a_gpu_the_boundaries_stay_on_the_host(tiny_model_dir, processor, boundaries_only):
     """On CUDA the tower's attention gets the images' boundaries as a host tensor (no sync in each block), the
     rest on the GPU, and the output is the tower's own up to float rounding (interpolation weights computed by the CPU)."""
     from eogym_sft.modeling import load_base_model
@@ -91,7 +97,7 @@ def test_on_a_gpu_the_boundaries_stay_on_the_host(tiny_model_dir, processor):
     batch = {k: v.cuda() for k, v in _images_batch(processor).items()}
     own = _tower_outputs(tower, batch)
     seen = {}
-    handles = [precompute_vision_inputs(model),
+    handles = [precompute_vision_inputs(model, boundaries_only),
                tower.blocks[0].attn.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)]
     hooked = _tower_outputs(tower, batch)
     for handle in handles:
