@@ -23,7 +23,8 @@
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
 #   bash bench/h200_session.sh after_1gpu   # 1 GPU: A and B (profiled, traced) in one process, after 2026-12-01's changes
 #   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionhost and B in one process
-#   bash bench/h200_session.sh pixels_1gpu  # 1 GPU: B (bf16 pixels) against B-pixels32 and B-visionbounds, one process
+#   bash bench/h200_session.sh levers_1gpu  # 1 GPU: B (bf16 pixels) against B-pixels32 and B-deepstackidx, one process
+#   bash bench/h200_session.sh levers2_1gpu # 1 GPU: B against B-visionbounds, one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -289,16 +290,25 @@ ablate_1gpu)
     > /tmp/logs/ablate.log 2>&1 || echo "ablate: exit $?"
   grep -vE "Warning|warn" /tmp/logs/ablate.log | tail -5
   ;;
-pixels_1gpu)
-  # The recipe's collator hands pixel_values over in bf16 (since 2026-12-01, late): B against B-pixels32 (float32
-  # pixels), and B-visionbounds (the vision tower handed only its images' boundaries, computed on the host), one
-  # process, 1 warm-up + 2 timed steps each at the recipe's 32 micro-batches. Then run relaunch_x2 for the cold
-  # first step with the recipe's 8 workers. ~6.5 min (estimate, from ablate_1gpu's 6.4).
+levers_1gpu)
+  # Three levers from 2026-12-01 (late), one process, 1 warm-up + 2 timed steps each at the recipe's 32 micro-batches:
+  # B (the recipe's collator hands pixel_values over in bf16) against B-pixels32 (float32 pixels) and B-deepstackidx
+  # (DeepStack by index: no host sync per layer, so the host can run ahead of the backward's end). ~6.5 min (estimate,
+  # from ablate_1gpu's 6.4). Then levers2_1gpu, then relaunch_x2 for the cold first step with the recipe's 8 workers.
   make_bench_data; mkdir -p /tmp/logs
   timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-pixels32,B-visionbounds --json $OUT/pixels.json \
-    > /tmp/logs/pixels.log 2>&1 || echo "pixels: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/pixels.log | tail -5
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-pixels32,B-deepstackidx --json $OUT/levers.json \
+    > /tmp/logs/levers.log 2>&1 || echo "levers: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/levers.log | tail -5
+  ;;
+levers2_1gpu)
+  # B against B-visionbounds (the vision tower handed only its images' boundaries, computed on the host, for its
+  # per-block splits), one process, 1 warm-up + 2 timed steps each. ~4.5 min (estimate).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B,B-visionbounds --json $OUT/levers2.json \
+    > /tmp/logs/levers2.log 2>&1 || echo "levers2: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/levers2.log | tail -4
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

@@ -43,6 +43,7 @@ from step_probe import (  # noqa: E402
 )
 
 from eogym_sft.config import ImageConfig  # noqa: E402
+from eogym_sft.deepstack import index_deepstack  # noqa: E402
 from eogym_sft.vision_inputs import precompute_vision_inputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
@@ -64,6 +65,7 @@ SHIPPED = {
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "vision_host": False,  # as load_base_model leaves it: the vision tower computes its per-image metadata itself
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
+    "deepstack_index": False,  # transformers' DeepStack by boolean mask (eogym_sft.deepstack is opt-in)
 }
 ARMS = {
     "A": None,
@@ -87,6 +89,7 @@ ARMS = {
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-visionhost": {"vision_host": True},  # eogym_sft.vision_inputs: the tower handed its metadata computed on the host
     "B-visionbounds": {"vision_host": "boundaries"},  # the same hook, boundaries_only: only the images' boundaries
+    "B-deepstackidx": {"deepstack_index": True},  # eogym_sft.deepstack: DeepStack by index, no host sync per layer
 }
 
 
@@ -277,6 +280,8 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     vision_host = arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]
     if vision_host:  # the opt-in eogym_sft.vision_inputs hook
         hooks.append(precompute_vision_inputs(base, boundaries_only=vision_host == "boundaries"))
+    if arm != "A" and dict(SHIPPED, **ARMS[arm])["deepstack_index"]:
+        hooks.append(index_deepstack(base))
     if profiler:
         trainer.add_callback(profiler)
         hooks += annotate(trainer.model)
