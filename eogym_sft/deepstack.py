@@ -55,7 +55,7 @@ def visual_positions(tower, visual_pos_masks: torch.Tensor) -> torch.Tensor:
     return index
 
 
-def _deepstack_by_index(self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds: torch.Tensor):
+def _deepstack_by_index(self, hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, visual_embeds):
     """``Qwen3VLTextModel._deepstack_process``, out of place, by index."""
     index = visual_positions(self, visual_pos_masks).to(hidden_states.device)
     visual_embeds = visual_embeds.to(hidden_states.device, hidden_states.dtype)

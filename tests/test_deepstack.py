@@ -17,7 +17,7 @@ MIN_PIXELS, MAX_PIXELS = 1024, 16384
 
 def _batch(processor, padding_free: bool) -> dict:
     examples = [
-        chat_example("Ships?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (32, 96), "green")]),
+        chat_example("Ships?", "Final Answer: 3", [Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (32, 96))]),
         chat_example("Flooded?", "Final Answer: no", [Image.new("RGB", (96, 64), (10, 90, 200))]),
     ]
     return EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)(examples)
