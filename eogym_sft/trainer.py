@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -44,6 +46,23 @@ from .sampler import TokenBalancedSampler
 
 logger = logging.getLogger(__name__)
 SKIPPED_FILE = "skipped_samples.jsonl"
+SHARED_MEMORY_FLOOR = 1 << 30  # below this, a container's /dev/shm (Docker's default: 64 MB) cannot hold a few batches
+
+
+def warn_on_small_shared_memory(workers: int, path: str = "/dev/shm") -> bool:
+    """Warn (and return ``True``) when DataLoader workers would hand batches over through a ``path`` under 1 GiB:
+    a worker that runs out of it dies with a bus error, in the middle of a run."""
+    if workers == 0 or not os.path.isdir(path):
+        return False
+    total = shutil.disk_usage(path).total
+    if total >= SHARED_MEMORY_FLOOR:
+        return False
+    logger.warning(
+        "%s holds %d MiB: the DataLoader's %d workers hand each batch (its pixel_values alone tens of MB) to the "
+        "training process through it, and a worker that runs out dies with a bus error. Give the container more "
+        "(docker run --shm-size=8g, or --ipc=host) or set dataloader_num_workers 0.", path, total >> 20, workers,
+    )
+    return True
 
 
 class EOGymSFTTrainer(SFTTrainer):
@@ -62,6 +81,7 @@ class EOGymSFTTrainer(SFTTrainer):
         finally:
             if padding_free:
                 args.padding_free = True
+        warn_on_small_shared_memory(self.args.dataloader_num_workers)
         if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is None:
             # The Trainer draws all of a step's micro-batches before it runs the first (get_batch_samples);
             # with torch's 2 batches a worker the rest are collated (images decoded, resized) while the GPU waits.

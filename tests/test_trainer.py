@@ -205,6 +205,23 @@ def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(tra
     assert trainer.floating_point_ops({"labels": batches[0]["labels"]}) == 0  # no input ids, as the Trainer's
 
 
+def test_a_small_shared_memory_is_named_before_workers_die_of_it(tmp_path, monkeypatch, caplog):
+    """Docker's default /dev/shm (64 MB) kills DataLoader workers mid-run with a bus error: said up front."""
+    import shutil
+
+    from eogym_sft.trainer import warn_on_small_shared_memory
+
+    assert not warn_on_small_shared_memory(8, str(tmp_path / "missing"))
+    assert not warn_on_small_shared_memory(0, str(tmp_path))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=64 << 20))
+    with caplog.at_level("WARNING", logger="eogym_sft.trainer"):
+        assert warn_on_small_shared_memory(8, str(tmp_path))
+    assert f"{tmp_path} holds 64 MiB" in caplog.text and "--shm-size" in caplog.text
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=8 << 30))
+    assert not warn_on_small_shared_memory(8, str(tmp_path))
+
+
 def test_batch_rebalance_gives_token_balanced_micro_batches(processor, tmp_path):
     from datasets import Dataset
     from trl import SFTConfig
