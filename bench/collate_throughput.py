@@ -59,7 +59,10 @@ def micro_batches(files: list[Path], count: int, per_sample: list[int], seed: in
 
 def handover(pixel_values: torch.Tensor) -> None:
     """The main process's copy of a worker's batch: pinned where CUDA is available (the dataloader's pin thread)."""
-    pixel_values.pin_memory() if torch.cuda.is_available() else pixel_values.clone()
+    if torch.cuda.is_available():
+        pixel_values.pin_memory()
+    else:
+        pixel_values.clone()
 
 
 def run(batches: list[list[dict]], max_pixels: int, min_pixels: int) -> dict:

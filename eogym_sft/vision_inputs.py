@@ -53,12 +53,12 @@ def host_vision_inputs(tower, grid_thw: torch.Tensor, boundaries_only: bool = Fa
         host, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
         align_corners=tower.interpolation_align_corners, spatial_merge_size=tower.config.spatial_merge_size,
     )
-    on_device = {  # copies from pageable host memory: staged at once, no wait on the GPU's queue
+    on_device = {
         "position_ids": get_vision_position_ids(host, tower.spatial_merge_size),
         "interp_indices": indices,
         "interp_weights": weights,
     }
-    return {**{key: t.to(device, non_blocking=True) for key, t in on_device.items()}, **boundaries}
+    return {**{key: t.to(device, non_blocking=True) for key, t in on_device.items()}, **boundaries}  # no sync each
 
 
 def precompute_vision_inputs(model, boundaries_only: bool = False):
