@@ -25,6 +25,7 @@
 #   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionhost and B in one process
 #   bash bench/h200_session.sh levers_1gpu  # 1 GPU: B (bf16 pixels) against B-pixels32 and B-deepstackidx, one process
 #   bash bench/h200_session.sh levers2_1gpu # 1 GPU: B against B-visionbounds, one process
+#   bash bench/h200_session.sh levers3_1gpu # 1 GPU: GPU tests of both levers; B-deepstackidx, B-visionbounds, B in one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -309,6 +310,18 @@ levers2_1gpu)
     --workdir /tmp/bt --parity-samples 0 --arms B,B-visionbounds --json $OUT/levers2.json \
     > /tmp/logs/levers2.log 2>&1 || echo "levers2: exit $?"
   grep -vE "Warning|warn" /tmp/logs/levers2.log | tail -4
+  ;;
+levers3_1gpu)
+  # levers_1gpu's winner first, in one process: B-deepstackidx, B-visionbounds, then B (1 warm-up + 2 timed steps each,
+  # the recipe's 32 micro-batches), after the GPU tests of both levers. ~8.5 min (estimate, from levers_1gpu's 8.0).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_deepstack.py tests/test_vision_inputs.py -k gpu \
+    > $OUT/gpu_tests.log 2>&1 || echo "gpu tests: exit $?"
+  tail -1 $OUT/gpu_tests.log
+  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms B-deepstackidx,B-visionbounds,B --json $OUT/levers3.json \
+    > /tmp/logs/levers3.log 2>&1 || echo "levers3: exit $?"
+  grep -vE "Warning|warn" /tmp/logs/levers3.log | tail -5
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

@@ -71,3 +71,24 @@ def test_a_model_without_qwen3_vls_text_tower_is_left_alone():
     from eogym_sft.deepstack import index_deepstack
 
     assert index_deepstack(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_index_deepstack_gives_the_same_loss_and_gradients(tiny_model_dir, processor):
+    """On CUDA the boolean mask's backward and the index's may sum in another order, so this one compares closely."""
+    from transformers import AutoModelForImageTextToText
+
+    from eogym_sft.deepstack import index_deepstack
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda()
+    model.config.use_cache = False
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(processor, padding_free=True).items()}
+    want_loss, want_grads = _loss_and_grads(model, batch)
+    handle = index_deepstack(model)
+    got_loss, got_grads = _loss_and_grads(model, batch)
+    handle.remove()
+    torch.testing.assert_close(got_loss, want_loss)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 0
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=name)
