@@ -15,7 +15,8 @@ Opt-in, not installed by ``load_base_model``: the whole set made the 4B recipe's
 because the sync empties the GPU's queue and the GPU then waits while the host computes the interpolation taps
 (~90 ms a micro-batch; docs/benchmarks.md, "Each change's share"). With ``boundaries_only`` the hook hands over
 only the images' boundaries, a cumulative sum of a few integers, and the tower computes the rest as usual: its
-blocks then split the images without a sync each. That mode is not timed on a GPU yet (arm ``B-visionbounds``).
+blocks then split the images without a sync each. On an H200 that mode ran as fast as the tower alone (arm
+``B-visionbounds``: 16,042 against 16,092 tokens/s; docs/benchmarks.md, "The levers").
 """
 
 from __future__ import annotations

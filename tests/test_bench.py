@@ -8,6 +8,7 @@ import copy
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,10 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     processor = load_processor(str(model_dir), MAX_PIXELS, MIN_PIXELS)
     prep = PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
     dataset, _ = load_or_prepare(str(data), str(model_dir), processor, prep, tmp_path / "prepared", 1)
+    started = time.perf_counter()
     result = train_throughput.run_arm("B-nocompile", base, dataset, data.parent, processor, cfg, tmp_path, steps=1, warmup=1,
                                       grad_accum=2, profile=True)
+    elapsed = time.perf_counter() - started
     assert result["timed_steps"] == 1 and result["micro_batches_per_step"] == 2
     assert result["real_tokens_per_s"] == pytest.approx(result["real_tokens_per_step"] / result["timed_wall_s"])
     assert result["graphs_compiled_first_step"] == 0 and result["recompiles"] == 0  # nothing compiled in this arm
@@ -55,7 +58,8 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
                                        "optimizer", "other_kernels"}
     assert all(seconds > 0 for seconds in profile["seconds"].values()), profile["seconds"]
     assert sum(profile["share"].values()) == pytest.approx(1.0)
-    assert 0 < profile["window_s"] < result["timed_wall_s"] * 10 and profile["gpu_busy_fraction"] is None  # CPU run
+    # the profiled step runs inside run_arm, after the timed one; its profiler makes it many times longer on a CPU
+    assert 0 < profile["window_s"] < elapsed - result["timed_wall_s"] and profile["gpu_busy_fraction"] is None  # CPU run
 
 
 def test_micro_batches_are_counted_where_they_are_collated():
