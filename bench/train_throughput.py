@@ -93,6 +93,11 @@ ARMS = {
 }
 
 
+def arm_settings(arm: str) -> dict | None:
+    """A B arm's settings: the shipped ones with the arm's changes (``None`` for plain TRL's arm A)."""
+    return None if ARMS[arm] is None else dict(SHIPPED, **ARMS[arm])
+
+
 def _sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -233,7 +238,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         args = SFTConfig(per_device_train_batch_size=4, gradient_checkpointing=True, dataloader_num_workers=0, **common)
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
-    s = dict(SHIPPED, **ARMS[arm])
+    s = arm_settings(arm)
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
     model = apply_lora(base, dropout=s["dropout"])
     if s["gc"]:
@@ -277,10 +282,10 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     trainer.add_callback(probe)
     profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
-    vision_host = arm != "A" and dict(SHIPPED, **ARMS[arm])["vision_host"]
-    if vision_host:  # the opt-in eogym_sft.vision_inputs hook
-        hooks.append(precompute_vision_inputs(base, boundaries_only=vision_host == "boundaries"))
-    if arm != "A" and dict(SHIPPED, **ARMS[arm])["deepstack_index"]:
+    settings = arm_settings(arm) or {}
+    if settings.get("vision_host"):  # the opt-in eogym_sft.vision_inputs hook
+        hooks.append(precompute_vision_inputs(base, boundaries_only=settings["vision_host"] == "boundaries"))
+    if settings.get("deepstack_index"):
         hooks.append(index_deepstack(base))
     if profiler:
         trainer.add_callback(profiler)
@@ -306,7 +311,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     flops = _all_ranks_sum(local_flops) / world
     result = {
         "arm": arm,
-        "settings": "TRL defaults" if arm == "A" else dict(SHIPPED, **ARMS[arm]),
+        "settings": settings or "TRL defaults",
         "micro_batches_per_step": micro,
         "max_micro_batch_tokens": max(counted.real[skip:stop]),
         "gpus": world,
