@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eogym_sft.attention import _varlen_cuda, per_sample_op, takes_gqa_flag
+    from eogym_sft.models.attention import _varlen_cuda, per_sample_op, takes_gqa_flag
 
     lengths = [int(n) for n in args.lengths.split(",")]
     heads, kv_heads, dim, max_len, scale = 32, 8, 128, max(lengths), 128**-0.5

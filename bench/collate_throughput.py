@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from prep_throughput import generate_sample, machine_info  # noqa: E402
 
-from eogym_sft.collator import EOGymCollator  # noqa: E402
 from eogym_sft.config import SampleConfig  # noqa: E402
-from eogym_sft.tiny import build_offline_processor  # noqa: E402
+from eogym_sft.models.tiny import build_offline_processor  # noqa: E402
+from eogym_sft.training.collator import EOGymCollator  # noqa: E402
 
 ARMS = {"float32": None, "bfloat16": torch.bfloat16}
 

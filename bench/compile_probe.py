@@ -26,8 +26,8 @@ on the host the same way for a CUDA model, so the CPU times those; ``inductor`` 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import copy
+import cProfile
 import importlib
 import io
 import json
@@ -75,9 +75,12 @@ AREAS = (
 def build_model(config_path: Path, layers: int, device: str, dtype: str, vocab: int = 1024):
     """Qwen3-VL at ``config_path``'s text dimensions with ``layers`` decoder layers, the recipe's LoRA and
     attention; the vocabulary and vision tower are shrunk (neither is compiled)."""
-    from eogym_sft.attention import add_sample_boundaries, register_varlen_attention
-    from eogym_sft.modeling import apply_lora
-    from eogym_sft.tiny import build_tiny_model
+    from eogym_sft.models.attention import (
+        add_sample_boundaries,
+        register_varlen_attention,
+    )
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import build_tiny_model
 
     config = copy.deepcopy(json.loads(Path(config_path).read_text()))
     config["text_config"].update(num_hidden_layers=layers, vocab_size=vocab, bos_token_id=None, eos_token_id=None)
@@ -141,7 +144,7 @@ def run_variant(args, name: str) -> dict:
     """One variant, in this process: build, compile, three steps (first, other lengths, first again)."""
     from torch._dynamo.utils import compile_times, counters
 
-    from eogym_sft.modeling import compile_language_layers
+    from eogym_sft.models.loading import compile_language_layers
 
     variant = VARIANTS[name]
     start = time.perf_counter()

@@ -6,7 +6,7 @@ Commands (from the repository root)::
     eogym-sft tiny-model --output /tmp/tiny && python bench/eval_throughput.py --model /tmp/tiny --rows 4
 
     # the Qwen3-VL-4B architecture with random weights, on a GPU (a bf16 folder of ~9 GB)
-    python -c "import json; from eogym_sft.tiny import save_tiny_model; save_tiny_model('outputs/qwen3vl4b_random', \
+    python -c "import json; from eogym_sft.models.tiny import save_tiny_model; save_tiny_model('outputs/qwen3vl4b_random', \
         config=json.load(open('recipes/configs/qwen3_vl_4b_instruct.json')), dtype='bfloat16', device='cuda')"
     PYTHONPATH=. python bench/eval_throughput.py --model outputs/qwen3vl4b_random --rows 32 --batch-size 8 32 \
         --max-new-tokens 128 --json eval_throughput_h200.json
@@ -108,8 +108,8 @@ def time_arm(model, processor, prompts, cfg, arm, device) -> dict:
     """Generate and score every prompt with ``arm`` active; wall time, rates and peak memory."""
     import torch
 
-    from eogym_sft.evaluation import generate_turns, score_turns, use_arm
-    from eogym_sft.images import ImageCache
+    from eogym_sft.data.images import ImageCache
+    from eogym_sft.evaluation.offline import generate_turns, score_turns, use_arm
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym_sft.tiny.save_tiny_model)")
+    parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym_sft.models.tiny.save_tiny_model)")
     parser.add_argument("--data", default=None, help="EO-Gym JSONL to evaluate (default: a generated sample)")
     parser.add_argument("--data-root", default=".", help="data root of --data")
     parser.add_argument("--rows", type=int, default=32, help="rows of the generated sample, or rows read from --data")
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default="eval_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
 
-    from eogym_sft.evaluation import (
+    from eogym_sft.evaluation.offline import (
         Arm,
         EvalConfig,
         generate_turns,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         read_traces,
         resolve_device,
     )
-    from eogym_sft.processor import load_processor
+    from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_eval_bench_") as workdir:
         if args.data:

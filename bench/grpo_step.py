@@ -13,7 +13,7 @@ Commands (from the repository root)::
 
 What it does: (a) writes the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (or takes ``--data``);
 (b) reads the recipe's YAML with the flags here as overrides; (c) loads the model, adds a new LoRA
-adapter as the recipe does, and builds the trainer with :func:`eogym_sft.grpo.build_trainer`; (d) runs
+adapter as the recipe does, and builds the trainer with :func:`eogym_sft.training.grpo.build_trainer`; (d) runs
 ``--warmup`` + ``--steps`` optimizer steps and times each, and the ``generate`` calls inside it (the
 model's own ``generate``, wrapped), after a CUDA synchronize.
 
@@ -103,7 +103,7 @@ def recipe_settings(args, data: str, data_root: str, output_dir: str):
     """The recipe's YAML parsed with TrlParser, as ``recipes/eo_gym_4b_grpo.py`` does, plus these overrides."""
     from trl import GRPOConfig, ModelConfig, TrlParser
 
-    from eogym_sft.grpo import GRPOScriptArguments
+    from eogym_sft.training.grpo import GRPOScriptArguments
 
     cpu = not torch.cuda.is_available()
     argv = [
@@ -129,9 +129,9 @@ def main(argv=None) -> dict:
 
         data, data_root = (str(p) for p in generate_sample(workdir / "sample", rows=args.rows, seed=0))
 
-    from eogym_sft.grpo import build_trainer, load_episodes
-    from eogym_sft.modeling import apply_lora, load_base_model
-    from eogym_sft.processor import load_processor
+    from eogym_sft.models.loading import apply_lora, load_base_model
+    from eogym_sft.models.processor import load_processor
+    from eogym_sft.training.grpo import build_trainer, load_episodes
 
     script, training, model_args = recipe_settings(args, data, data_root, str(workdir / "run"))
     processor = load_processor(args.model, script.max_pixels, script.min_pixels)

@@ -22,10 +22,6 @@
 #   bash bench/h200_session.sh idle_trace   # 1 GPU: arm B's trace and its idle gaps by cause (bench/idle_gaps.py); B-workers8's first step
 #   bash bench/h200_session.sh windows_1gpu # 1 GPU: the per-sample op's windows and host boundaries: GPU tests, probe
 #   bash bench/h200_session.sh after_1gpu   # 1 GPU: A and B (profiled, traced) in one process, after 2026-12-01's changes
-#   bash bench/h200_session.sh ablate_1gpu  # 1 GPU: B-nanfilter, B-visionhost and B in one process
-#   bash bench/h200_session.sh levers_1gpu  # 1 GPU: B (bf16 pixels) against B-pixels32 and B-deepstackidx, one process
-#   bash bench/h200_session.sh levers2_1gpu # 1 GPU: B against B-visionbounds, one process
-#   bash bench/h200_session.sh levers3_1gpu # 1 GPU: GPU tests of both levers; B-deepstackidx, B-visionbounds, B in one process
 #   bash bench/h200_session.sh relaunch_x2  # 2 GPUs, fresh host: relaunch on GPU 0, arm B profiled on GPU 1 beside the warm launch
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh compile_probe  # issue 13's first step: where compiling the decoder layer goes, cold, warm, profiled
@@ -48,7 +44,7 @@ make_bench_data() {  # perf's /tmp/bt sample (220 rows, prepared), without build
   [ -f /tmp/bt/prepared/stats.json ] || python -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'bench')
 import train_throughput as t
-from eogym_sft.tiny import build_offline_processor
+from eogym_sft.models.tiny import build_offline_processor
 work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
 (proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > /tmp/bench_data.log 2>&1 || { tail -5 /tmp/bench_data.log; exit 1; }
 }
@@ -59,7 +55,7 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
-  python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_collator.py tests/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider tests/models/test_attention.py tests/training/test_collator.py tests/models/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --json $OUT/train_1gpu.json
@@ -187,7 +183,7 @@ recipe20_b)
     > $OUT/recipe20_second.log 2>&1 & recipe=$!
   for _ in $(seq 100); do grep -q "'loss'" $OUT/recipe20_second.log && break; sleep 2; done
   echo "GPU 0 starts at ${SECONDS}s"
-  CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_modeling.py \
+  CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider tests/models/test_attention.py tests/models/test_loading.py \
     > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   tail -3 $OUT/gpu_tests.log
   CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/attention_probe.py --lengths 6000,6000 --iters 10 \
@@ -208,7 +204,7 @@ cudnn_x2)
       CUDA_VISIBLE_DEVICES=1 timeout 120 python bench/attention_probe.py --lengths $lengths --iters 10 \
         --json $OUT/attention_${lengths/,/_}.json > /tmp/logs/attention_${lengths/,/_}.log 2>&1 || echo "attention_probe $lengths: exit $?"
     done
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda or cudnn" \
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -q -p no:cacheprovider tests/models/test_attention.py -k "cuda or cudnn" \
       > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
     CUDA_VISIBLE_DEVICES=1 timeout $((585 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 8 --grad-accum 8 \
       --workdir /tmp/bt_a --parity-samples 0 --arms A --json $OUT/cudnn_armA.json > /tmp/logs/cudnn_armA.log 2>&1 || echo "arm A: exit $?" ) &
@@ -223,7 +219,7 @@ cudnn_1gpu)
   # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
   # (~1.5 min, estimate), then arm B-flash against B in one process (1 warm-up + 3 timed steps each). ~9 min.
   make_bench_data; mkdir -p /tmp/logs
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_vision_inputs.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/models/test_attention.py \
     -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout 90 python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
@@ -261,7 +257,7 @@ windows_1gpu)
   # The per-sample op reading the packed rows in place (windows, +inf log-sum-exp after each sample in the backward)
   # with the boundaries on the host: its GPU tests (cuDNN against flash, outputs and gradients; the compiled layer,
   # where the boundaries arrive), then the probe on 3,500 + 8,500 tokens with flash's kernel beside it. ~4 min (estimate).
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/test_attention.py tests/test_vision_inputs.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/models/test_attention.py \
     -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout $((280 - SECONDS)) python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
@@ -280,48 +276,6 @@ after_1gpu)
     --json $OUT/after.json > /tmp/logs/after.log 2>&1 || echo "after: exit $?"
   timeout $((595 - SECONDS)) python bench/idle_gaps.py $OUT/trace_B.json.gz --json $OUT/idle_gaps_after.json || echo "idle_gaps: exit $?"
   grep -vE "Warning|warn" /tmp/logs/after.log | tail -4
-  ;;
-ablate_1gpu)
-  # What each of 2026-12-01's host-side changes buys: B-nanfilter (transformers' per-micro-batch NaN check back on),
-  # B-visionhost (the vision tower handed its metadata computed on the host) and B in one process, 1 warm-up + 2 timed steps
-  # each at the recipe's 32 micro-batches. 6.4 min (2026-12-01).
-  make_bench_data; mkdir -p /tmp/logs
-  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B-nanfilter,B-visionhost,B --json $OUT/ablate.json \
-    > /tmp/logs/ablate.log 2>&1 || echo "ablate: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/ablate.log | tail -5
-  ;;
-levers_1gpu)
-  # Three levers from 2026-12-01 (late), one process, 1 warm-up + 2 timed steps each at the recipe's 32 micro-batches:
-  # B (the recipe's collator hands pixel_values over in bf16) against B-pixels32 (float32 pixels) and B-deepstackidx
-  # (DeepStack by index: no host sync per layer, so the host can run ahead of the backward's end). ~6.5 min (estimate,
-  # from ablate_1gpu's 6.4). Then levers2_1gpu, then relaunch_x2 for the cold first step with the recipe's 8 workers.
-  make_bench_data; mkdir -p /tmp/logs
-  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-pixels32,B-deepstackidx --json $OUT/levers.json \
-    > /tmp/logs/levers.log 2>&1 || echo "levers: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/levers.log | tail -5
-  ;;
-levers2_1gpu)
-  # B against B-visionbounds (the vision tower handed only its images' boundaries, computed on the host, for its
-  # per-block splits), one process, 1 warm-up + 2 timed steps each. ~4.5 min (estimate).
-  make_bench_data; mkdir -p /tmp/logs
-  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B,B-visionbounds --json $OUT/levers2.json \
-    > /tmp/logs/levers2.log 2>&1 || echo "levers2: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/levers2.log | tail -4
-  ;;
-levers3_1gpu)
-  # levers_1gpu's winner first, in one process: B-deepstackidx, B-visionbounds, then B (1 warm-up + 2 timed steps each,
-  # the recipe's 32 micro-batches), after the GPU tests of both levers. ~8.5 min (estimate, from levers_1gpu's 8.0).
-  make_bench_data; mkdir -p /tmp/logs
-  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_deepstack.py tests/test_vision_inputs.py -k gpu \
-    > $OUT/gpu_tests.log 2>&1 || echo "gpu tests: exit $?"
-  tail -1 $OUT/gpu_tests.log
-  timeout $((590 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 2 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B-deepstackidx,B-visionbounds,B --json $OUT/levers3.json \
-    > /tmp/logs/levers3.log 2>&1 || echo "levers3: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/levers3.log | tail -5
   ;;
 relaunch_x2)
   # relaunch on a fresh host (data and model first), both launches alone on it. Run on 2026-11-30 with arm

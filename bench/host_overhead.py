@@ -30,7 +30,7 @@ from prep_throughput import machine_info  # noqa: E402
 def build_model(config_path: Path):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from eogym_sft.modeling import apply_lora
+    from eogym_sft.models.loading import apply_lora
 
     config = AutoConfig.for_model(**json.loads(config_path.read_text()))
     with torch.device("meta"):
@@ -49,7 +49,7 @@ def per_call_ms(fn, calls: int) -> float:
 def main(argv=None) -> dict:
     from transformers import Trainer
 
-    from eogym_sft.trainer import EOGymSFTTrainer
+    from eogym_sft.training.trainer import EOGymSFTTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json"))

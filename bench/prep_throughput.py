@@ -1,4 +1,4 @@
-"""Data-prep throughput: rows/s per core of ``eogym_sft.prepare.prepare_files`` on an EO-Gym-shaped sample.
+"""Data-prep throughput: rows/s per core of ``eogym_sft.data.prepare.prepare_files`` on an EO-Gym-shaped sample.
 
 One command::
 
@@ -324,7 +324,7 @@ def time_prepare(jsonl: Path, model_dir: Path, cfg, num_proc: int) -> tuple[floa
     """
     import tqdm.auto
 
-    from eogym_sft.prepare import prepare_files
+    from eogym_sft.data.prepare import prepare_files
 
     marks: list[tuple[float, int]] = []
 
@@ -371,11 +371,11 @@ def steady_state(marks: list[tuple[float, int]], num_proc: int) -> tuple[float |
 WORKER_START_PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
-import eogym_sft.prepare
+import eogym_sft.data.prepare
 t1 = time.perf_counter()
 import transformers.processing_utils, transformers.image_processing_utils  # torch, torchvision
 t2 = time.perf_counter()
-from eogym_sft.processor import load_processor
+from eogym_sft.models.processor import load_processor
 load_processor(sys.argv[1])
 t3 = time.perf_counter()
 print(json.dumps({"import_eogym_sft_s": t1 - t0, "import_transformers_torch_s": t2 - t1, "load_processor_s": t3 - t2}))
@@ -395,16 +395,16 @@ def worker_start_probe(model_dir: Path) -> dict:
 
 # (module, attribute, category): wrapped with exclusive timers, so the categories add up to the total.
 BREAKDOWN_TARGETS = [
-    ("eogym_sft.processor", "load_processor", "processor load"),
-    ("eogym_sft.prepare", "_decode_line", "JSON decode of input lines"),
-    ("eogym_sft.prepare", "normalize_row", "normalize_row (dialects)"),
-    ("eogym_sft.prepare", "_image_layout", "image headers + resize arithmetic"),
-    ("eogym_sft.prepare", "encode_conversation", "encode: offsets, masks (rest)"),
-    ("eogym_sft.encoding", "render", "template: render() = processor.apply_chat_template"),
-    ("eogym_sft.prepare", "_check_window_render", "window re-check (rest)"),
-    ("eogym_sft.prepare", "trace_samples", "samples: windows, costs, JSON dumps"),
-    ("eogym_sft.prepare", "prepare_line", "prepare_line (rest)"),
-    ("eogym_sft.prepare", "prepare_files", "reading lines, chunks (rest)"),
+    ("eogym_sft.models.processor", "load_processor", "processor load"),
+    ("eogym_sft.data.prepare", "_decode_line", "JSON decode of input lines"),
+    ("eogym_sft.data.prepare", "normalize_row", "normalize_row (dialects)"),
+    ("eogym_sft.data.prepare", "_image_layout", "image headers + resize arithmetic"),
+    ("eogym_sft.data.prepare", "encode_conversation", "encode: offsets, masks (rest)"),
+    ("eogym_sft.data.encoding", "render", "template: render() = processor.apply_chat_template"),
+    ("eogym_sft.data.prepare", "_check_window_render", "window re-check (rest)"),
+    ("eogym_sft.data.prepare", "trace_samples", "samples: windows, costs, JSON dumps"),
+    ("eogym_sft.data.prepare", "prepare_line", "prepare_line (rest)"),
+    ("eogym_sft.data.prepare", "prepare_files", "reading lines, chunks (rest)"),
 ]
 TOKENISE = "tokenisation (tokenizers)"
 
@@ -440,7 +440,7 @@ def breakdown(jsonl: Path, model_dir: Path, cfg) -> dict:
     package's functions with exclusive timers (missing names are skipped)."""
     import importlib
 
-    from eogym_sft import encoding
+    from eogym_sft.data import encoding
 
     timers, undo = _Timers(), []
 
@@ -472,7 +472,7 @@ def breakdown(jsonl: Path, model_dir: Path, cfg) -> dict:
 
         patch(encoding, "_tokenizer", lambda processor: TimedTokenizer(get_tokenizer(processor)))
     try:
-        from eogym_sft.prepare import prepare_files
+        from eogym_sft.data.prepare import prepare_files
 
         c0, t0 = time.process_time(), time.perf_counter()
         results = prepare_files([str(jsonl)], str(model_dir), cfg, num_proc=1, progress=False)
@@ -546,8 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--breakdown", action="store_true", help="also run num_proc=1 with per-stage timers and print where the time goes")
     args = parser.parse_args(argv)
 
-    from eogym_sft.prepare import PrepConfig
-    from eogym_sft.tiny import save_tiny_model
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.tiny import save_tiny_model
 
     num_procs = args.num_proc or sorted({1, os.cpu_count() or 1})
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="eogym_prep_bench_")

@@ -4,7 +4,7 @@
         --model /tmp/qwen3vl4b-random --dataset /tmp/bt/prepared --data-root /tmp/bt/sample/data \\
         --warmup 1 --steps 2 --baseline train_b32.json --json recipe.json
 
-It runs ``recipes/eo_gym_4b.py`` (``parse_args`` with its YAML, then ``eogym_sft.sft.train``) (64 samples a step as 32 token-balanced
+It runs ``recipes/eo_gym_4b.py`` (``parse_args`` with its YAML, then ``eogym_sft.training.sft.train``) (64 samples a step as 32 token-balanced
 micro-batches of 2, regional compile, ZeRO-2 from the accelerate config it is launched with), changing
 only: the model and data, ``max_steps`` (warm-up + timed steps), ``logging_steps 1`` (the trainer's
 ``num_tokens`` then gives each step's real tokens, one host sync a step), one evaluation after the last
@@ -36,7 +36,13 @@ import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import CacheBypassLog, RecompileLog, StepProbe, compile_caches, compile_phases  # noqa: E402
+from step_probe import (  # noqa: E402
+    CacheBypassLog,
+    RecompileLog,
+    StepProbe,
+    compile_caches,
+    compile_phases,
+)
 
 
 def load_recipe():
@@ -93,7 +99,7 @@ def recipe_argv(args, extra: list[str]) -> list[str]:
 
 
 def run(args, extra: list[str]) -> dict:
-    import eogym_sft.sft as sft
+    import eogym_sft.training.sft as sft
 
     recipe = load_recipe()
     probe, tokens = StepProbe(), TokenLog()

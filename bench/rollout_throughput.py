@@ -25,7 +25,7 @@ Arms:
   conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
 * ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
   for its last episode before the next batch starts), left-padded;
-* ``slots``: :class:`eogym_sft.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
+* ``slots``: :class:`eogym_sft.models.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
   run eagerly (``eogym-sft rollout --no-cuda-graphs``): each episode keeps its KV cache across turns (a
   turn computes only its new tokens), images are preprocessed once, a finished episode's slot takes the
   next at once;
@@ -57,7 +57,7 @@ SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?t
 
 
 def replay_episode_class():
-    from eogym_sft.episodes import Episode
+    from eogym_sft.evaluation.episodes import Episode
 
     class ReplayEpisode(Episode):
         """An episode whose tool results are the row's recorded ones, step by step, whatever the model wrote."""
@@ -93,10 +93,10 @@ def recorded_replies(row: dict) -> list[list[dict]]:
 
 def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) -> list[tuple[dict, int]]:
     """Rows whose question prompt has ``lo``..``hi`` tokens (image tokens from headers, as prep counts)."""
-    from eogym_sft.encoding import render
-    from eogym_sft.episodes import canonical_prompt, question_messages
-    from eogym_sft.images import image_size, resolve_image_path
-    from eogym_sft.prepare import image_factor, image_token_count, resized_hw
+    from eogym_sft.data.encoding import render
+    from eogym_sft.data.images import image_size, resolve_image_path
+    from eogym_sft.data.prepare import image_factor, image_token_count, resized_hw
+    from eogym_sft.evaluation.episodes import canonical_prompt, question_messages
 
     ip, factor = processor.image_processor, image_factor(processor)
     out = []
@@ -117,7 +117,7 @@ def make_episodes(selected, turns: int, arm: str):
     episodes = []
     for k, (row, _) in enumerate(selected):
         start = {key: v for key, v in row.items() if key != "messages"}
-        from eogym_sft.episodes import question_messages
+        from eogym_sft.evaluation.episodes import question_messages
 
         start["messages"] = [dict(m) for m in question_messages(row)]
         ep = cls(f"bench:{k}", str(row["id"]), arm, 0, start, env=None)
@@ -128,8 +128,8 @@ def make_episodes(selected, turns: int, arm: str):
 
 
 def _pictures(processor, ep, data_root, cache: dict):
-    from eogym_sft.episodes import canonical_prompt
-    from eogym_sft.images import load_rgb, resolve_image_path
+    from eogym_sft.data.images import load_rgb, resolve_image_path
+    from eogym_sft.evaluation.episodes import canonical_prompt
 
     trace = canonical_prompt(ep.row)
     text = processor.apply_chat_template(trace.messages, tools=trace.tools or None, tokenize=False, add_generation_prompt=True)
@@ -144,7 +144,7 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
     import torch
     from transformers import GenerationConfig
 
-    from eogym_sft.scoring import END_MARKERS
+    from eogym_sft.metrics.scoring import END_MARKERS
 
     tok = processor.tokenizer
     stops = [tok.convert_tokens_to_ids(m) for m in END_MARKERS]
@@ -176,8 +176,8 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
 
 
 def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
-    from eogym_sft.episodes import LoopConfig, run_episodes
-    from eogym_sft.generation import Sampling
+    from eogym_sft.evaluation.episodes import LoopConfig, run_episodes
+    from eogym_sft.models.generation import Sampling
 
     for slot in range(decoder.slots):
         decoder.release(slot)
@@ -192,7 +192,7 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
 
 def slot_decoder(model, slots: int, max_context: int, mode):
     """The decoder of a slot arm; compiled, it attends over the whole cache (one graph) and compiles now."""
-    from eogym_sft.generation import SlotDecoder
+    from eogym_sft.models.generation import SlotDecoder
 
     if not mode:
         return SlotDecoder(model, slots, max_context)
@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from eogym_sft.modeling import load_inference_model, resolve_device
-    from eogym_sft.processor import load_processor
+    from eogym_sft.models.loading import load_inference_model, resolve_device
+    from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:
         if args.data:

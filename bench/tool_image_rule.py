@@ -28,8 +28,8 @@ from eogym_sft.config import SampleConfig  # noqa: E402
 
 
 def measure(jsonl: Path, data_root: Path, processor, mode: str, max_length: int) -> dict:
-    from eogym_sft.prepare import PrepConfig, prepare_files
-    from eogym_sft.prepared import compute_stats
+    from eogym_sft.data.prepare import PrepConfig, prepare_files
+    from eogym_sft.data.prepared import compute_stats
 
     cfg = PrepConfig(data_root=str(data_root), max_length=max_length, tool_images=mode)
     results = prepare_files([str(jsonl)], "unused", cfg, num_proc=1, progress=False, processor=processor)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from prep_throughput import generate_sample, write_result
 
-    from eogym_sft.tiny import build_offline_processor
+    from eogym_sft.models.tiny import build_offline_processor
 
     tmp = None if args.workdir else tempfile.mkdtemp(prefix="eogym_tool_images_")
     workdir = Path(args.workdir or tmp)

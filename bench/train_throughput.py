@@ -39,12 +39,17 @@ import yaml  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from step_probe import (  # noqa: E402
-    CacheBypassLog, ProfileLastStep, RecompileLog, StepProbe, annotate, compile_caches, compile_phases, component_times,
+    CacheBypassLog,
+    ProfileLastStep,
+    RecompileLog,
+    StepProbe,
+    annotate,
+    compile_caches,
+    compile_phases,
+    component_times,
 )
 
 from eogym_sft.config import ImageConfig  # noqa: E402
-from eogym_sft.deepstack import index_deepstack  # noqa: E402
-from eogym_sft.vision_inputs import precompute_vision_inputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # the H200 bf16 dense figure that MFU is computed against (docs/benchmarks.md, MFU formula)
@@ -63,9 +68,7 @@ SHIPPED = {
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
-    "vision_host": False,  # as load_base_model leaves it: the vision tower computes its per-image metadata itself
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
-    "deepstack_index": False,  # transformers' DeepStack by boolean mask (eogym_sft.deepstack is opt-in)
 }
 ARMS = {
     "A": None,
@@ -87,9 +90,6 @@ ARMS = {
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
-    "B-visionhost": {"vision_host": True},  # eogym_sft.vision_inputs: the tower handed its metadata computed on the host
-    "B-visionbounds": {"vision_host": "boundaries"},  # the same hook, boundaries_only: only the images' boundaries
-    "B-deepstackidx": {"deepstack_index": True},  # eogym_sft.deepstack: DeepStack by index, no host sync per layer
 }
 
 
@@ -130,9 +130,9 @@ def flops_per_sample(lengths_and_sup, images, cfg) -> float:
 def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = ImageConfig.max_pixels):
     from prep_throughput import generate_sample
 
-    from eogym_sft.data import load_or_prepare
-    from eogym_sft.prepare import PrepConfig
-    from eogym_sft.processor import load_processor
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.processor import load_processor
 
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
     min_pixels = min(ImageConfig.min_pixels, max_pixels)  # a CPU smoke run's cap may be under the floor
@@ -146,7 +146,7 @@ def trl_dataset(dataset, root: Path, processor):
     """Arm A's rows: the same conversations as rendered text plus images, for TRL's own collator."""
     from datasets import Dataset, Image, Sequence
 
-    from eogym_sft.encoding import render
+    from eogym_sft.data.encoding import render
 
     rows = {"text": [], "images": []}
     for sample in dataset:
@@ -205,7 +205,7 @@ class Counted:
 def _full_logits_trainer():
     from transformers import Trainer
 
-    from eogym_sft.trainer import EOGymSFTTrainer
+    from eogym_sft.training.trainer import EOGymSFTTrainer
 
     class FullLogitsTrainer(EOGymSFTTrainer):
         """The ablation: the model's own loss over full logits (every position through the LM head)."""
@@ -219,9 +219,9 @@ def _full_logits_trainer():
 def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: int, grad_accum: int):
     from trl import SFTConfig, SFTTrainer
 
-    from eogym_sft.collator import EOGymCollator
-    from eogym_sft.modeling import apply_lora, compile_language_layers
-    from eogym_sft.trainer import EOGymSFTTrainer
+    from eogym_sft.models.loading import apply_lora, compile_language_layers
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
     common = dict(
@@ -232,7 +232,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     if arm == "A":
         from peft import LoraConfig
 
-        from eogym_sft.modeling import LORA_TARGETS
+        from eogym_sft.models.loading import LORA_TARGETS
 
         base.set_attn_implementation("sdpa")
         args = SFTConfig(per_device_train_batch_size=4, gradient_checkpointing=True, dataloader_num_workers=0, **common)
@@ -283,10 +283,6 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     profiler = ProfileLastStep(steps + warmup, micro, trace=trace) if profile else None
     hooks = []
     settings = arm_settings(arm) or {}
-    if settings.get("vision_host"):  # the opt-in eogym_sft.vision_inputs hook
-        hooks.append(precompute_vision_inputs(base, boundaries_only=settings["vision_host"] == "boundaries"))
-    if settings.get("deepstack_index"):
-        hooks.append(index_deepstack(base))
     if profiler:
         trainer.add_callback(profiler)
         hooks += annotate(trainer.model)
@@ -357,8 +353,11 @@ def _restore(base, model) -> None:
 def build_base(config_path: Path, workdir: Path):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from eogym_sft.attention import add_sample_boundaries, register_varlen_attention
-    from eogym_sft.tiny import build_offline_processor
+    from eogym_sft.models.attention import (
+        add_sample_boundaries,
+        register_varlen_attention,
+    )
+    from eogym_sft.models.tiny import build_offline_processor
 
     register_varlen_attention()
     cfg = json.loads(config_path.read_text())
@@ -379,9 +378,9 @@ def loss_parity(base, dataset, root, processor, n_samples: int = 4) -> dict:
     """The same 4 samples: padded + SDPA + full logits (the plain path) against packed + varlen + the
     supervised-only head (the shipped path), eager and with the decoder layers compiled by Inductor.
     Equal up to bf16 rounding."""
-    from eogym_sft.collator import EOGymCollator
-    from eogym_sft.metrics import IGNORE_INDEX
-    from eogym_sft.modeling import compile_language_layers
+    from eogym_sft.metrics.token_accuracy import IGNORE_INDEX
+    from eogym_sft.models.loading import compile_language_layers
+    from eogym_sft.training.collator import EOGymCollator
 
     examples = [dataset[i] for i in range(n_samples)]
     out = {}

@@ -8,7 +8,7 @@ One command (run from the repository root)::
 It writes ``eogym_sample.jsonl`` (40 good rows, then 4 deliberately bad ones) and the small images the
 rows name: ``EO_GYM_DATA/<8hex>/<64hex>.jpg|png`` (scenes, frames, SAR) and ``image_cache/...png``
 (crops and index previews that tool results name). The rows spread over every dialect that
-``eogym_sft.traces`` accepts (see ``docs/data.md``):
+``eogym_sft.data.traces`` accepts (see ``docs/data.md``):
 
 * OpenAI ``tool_calls`` with ``arguments`` as a JSON string or as an object, results as role ``tool``
   (and one legacy ``function_call`` + role ``function`` row);

@@ -44,9 +44,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
-    from .data import prepare_dataset
-    from .prepare import PrepConfig
-    from .processor import load_processor
+    from .data.datasets import prepare_dataset
+    from .data.prepare import PrepConfig
+    from .models.processor import load_processor
 
     cfg = PrepConfig(
         **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict
@@ -71,7 +71,7 @@ def add_tiny_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny(args: argparse.Namespace) -> None:
-    from .tiny import save_tiny_model
+    from .models.tiny import save_tiny_model
 
     refuse_nonempty_output(args.output, args.overwrite, "eogym-sft tiny-model")
     config = json.loads(Path(args.config).read_text()) if args.config else None
@@ -100,7 +100,7 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .validate import ValidateConfig, validate
+    from .evaluation.validate import ValidateConfig, validate
 
     return validate(
         ValidateConfig(
@@ -112,25 +112,25 @@ def run_validate(args: argparse.Namespace) -> dict:
 
 
 def add_evaluate_args(parser: argparse.ArgumentParser) -> None:
-    from .evaluation import add_evaluate_args as add_args
+    from .evaluation.offline import add_evaluate_args as add_args
 
     add_args(parser)
 
 
 def run_evaluate(args: argparse.Namespace) -> dict:
-    from .evaluation import run_evaluate as run
+    from .evaluation.offline import run_evaluate as run
 
     return run(args)
 
 
 def add_rollout_args(parser: argparse.ArgumentParser) -> None:
-    from .rollout import add_rollout_args as add
+    from .evaluation.rollout import add_rollout_args as add
 
     add(parser)
 
 
 def run_rollout(args: argparse.Namespace) -> dict:
-    from .rollout import run_rollout as run
+    from .evaluation.rollout import run_rollout as run
 
     return run(args)
 
@@ -162,8 +162,8 @@ def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tool_call(args: argparse.Namespace) -> None:
-    from .environment import find_row, single_call
-    from .tool_http import HttpToolServer
+    from .environment.backends.http import HttpToolServer
+    from .environment.env import find_row, single_call
 
     row = find_row(*args.row) if args.row else None
     backends = tuple(b.strip() for b in args.tools.split(",") if b.strip())

@@ -45,7 +45,7 @@ class SampleConfig(ImageConfig):
 
 @dataclass
 class OutputDirConfig:
-    """What a training run may do with an ``output_dir`` that holds an earlier run (:mod:`eogym_sft.resume`)."""
+    """What a training run may do with an ``output_dir`` that holds an earlier run (:mod:`eogym_sft.training.resume`)."""
 
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they are removed)"}

@@ -1,7 +1,7 @@
 """``eogym-sft demo``: the whole path on the bundled sample, on CPU, in minutes.
 
 Writes a small random Qwen3-VL (real processor, offline; 128 wide), trains a LoRA adapter on it with
-:func:`eogym_sft.sft.train` (what ``recipes/eo_gym_4b.py`` runs; the bundled sample is prepared on the
+:func:`eogym_sft.training.sft.train` (what ``recipes/eo_gym_4b.py`` runs; the bundled sample is prepared on the
 way in), then validates the adapter and its base on the traces the run held out (never trained on),
 and prints both token accuracies, where the adapter, the report and the manifest are, and what to run
 next. Everything it needs ships with the package.
@@ -27,7 +27,7 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
     from trl import ModelConfig, SFTConfig
 
     from .config import EOGymScriptArguments, SampleConfig
-    from .modeling import LORA_TARGETS
+    from .models.loading import LORA_TARGETS
 
     script = EOGymScriptArguments(
         dataset_path=str(SAMPLE_JSONL),
@@ -87,10 +87,10 @@ def run_demo(
     max_pixels: int = MAX_PIXELS,
 ) -> dict:
     """Small model, LoRA training on the bundled sample, validation on its held-out traces; returns the report."""
+    from .evaluation.validate import ValidateConfig, validate
     from .guards import refuse_nonempty_output
-    from .sft import train
-    from .tiny import DEMO_QWEN3_VL_CONFIG, save_tiny_model
-    from .validate import ValidateConfig, validate
+    from .models.tiny import DEMO_QWEN3_VL_CONFIG, save_tiny_model
+    from .training.sft import train
 
     output = Path(output)
     refuse_nonempty_output(output, overwrite, "eogym-sft demo")

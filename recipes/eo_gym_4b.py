@@ -5,7 +5,7 @@
 Without ``--config`` the recipe reads ``eo_gym_4b.yaml`` beside this file, so a plain
 ``accelerate launch recipes/eo_gym_4b.py`` runs the published settings; any flag overrides the file,
 e.g. ``--dataset_path data/eo_gym/train.jsonl --data_root data/eo_gym --output_dir runs/mine``.
-The run itself (processor, data, model, trainer, save) is :func:`eogym_sft.sft.train`; copy this file
+The run itself (processor, data, model, trainer, save) is :func:`eogym_sft.training.sft.train`; copy this file
 and its YAML to make a recipe of your own.
 """
 
@@ -21,7 +21,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from trl import ModelConfig, SFTConfig, TrlParser  # noqa: E402
 
 from eogym_sft.config import EOGymScriptArguments  # noqa: E402
-from eogym_sft.sft import train  # noqa: E402
+from eogym_sft.training.sft import train  # noqa: E402
 
 
 def parse_args(argv: list[str]):

@@ -5,7 +5,7 @@
 Without ``--config`` the recipe reads ``eo_gym_4b_grpo.yaml`` beside this file. Without ``--sft_adapter``
 it puts a new LoRA adapter on the base model. On CPU: ``python recipes/eo_gym_4b_grpo.py
 --model_name_or_path M --dataset_path F.jsonl --data_root D --output_dir O --use_cpu true --bf16 false``.
-The run itself (episodes, policy, environment, reward, trainer, save) is :func:`eogym_sft.grpo.train`;
+The run itself (episodes, policy, environment, reward, trainer, save) is :func:`eogym_sft.training.grpo.train`;
 docs/rl.md explains every setting.
 """
 
@@ -19,7 +19,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from trl import GRPOConfig, ModelConfig, TrlParser  # noqa: E402
 
-from eogym_sft.grpo import GRPOScriptArguments, train  # noqa: E402
+from eogym_sft.training.grpo import GRPOScriptArguments, train  # noqa: E402
 
 
 def parse_args(argv: list[str]):

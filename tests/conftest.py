@@ -37,7 +37,7 @@ INDEX_TOOL = {
 @pytest.fixture(scope="session")
 def processor():
     """The real offline Qwen3-VL processor (Qwen3 tokenizer files, trl's Qwen3-VL template)."""
-    from eogym_sft.tiny import build_offline_processor
+    from eogym_sft.models.tiny import build_offline_processor
 
     return build_offline_processor()
 
@@ -45,7 +45,7 @@ def processor():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A folder usable as ``--model``: a tiny random Qwen3-VL and the offline processor."""
-    from eogym_sft.tiny import save_tiny_model
+    from eogym_sft.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "bench"))
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory) -> Path:
     """The tiny Qwen3-VL with dimensions unlike the LoRA rank (16), so the profile can tell LoRA matmuls apart."""
-    from eogym_sft.tiny import TINY_QWEN3_VL_CONFIG
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
 
     config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
     config["text_config"].update(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
@@ -36,9 +36,9 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     import train_throughput
     from test_recipe import MAX_PIXELS, MIN_PIXELS, write_rows
 
-    from eogym_sft.data import load_or_prepare
-    from eogym_sft.prepare import PrepConfig
-    from eogym_sft.processor import load_processor
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.processor import load_processor
 
     base, cfg, model_dir = train_throughput.build_base(tiny_config, tmp_path)
     data = write_rows(tmp_path / "data")
@@ -286,7 +286,7 @@ def test_compile_probe_sorts_files_into_areas():
     assert area("/x/site-packages/torch/fx/graph.py", "node") == "fx"
     assert area("~", "<method 'acquire' of '_thread.lock' objects>") == "waiting (locks, subprocesses)"
     assert area("~", "<built-in method torch._C._nn.linear>") == "C++ (ops, kernels, builtins)"
-    assert area("/work/x/eogym_sft/attention.py", "f") == "eogym_sft"
+    assert area("/work/x/eogym_sft/models/attention.py", "f") == "eogym_sft"
 
 
 def test_idle_gaps_name_the_host_call_behind_each_wait():
@@ -330,9 +330,8 @@ def test_idle_gaps_name_the_host_call_behind_each_wait():
 
 def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_path):
     """``bench/collate_throughput.py``: both arms collate the same images; bfloat16 pixels are exactly half the bytes."""
-    from PIL import Image
-
     import collate_throughput
+    from PIL import Image
 
     for i, size in enumerate([(64, 48), (96, 96), (40, 120)]):
         Image.new("RGB", size, (30 * i, 90, 200)).save(tmp_path / f"im{i}.png")

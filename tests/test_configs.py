@@ -37,8 +37,8 @@ def published(script, training, model) -> None:
     assert model.dtype == "bfloat16" and not getattr(model, "trust_remote_code", False)
     assert training.num_train_epochs == 3
     # 4 x 16 = 64 samples a step as published, dealt into 32 token-balanced micro-batches: the same
-    # samples and token-mean loss each step (tests/test_trainer.py checks the split changes nothing)
-    from eogym_sft.sampler import accumulation_steps
+    # samples and token-mean loss each step (tests/training/test_trainer.py checks the split changes nothing)
+    from eogym_sft.training.sampler import accumulation_steps
 
     assert script.samples_per_step == 4 * 16  # the step's one home; the accumulation follows the world size
     assert training.per_device_train_batch_size == 2 and accumulation_steps(script.samples_per_step, 2, 1) == 32

@@ -6,7 +6,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 from test_recipe import load_recipe
 
 
@@ -21,7 +20,7 @@ def test_our_settings_raise_no_deprecation_warning(tmp_path):
 
 def test_demo_validates_on_the_traces_training_held_out(tmp_path):
     from eogym_sft.demo import EVAL_FRACTION, demo_configs
-    from eogym_sft.tiny import DEMO_QWEN3_VL_CONFIG
+    from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG
 
     script, training, model = demo_configs(tmp_path / "model", tmp_path, steps=2, learning_rate=1e-2)
     assert script.eval_fraction == EVAL_FRACTION > 0 and training.seed == 42

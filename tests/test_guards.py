@@ -6,7 +6,12 @@ import json
 
 import pytest
 
-from eogym_sft.guards import check_adapter_base, model_key, refuse_nonempty_output, same_base
+from eogym_sft.guards import (
+    check_adapter_base,
+    model_key,
+    refuse_nonempty_output,
+    same_base,
+)
 
 
 def test_a_non_empty_output_is_refused_unless_overwrite(tmp_path):

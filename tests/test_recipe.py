@@ -150,7 +150,7 @@ def lora_only(params: dict) -> dict:
 
 def run_recipe(recipe, argv: list[str]):
     """``train(*parse_args(argv))``, as the recipe script runs, with a trainer that records what the checks need."""
-    import eogym_sft.sft as sft
+    import eogym_sft.training.sft as sft
 
     made = []
 
@@ -233,8 +233,8 @@ def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, ti
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from eogym_sft.collator import EOGymCollator
-    from eogym_sft.prepared import load_prepared
+    from eogym_sft.data.prepared import load_prepared
+    from eogym_sft.training.collator import EOGymCollator
 
     out = first_run["out"]
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -377,7 +377,7 @@ def test_resume_refuses_another_runs_checkpoint_saying_what_differs(first_run, t
 def test_last_on_a_finished_run_is_a_no_op(first_run, tiny_model_dir, workspace, caplog):
     before = _adapter(first_run["out"])
     argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
-    with caplog.at_level("WARNING", logger="eogym_sft.sft"):
+    with caplog.at_level("WARNING", logger="eogym_sft.training.sft"):
         assert first_run["recipe"].train(*first_run["recipe"].parse_args(argv + ["--resume_from_checkpoint", "last"])) == str(first_run["out"])
     assert "checkpoint-2: this run already finished (step 2); nothing to train" in caplog.text
     assert _same_tensors(_adapter(first_run["out"]), before)
@@ -391,7 +391,7 @@ def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(first_run, tiny_mod
 
 
 def test_samples_per_step_is_resolved_from_the_world_size(first_run):
-    from eogym_sft.sft import set_samples_per_step
+    from eogym_sft.training.sft import set_samples_per_step
 
     script, training, _ = first_run["recipe"].parse_args(["--use_cpu", "true"])
     assert (script.samples_per_step, training.per_device_train_batch_size, training.world_size) == (64, 2, 1)
@@ -410,9 +410,9 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny
     import sys
     import time
 
-    from eogym_sft.data import load_or_prepare
-    from eogym_sft.prepare import PrepConfig
-    from eogym_sft.processor import load_processor
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.processor import load_processor
 
     data = write_rows(tmp_path / "data")
     prepared = tmp_path / "prepared"

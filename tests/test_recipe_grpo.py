@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-
-import pytest
 from pathlib import Path
 
+import pytest
 from conftest import make_row, save_image
-from eogym_sft.modeling import apply_lora, load_base_model
+
+from eogym_sft.models.loading import apply_lora, load_base_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,0 +1,126 @@
+"""EO-Gym's ``crop_optical_or_sar_image(image_url, aoi)``, computed on the data root.
+
+``aoi`` is normalised ``[x0, y0, x1, y1]`` with ``0 <= x0 < x1 <= 1`` and ``0 <= y0 < y1 <= 1``. Each
+edge becomes a pixel edge by ``floor(v * size + 0.5)`` (nearest integer, halves up; the product is
+first rounded to 6 decimals so that ``0.15 * 10`` is 1.5, not 1.4999...), clamped to the image, and a
+box that rounds to zero width or height grows to one pixel. On a 16x12 image ``[0.25, 0.25, 0.75, 0.75]``
+gives ``bbox_px [4, 3, 12, 9]`` and an 8x6 crop, as EO-Gym's own tool does; EO-Gym's rule for halves
+is not published, and this one is documented in ``docs/environment.md``.
+
+The crop is the source decoded to 8-bit RGB by :func:`eogym_sft.data.images.load_rgb` (so 16-bit SAR is
+stretched as everywhere else in the library), saved as PNG under the crop cache, named by a hash of
+the source path (with its size and modification time) and the box, so that the same call gives the
+same file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from ...data.images import ImageError, load_rgb, resolve_image_path
+from ..results import CannotAnswer, ToolCallError
+
+CROP_TOOL = "crop_optical_or_sar_image"
+
+
+def parse_aoi(aoi) -> list[float]:
+    """A valid normalised AOI as four floats, or :class:`ToolCallError` ``bad_arguments``."""
+    ok = isinstance(aoi, (list, tuple)) and len(aoi) == 4
+    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in aoi)
+    if not ok:
+        raise ToolCallError("bad_arguments", f"aoi must be four numbers [x0, y0, x1, y1], got {json.dumps(aoi)}")
+    x0, y0, x1, y1 = (float(v) for v in aoi)
+    if not (0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1):
+        raise ToolCallError("bad_arguments", f"aoi must be normalised with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1, got {json.dumps(aoi)}")
+    return [x0, y0, x1, y1]
+
+
+def _edge(v: float, size: int) -> int:
+    return min(size, max(0, math.floor(round(v * size, 6) + 0.5)))
+
+
+def _span(lo: float, hi: float, size: int) -> tuple[int, int]:
+    a, b = _edge(lo, size), _edge(hi, size)
+    if b > a:
+        return a, b
+    return (a, a + 1) if a < size else (size - 1, size)
+
+
+def crop_box(aoi: list[float], width: int, height: int) -> list[int]:
+    """Pixel box ``[x0, y0, x1, y1]`` (end exclusive) of a valid normalised AOI on a ``width`` x ``height`` image."""
+    x0, x1 = _span(aoi[0], aoi[2], width)
+    y0, y1 = _span(aoi[1], aoi[3], height)
+    return [x0, y0, x1, y1]
+
+
+@functools.lru_cache(maxsize=4)
+def _decoded(path: str, size: int, mtime_ns: int):
+    """The last few sources, decoded: the samples of one row crop the same scene turn after turn, and
+    decoding a 4000x4000 JPEG costs about a quarter of a second. Keyed by size and mtime, so a file
+    that changes is decoded again; callers never modify the image (``crop`` makes a new one)."""
+    return load_rgb(path)
+
+
+def crop_image(source: Path, source_rel: str, aoi: list[float], cache_dir: Path, data_root: Path) -> dict:
+    """Crop ``source`` (``source_rel`` under ``data_root``) to ``aoi``; write the PNG under ``cache_dir``
+    (inside ``data_root``) unless it is there already; return the tool's result fields."""
+    stat = source.stat()
+    image = _decoded(str(source), stat.st_size, stat.st_mtime_ns)
+    box = crop_box(aoi, *image.size)
+    # the source's size and mtime are in the name: a source that changes never gets another's stale crop
+    digest = hashlib.sha256(json.dumps([source_rel, stat.st_size, stat.st_mtime_ns, box]).encode()).hexdigest()[:32]
+    out = cache_dir / f"{digest}.png"
+    if not out.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # write then rename: parallel episodes asking for the same crop never see half a file
+        fd, tmp = tempfile.mkstemp(suffix=".png", dir=cache_dir)
+        os.close(fd)
+        try:
+            # level 1: a quarter of the default level's time on a noisy 1000x1000 crop, and no larger
+            image.crop(tuple(box)).save(tmp, format="PNG", compress_level=1)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return {
+        "cropped_path": out.relative_to(data_root).as_posix(),
+        "width": box[2] - box[0],
+        "height": box[3] - box[1],
+        "bbox_px": box,
+        "aoi_norm": aoi,
+    }
+
+
+class CropBackend:
+    """The ``crop`` backend: answers ``crop_optical_or_sar_image`` for images under the data root."""
+
+    name = "crop"
+
+    def __init__(self, data_root: str | os.PathLike, cache_dir: str | os.PathLike):
+        self.data_root = Path(data_root).resolve()
+        self.cache_dir = Path(cache_dir).resolve()
+
+    def answer(self, tool: str, arguments: dict) -> tuple[str, None]:
+        if tool != CROP_TOOL:
+            raise CannotAnswer(f"the crop backend only runs {CROP_TOOL}")
+        aoi = parse_aoi(arguments.get("aoi"))
+        rel = arguments.get("image_url")
+        if not isinstance(rel, str) or not rel:
+            raise ToolCallError("bad_arguments", "image_url must be the path of an image, e.g. EO_GYM_DATA/<id>/<hash>.jpg")
+        try:
+            source = resolve_image_path(rel, self.data_root)
+        except ImageError as err:
+            raise ToolCallError("bad_arguments", f"image_url {rel!r}: {err.detail}") from None
+        if not source.is_file():
+            raise CannotAnswer(f"no image {rel} under the data root")
+        try:
+            result = crop_image(source, rel, aoi, self.cache_dir, self.data_root)
+        except ImageError as err:
+            raise CannotAnswer(f"cannot read {rel}: {err.reason}: {err.detail}") from None
+        return json.dumps(result), None

@@ -1,0 +1,1 @@
+"""Evaluation: teacher-forced ``validate`` and ``evaluate``, closed-loop episodes and ``rollout``, reports."""

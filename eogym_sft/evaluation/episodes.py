@@ -1,0 +1,323 @@
+"""Closed-loop episodes: the model answers, its tool calls run in the environment, their results come
+back, until ``Final Answer:`` or a limit.
+
+An episode keeps its conversation as an EO-Gym row (the form ``eogym-sft prepare`` reads) and renders
+its next prompt from that row through :func:`eogym_sft.data.traces.normalize_row` and the chat template,
+exactly as data prep renders a training sample; :class:`~eogym_sft.models.generation.SlotDecoder` then
+recomputes only what the cache does not hold yet. :func:`run_episodes` keeps every slot busy: an
+episode that ends frees its slot for the next one at once.
+
+How a turn ends (``stop`` of a finished episode):
+
+* ``final_answer``: a ``Final Answer:`` and no tool call;
+* ``no_call``: neither a tool call nor a final answer;
+* ``invalid_call``: a ``<tool_call>`` block that does not parse (its text is kept; prep would refuse it);
+* ``max_new_tokens``: the turn hit the token limit before ``<|im_end|>``;
+* ``max_turns``: tool calls still pending after the last allowed turn;
+* ``context_full``: the next prompt plus a turn's tokens would not fit a slot;
+* ``error``: something in this episode failed (an image that does not decode, ...); ``error`` names it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..data.encoding import render
+from ..data.images import ImageCache, load_rgb, resolve_image_path
+from ..data.traces import normalize_row
+from ..metrics.scoring import END_MARKERS, parse_output, strip_end_markers
+from ..models.generation import (
+    ImageInput,
+    Sampling,
+    SlotDecoder,
+    expand_image_pads,
+    image_input,
+    vision_token_ids,
+)
+
+STOPS = ("final_answer", "no_call", "invalid_call", "max_new_tokens", "max_turns", "context_full", "error")
+ROW_FIELDS = ("gt_answer", "EO_task", "question_type", "data_source")
+
+
+def question_messages(row: dict) -> list[dict]:
+    """The row's messages before its first assistant turn: system and question (a whole question-only row)."""
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        return messages  # normalize_row names the problem
+    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), len(messages))
+    return messages[:first]
+
+
+# Preprocessed images shared by the episodes of a run, in bytes of pixel values (a capped image is about
+# 24 MB): the samples of one question and their common crops are decoded and resized once.
+PICTURE_CACHE_BYTES = 4 * 2**30
+
+
+def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
+    """An :class:`~eogym_sft.data.images.ImageCache` of :class:`~eogym_sft.models.generation.ImageInput` by resolved path."""
+    return ImageCache(
+        budget,
+        load=lambda path: image_input(processor, load_rgb(path)),
+        cost=lambda picture: picture.pixel_values.numel() * picture.pixel_values.element_size(),
+    )
+
+
+def canonical_prompt(row: dict, tool_images="produced"):
+    """The normalised conversation of ``row`` up to the assistant turn to generate next, as a
+    :class:`~eogym_sft.data.traces.Trace` (prep's own normalisation: the rendering matches SFT's)."""
+    messages = row.get("messages")
+    if isinstance(messages, list):
+        messages = messages + [{"role": "assistant", "content": ""}]  # normalize_row wants a turn to end on
+    trace = normalize_row({**row, "messages": messages}, tool_images)
+    trace.messages = trace.messages[:-1]
+    return trace
+
+
+@dataclass
+class Episode:
+    """One closed-loop attempt at one row by one arm; ``row`` grows turn by turn in EO-Gym form."""
+
+    source: str  # file:line of the question
+    question_id: str
+    arm: str
+    sample: int
+    row: dict
+    env: object
+    turns: int = 0
+    calls: int = 0
+    tool_errors: int = 0
+    tool_error_codes: dict = field(default_factory=dict)
+    new_tokens: int = 0
+    stop: str | None = None
+    error: str | None = None
+    final_answer: str | None = None
+    images_seen: list[str] = field(default_factory=list)
+    _pictures: dict = field(default_factory=dict, repr=False)
+
+    def prompt(
+        self, processor, data_root, tool_images="produced", pictures: ImageCache | None = None
+    ) -> tuple[list[int], list[ImageInput]]:
+        """The token ids (image pads expanded) and images of the next prompt; images come from ``pictures``
+        (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own)."""
+        trace = canonical_prompt(self.row, tool_images)
+        text = render(processor, trace.messages, trace.tools, add_generation_prompt=True)
+        pictures = pictures or picture_cache(processor)
+        images = [self._picture(pictures, rel, data_root) for rel in trace.images]
+        self.images_seen = list(trace.images)
+        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return expand_image_pads(ids, images, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
+
+    def preload(self, pictures: ImageCache, data_root, tool_images="produced") -> None:
+        """Decode and preprocess the images of the next prompt ahead of time (from a worker thread);
+        a failure here shows again, named, when :meth:`prompt` runs."""
+        for rel in canonical_prompt(self.row, tool_images).images:
+            self._picture(pictures, rel, data_root)
+
+    def _picture(self, pictures: ImageCache, rel: str, data_root) -> ImageInput:
+        # Held here too, so the shared cache may drop it while this episode still needs it.
+        if rel not in self._pictures:
+            self._pictures[rel] = pictures.get(resolve_image_path(rel, data_root))
+        return self._pictures[rel]
+
+    def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
+        """Record the model's message ``text``; run its tool calls. True when the episode goes on."""
+        self.turns += 1
+        body = strip_end_markers(text)
+        parsed = parse_output(text)
+        if truncated:  # cut off mid-message: kept as text, whatever it holds
+            self.row["messages"].append({"role": "assistant", "content": body})
+            return self.stop_with("max_new_tokens")
+        if parsed.errors:
+            self.row["messages"].append({"role": "assistant", "content": body})
+            self.tool_errors += len(parsed.errors)
+            self._count_error("invalid_call", len(parsed.errors))
+            return self.stop_with("invalid_call")
+        calls = [c for c in parsed.calls if c is not None]
+        message = {"role": "assistant", "content": parsed.content if calls else body}
+        if calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for c in calls
+            ]
+        self.row["messages"].append(message)
+        if not calls:
+            self.final_answer = parsed.final_answer
+            return self.stop_with("final_answer" if parsed.final_answer is not None else "no_call")
+        for call in calls:
+            result = self.env.call(call["name"], call["arguments"])
+            self.calls += 1
+            if not result.ok:
+                self.tool_errors += 1
+                self._count_error(result.error or "unknown")
+            self.row["messages"].append({"role": "tool", "content": result.text})
+        if self.turns >= max_turns:
+            return self.stop_with("max_turns")
+        return True
+
+    def _count_error(self, code: str, n: int = 1) -> None:
+        self.tool_error_codes[code] = self.tool_error_codes.get(code, 0) + n
+
+    def stop_with(self, reason: str) -> bool:
+        self.stop = reason
+        return False
+
+    def fail(self, err: BaseException) -> None:
+        self.stop, self.error = "error", f"{type(err).__name__}: {err}"
+
+    def record(self) -> dict:
+        """The episode as one EO-Gym JSONL row (``eogym-sft prepare`` reads it as it is) plus its outcome."""
+        self._pictures.clear()
+        return {
+            **self.row,
+            "id": f"{self.question_id}:{self.arm}:{self.sample}",
+            "source_id": self.question_id,
+            "source": self.source,
+            "arm": self.arm,
+            "sample": self.sample,
+            "stop_reason": self.stop,
+            "error": self.error,
+            "turns": self.turns,
+            "tool_calls": self.calls,
+            "tool_errors": self.tool_errors,
+            "tool_error_codes": self.tool_error_codes,
+            "new_tokens": self.new_tokens,
+            "final_answer": self.final_answer,
+            "images_seen": self.images_seen,
+        }
+
+
+def new_episode(row: dict, source: str, arm: str, sample: int, env) -> Episode:
+    """An episode starting from ``row``'s question (any gold trajectory after it is left out)."""
+    start = {k: v for k, v in row.items() if k != "messages"}
+    start["messages"] = [dict(m) for m in question_messages(row)]
+    return Episode(source, str(row.get("id")), arm, sample, start, env)
+
+
+@dataclass
+class LoopConfig:
+    """Limits of a closed-loop run."""
+
+    max_turns: int = 8
+    max_new_tokens: int = 512
+    tool_images: str = "produced"  # which tool-result images the model sees: data prep's rule (a ToolImageRule spec)
+    seed: int = 0
+
+
+def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None) -> dict:
+    """Run every episode of the iterable ``episodes`` to its end, ``decoder.slots`` at a time.
+
+    ``on_done(episode)`` is called as each one ends (in completion order). The images of the next
+    ``decoder.slots`` pending episodes are decoded by worker threads while the GPU works. Returns timing:
+    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``.
+    """
+    import torch
+
+    tokenizer = processor.tokenizer
+    stop_ids = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
+    banned_ids = vision_token_ids(tokenizer)
+    generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
+    pool = ThreadPoolExecutor(max_workers=4)
+    pictures = picture_cache(processor)
+    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
+    slot_ep: list[Episode | None] = [None] * decoder.slots
+    turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
+    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0}
+    start = time.perf_counter()
+
+    def begin_turn(s: int, ep: Episode) -> bool:
+        try:
+            ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
+            if len(ids) + cfg.max_new_tokens >= decoder.max_len:
+                return ep.stop_with("context_full")
+            before = decoder.tokens[s]
+            logits = decoder.prefill(s, ids, images)
+        except Exception as err:  # one episode's bad image or template error must not end the run
+            ep.fail(err)
+            return False
+        stats["prefill_tokens"] += len(ids) - _common_prefix(before, ids)
+        turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
+        return True
+
+    def end_turn(s: int, ep: Episode) -> bool:
+        tokens = turn.pop(s)
+        ep.new_tokens += len(tokens)
+        stats["new_tokens"] += len(tokens)
+        truncated = tokens[-1] not in stop_ids
+        try:
+            going = ep.take_turn(tokenizer.decode(tokens, skip_special_tokens=False), truncated, cfg.max_turns)
+        except Exception as err:  # an environment bug in one call: this episode ends, named
+            ep.fail(err)
+            return False
+        return going and begin_turn(s, ep)
+
+    def settle(s: int) -> None:
+        """Leave slot ``s`` mid-turn on an episode, or empty when nothing is pending."""
+        while True:
+            ep = slot_ep[s]
+            if ep is None:
+                ep = next(pending, None)
+                if ep is None:
+                    return
+                slot_ep[s] = ep
+                if ep.stop is not None or not begin_turn(s, ep):  # failed before it began (see new_episode)
+                    finish(s)
+                continue
+            tokens = turn[s]
+            if tokens[-1] not in stop_ids and len(tokens) < cfg.max_new_tokens:
+                return
+            if not end_turn(s, ep):
+                finish(s)
+
+    def finish(s: int) -> None:
+        ep, slot_ep[s] = slot_ep[s], None
+        turn.pop(s, None)
+        on_done(ep)
+        if bar is not None:
+            elapsed = time.perf_counter() - start
+            bar.update(1)
+            bar.set_postfix_str(f"{stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
+
+    while True:
+        for s in range(decoder.slots):
+            settle(s)
+        busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
+        if not busy:
+            break
+        order, logits = decoder.decode({s: turn[s][-1] for s in busy})
+        picks = sampling.pick(logits, [len(turn[s]) for s in order], stop_ids, generator, banned_ids)
+        for s, tok in zip(order, picks):
+            turn[s].append(tok)
+        stats["decode_steps"] += 1
+    pool.shutdown()
+    stats["seconds"] = time.perf_counter() - start
+    return stats
+
+
+def _prefetched(items, work, pool, depth: int):
+    """``items`` in order, each yielded once ``work(item)`` has run in ``pool``, keeping ``depth`` in flight.
+    An exception in ``work`` is left for the caller to meet again (the episode names it)."""
+    ahead = deque()
+    for item in items:
+        ahead.append((item, pool.submit(work, item)))
+        if len(ahead) > depth:
+            first, future = ahead.popleft()
+            future.exception()  # waits; the error itself resurfaces in Episode.prompt
+            yield first
+    while ahead:
+        first, future = ahead.popleft()
+        future.exception()
+        yield first
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+

@@ -1,0 +1,460 @@
+"""Offline next-action evaluation of a base Qwen3-VL and LoRA adapters on EO-Gym test traces.
+
+For every assistant turn of every trace the prompt is the reference history before that turn
+(images included), rendered by the chat template with the generation prompt. Each arm (the base,
+then each adapter) generates the next message for the same prompts; :mod:`eogym_sft.metrics.scoring` scores
+the messages, and arms are compared pairwise on identical turns. ``docs/evaluation.md`` has the metrics.
+
+:func:`evaluate` runs everything and writes ``results.jsonl``, ``skipped.jsonl``, ``summary.json`` and
+``report.txt``; the steps (:func:`read_traces`, :func:`plan_turns`, :func:`load_model`,
+:func:`generate_turns`, :func:`score_turns`) are public for benchmarks and notebooks; the summary and the
+report are :func:`eogym_sft.evaluation.report.summarize_turns` and :func:`eogym_sft.evaluation.report.format_turn_report`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import SampleConfig
+from ..data.datasets import read_rows
+from ..data.encoding import render
+from ..data.images import ImageCache, ImageError, image_size, resolve_image_path
+from ..data.prepare import image_factor, image_token_count, resized_hw
+from ..data.traces import Trace, TraceError, count_images, normalize_row
+from ..guards import refuse_nonempty_output
+from ..metrics.judge import judge_all, load_judge
+from ..metrics.scoring import (
+    END_MARKERS,
+    Reference,
+    combine_samples,
+    extract_final_answer,
+    parse_output,
+    score_output,
+)
+from ..models import loading
+from ..models.loading import Arm, use_arm
+from .report import format_turn_report, summarize_turns
+from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
+
+
+@dataclass(kw_only=True)
+class EvalConfig(ArmsConfig):
+    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_length`` caps a turn's prompt."""
+
+    batch_size: int = 8
+    num_tolerance: float = 1e-6
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.num_tolerance < 0:
+            raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
+
+
+@dataclass
+class TurnPrompt:
+    """One scored turn: its prompt, exactly as every arm sees it, and its reference."""
+
+    trace_id: str
+    turn: int  # index among the trace's assistant turns
+    message_index: int
+    source: str
+    text: str
+    images: list[Path]  # resolved paths, in prompt order
+    prompt_sha256: str
+    prompt_tokens: int
+    reference: Reference
+    meta: dict
+    question: str
+
+
+# ---------------------------------------------------------------- data
+
+
+def read_traces(cfg: EvalConfig) -> tuple[list[tuple[str, Trace]], list[dict]]:
+    """Normalised traces with their ``file:line``, and one failure entry for every row that is not usable."""
+    traces, failures, seen = [], [], {}
+    for source, row in read_rows(cfg.data, cfg.limit):
+        row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
+        try:
+            if isinstance(row, TraceError):
+                raise row
+            trace = normalize_row(row, cfg.tool_images)
+            if trace.id in seen:
+                raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
+        except TraceError as err:
+            failures.append(_problem("row", source, row_id, None, err.reason, err.field, err.detail))
+            continue
+        seen[trace.id] = source
+        traces.append((source, trace))
+    return traces, failures
+
+
+def _problem(level, source, trace_id, turn, reason, field_name, detail) -> dict:
+    return {
+        "level": level,
+        "source": source,
+        "trace_id": trace_id,
+        "turn": turn,
+        "reason": reason,
+        "field": field_name,
+        "detail": detail,
+    }
+
+
+def _image_table(trace: Trace, cfg: EvalConfig, factor: int) -> list:
+    """Per image: ``(path, visual tokens, "relative/path:bytes")``, or the :class:`ImageError` that makes it
+    unusable. Size, not content, identifies the file in the prompt hash: reading every image of a test split
+    (many GB) only to hash it would cost more than the evaluation's own decoding."""
+    out = []
+    for rel in trace.images:
+        try:
+            path = resolve_image_path(rel, cfg.data_root)
+            width, height = image_size(path)
+            tokens = image_token_count(resized_hw(width, height, factor, cfg.min_pixels, cfg.max_pixels), factor)
+            out.append((path, tokens, f"{rel}:{path.stat().st_size}"))
+        except ImageError as err:
+            out.append(ImageError(err.reason, rel, err.detail))  # name the row's path, not the resolved one
+    return out
+
+
+def _question(trace: Trace) -> str:
+    user = next((m for m in trace.messages if m["role"] == "user"), None)
+    return "".join(p.get("text", "") for p in user["content"] if p["type"] == "text") if user else ""
+
+
+def _reference(trace: Trace, index: int) -> Reference:
+    msg = trace.messages[index]
+    calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])
+    ]
+    last = index == len(trace.messages) - 1  # normalize_row ends every trace at its last assistant turn
+    return Reference(
+        calls=calls,
+        content=msg["content"],
+        tool_names=[t["function"]["name"] for t in trace.tools],
+        is_final=last and extract_final_answer(msg["content"]) is not None,
+        gt_answer=trace.meta.get("gt_answer", ""),
+    )
+
+
+def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> tuple[list[TurnPrompt], list[dict]]:
+    """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
+    included); turns over ``max_length`` or with an unusable image are skipped with a reason."""
+    tokenizer = processor.tokenizer
+    factor = image_factor(processor)
+    prompts, skipped = [], []
+    for source, trace in traces:
+        layout = _image_table(trace, cfg, factor)
+        turn = -1
+        for index, msg in enumerate(trace.messages):
+            if msg["role"] != "assistant":
+                continue
+            turn += 1
+            history = trace.messages[:index]
+            images = layout[: count_images(history)]
+            bad = next((img for img in images if isinstance(img, ImageError)), None)
+            if bad is not None:
+                skipped.append(_problem("turn", source, trace.id, turn, bad.reason, f"image {bad.path}", bad.detail))
+                continue
+            text = render(processor, history, trace.tools, add_generation_prompt=True)
+            n_text = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+            n_tokens = n_text - len(images) + sum(tokens for _, tokens, _ in images)  # one <|image_pad|> each
+            if n_tokens > cfg.max_length:
+                detail = f"{n_tokens} prompt tokens, limit {cfg.max_length}"
+                skipped.append(_problem("turn", source, trace.id, turn, "prompt_too_long", "messages", detail))
+                continue
+            digest = hashlib.sha256(text.encode())
+            for _, _, key in images:
+                digest.update(f"\0{key}".encode())
+            prompts.append(
+                TurnPrompt(
+                    trace.id,
+                    turn,
+                    index,
+                    source,
+                    text,
+                    [p for p, _, _ in images],
+                    digest.hexdigest(),
+                    n_tokens,
+                    _reference(trace, index),
+                    dict(trace.meta),
+                    _question(trace),
+                )
+            )
+    return prompts, skipped
+
+
+# ---------------------------------------------------------------- model
+
+
+def parse_arms(cfg: EvalConfig) -> list[Arm]:
+    """The base arm (unless excluded) then one arm per ``--adapter DIR`` or ``--adapter NAME=DIR``."""
+    return loading.parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
+
+
+def resolve_device(cfg: EvalConfig):
+    """``(device, dtype)`` of ``cfg``: ``auto`` is CUDA in bf16 when there is a GPU, else CPU in fp32."""
+    return loading.resolve_device(cfg.device, cfg.dtype)
+
+
+def load_model(cfg: EvalConfig, arms: list[Arm]):
+    """The base model, loaded once, with every adapter of ``arms`` attached by peft (switch with :func:`use_arm`)."""
+    return loading.load_inference_model(cfg.model, arms, *resolve_device(cfg))
+
+
+def generation_config(cfg: EvalConfig, tokenizer):
+    """Greedy, or sampling with every setting explicit: ``generate`` fills unset (``None``) settings from
+    the model's ``generation_config.json`` (Qwen3-VL-Instruct ships temperature 0.7, top_k 20, top_p 0.8)."""
+    from transformers import GenerationConfig
+
+    sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k} if cfg.temperature > 0 else {}
+    return GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=bool(sampling),
+        **sampling,
+        repetition_penalty=1.0,
+        num_return_sequences=cfg.samples,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS],
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+    )
+
+
+def _generate_batch(model, processor, batch: list[TurnPrompt], pictures: list, gen_config, seed: int) -> list[dict]:
+    import torch
+
+    texts = [t.text for t in batch]
+    inputs = processor(text=texts, images=pictures or None, padding=True, padding_side="left", return_tensors="pt")
+    inputs = inputs.to(model.device)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    torch.manual_seed(seed)  # the same seed per batch in every arm: common random numbers for sampling
+    with torch.inference_mode():
+        out = model.generate(**inputs, generation_config=gen_config)
+    new = out[:, inputs["input_ids"].shape[1] :].tolist()
+    stops = set(gen_config.eos_token_id)
+    k = gen_config.num_return_sequences
+    results = []
+    for i in range(len(batch)):
+        gen = {"outputs": [], "finished": [], "new_tokens": []}
+        for ids in new[i * k : (i + 1) * k]:
+            end = next((j + 1 for j, tok in enumerate(ids) if tok in stops), None)
+            kept = ids[:end] if end else ids
+            gen["outputs"].append(processor.tokenizer.decode(kept, skip_special_tokens=False))
+            gen["finished"].append(end is not None)
+            gen["new_tokens"].append(len(kept))
+        results.append(gen)
+    return results
+
+
+def generate_turns(
+    model, processor, prompts: list[TurnPrompt], cfg: EvalConfig, images: ImageCache | None = None, bar=None
+) -> list[dict]:
+    """Generate for every prompt with the active arm, in batches of similar length (longest first, so a
+    batch that does not fit in memory fails at once).
+
+    Returns, in the order of ``prompts``, ``{"outputs", "finished", "new_tokens"}`` per prompt, or
+    ``{"error": problem}`` for a prompt with an image that passed the header check but does not decode
+    (the same prompts fail in every arm, so pairing is unaffected).
+    """
+    images = images or ImageCache()
+    gen_config = generation_config(cfg, processor.tokenizer)
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].prompt_tokens)
+    results: list = [None] * len(prompts)
+    for b, start in enumerate(range(0, len(order), cfg.batch_size)):
+        ready, pictures = [], []
+        for i in order[start : start + cfg.batch_size]:
+            p = prompts[i]
+            try:
+                pictures += [images.get(path) for path in p.images]
+                ready.append(i)
+            except ImageError as err:
+                results[i] = {
+                    "error": _problem(
+                        "turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail
+                    )
+                }
+        if ready:
+            gens = _generate_batch(model, processor, [prompts[i] for i in ready], pictures, gen_config, cfg.seed + b)
+            for i, gen in zip(ready, gens):
+                results[i] = gen
+        if bar is not None:
+            bar.update(len(order[start : start + cfg.batch_size]))
+    return results
+
+
+# ---------------------------------------------------------------- scoring and reports
+
+
+def _judge_outputs(judge, prompt: TurnPrompt, parsed: list) -> list[tuple[bool | None, str | None]]:
+    """The judge's ``(verdict, error)`` per output of a final turn; no request for an output without an answer."""
+    if judge is None or not prompt.reference.scores_answer:
+        return [(None, None)] * len(parsed)
+    asks = [p for p in parsed if p.final_answer is not None]
+    verdicts = iter(judge_all(judge, [(prompt.question, p.final_answer, prompt.reference.gt_answer) for p in asks], workers=1))
+    return [next(verdicts) if p.final_answer is not None else (False, None) for p in parsed]
+
+
+def score_turns(
+    arm: str, prompts: list[TurnPrompt], generations: list[dict], cfg: EvalConfig, judge=None
+) -> list[dict]:
+    """One ``results.jsonl`` record per turn: ids, prompt hash, raw outputs, parsed calls and scores."""
+    records = []
+    for prompt, gen in zip(prompts, generations):
+        if "error" in gen:
+            continue
+        parsed = [parse_output(text) for text in gen["outputs"]]
+        verdicts = _judge_outputs(judge, prompt, parsed)
+        sample_scores = [
+            score_output(p, prompt.reference, cfg.num_tolerance, truncated=not done, judged=v)
+            for p, done, (v, _) in zip(parsed, gen["finished"], verdicts)
+        ]
+        record = {
+            "arm": arm,
+            "trace_id": prompt.trace_id,
+            "turn": prompt.turn,
+            "message_index": prompt.message_index,
+            "source": prompt.source,
+            "prompt_sha256": prompt.prompt_sha256,
+            "prompt_tokens": prompt.prompt_tokens,
+            "n_images": len(prompt.images),
+            **{k: prompt.meta.get(k, "") for k in ("EO_task", "question_type", "data_source")},
+            "reference": prompt.reference.to_json(),
+            "gt_answer": prompt.reference.gt_answer if prompt.reference.scores_answer else None,
+            **gen,
+            "parsed": [p.to_json() for p in parsed],
+            "sample_scores": sample_scores,
+            "scores": combine_samples(sample_scores, cfg.samples),
+        }
+        if any(err for _, err in verdicts):
+            record["judge_errors"] = [err for _, err in verdicts]
+        records.append(record)
+    return records
+
+
+def _write_jsonl(path: Path, items: list[dict], mode: str = "w") -> None:
+    with open(path, mode) as fh:
+        for item in items:
+            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+
+
+def run_arms(
+    model,
+    processor,
+    prompts: list[TurnPrompt],
+    arms: list[Arm],
+    cfg: EvalConfig,
+    judge=None,
+    progress: bool = True,
+    results_path: Path | None = None,
+):
+    """Generate and score every prompt in every arm: ``(records, timing per arm, undecodable turns)``.
+
+    With ``results_path``, each arm's records are appended there as soon as the arm is done, so that a
+    crash in a later arm keeps the earlier arms' results.
+    """
+    from tqdm.auto import tqdm
+
+    records, timing, images, failed = [], {}, ImageCache(), {}
+    bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
+    for arm in arms:
+        bar.set_postfix_str(arm.name)
+        start = time.perf_counter()
+        with use_arm(model, arm):
+            generations = generate_turns(model, processor, prompts, cfg, images, bar)
+        seconds = time.perf_counter() - start
+        mine = score_turns(arm.name, prompts, generations, cfg, judge)
+        new_tokens = sum(sum(r["new_tokens"]) for r in mine)
+        timing[arm.name] = {
+            "seconds": seconds,
+            "turns_per_s": len(mine) / seconds,
+            "new_tokens_per_s": new_tokens / seconds,
+        }
+        failed.update({(g["error"]["trace_id"], g["error"]["turn"]): g["error"] for g in generations if "error" in g})
+        records += mine
+        if results_path is not None:
+            _write_jsonl(results_path, mine, mode="a")
+    bar.close()
+    return records, timing, list(failed.values())
+
+
+def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
+    """Run a whole evaluation and write its files to ``cfg.output``; return the summary."""
+    from ..models.processor import load_processor
+
+    out = Path(cfg.output)
+    refuse_nonempty_output(out, cfg.overwrite, "eogym-sft evaluate")
+    judge = load_judge(cfg.judge) if cfg.judge else None
+    arms = parse_arms(cfg)
+    processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
+    traces, failures = read_traces(cfg)
+    prompts, skipped = plan_turns(processor, traces, cfg)
+    model = load_model(cfg, arms)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").write_text("")
+    records, timing, undecodable = run_arms(
+        model, processor, prompts, arms, cfg, judge, progress, out / "results.jsonl"
+    )
+    skipped += undecodable
+    scored = {(r["trace_id"], r["turn"]) for r in records}
+    counts = {
+        "rows_in": len(traces) + len(failures),
+        "rows_failed": len(failures),
+        "rows_failed_by_reason": _count(failures),
+        "turns_total": len(scored) + len(skipped),
+        "turns_scored": len(scored),
+        "turns_skipped": len(skipped),
+        "turns_skipped_by_reason": _count(skipped),
+        "traces_scored": len({trace for trace, _ in scored}),
+    }
+    device, dtype = resolve_device(cfg)
+    settings = recorded_settings(cfg, arms, device, dtype)
+    summary = summarize_turns(records, arms, settings, counts, timing)
+    _write_jsonl(out / "skipped.jsonl", failures + skipped)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    report = format_turn_report(summary)
+    (out / "report.txt").write_text(report + "\n")
+    print(report)
+    return summary
+
+
+def _count(problems: list[dict]) -> dict:
+    counts = defaultdict(int)
+    for p in problems:
+        counts[p["reason"]] += 1
+    return dict(sorted(counts.items()))
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_evaluate_args(parser) -> None:
+    """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
+    add_shared_args(parser, "evaluate")
+    add = parser.add_argument
+    add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
+    add("--output", required=True, help="folder for results.jsonl, skipped.jsonl, summary.json, report.txt")
+    add("--batch-size", type=int, default=8, help="prompts per generate() call")
+    add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
+    add("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length, help="skip turns whose prompt is longer (image tokens included)")
+
+
+def run_evaluate(args) -> dict:
+    """``eogym-sft evaluate``: build the :class:`EvalConfig` from parsed flags and run :func:`evaluate`."""
+    try:
+        cfg = EvalConfig(
+            **shared_settings(args, "eogym-sft evaluate"),
+            batch_size=args.batch_size,
+            num_tolerance=args.num_tolerance,
+            max_length=args.max_length,
+        )
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft evaluate: {err}") from None
+    return evaluate(cfg, progress=not args.no_progress)

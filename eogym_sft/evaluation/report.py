@@ -1,0 +1,305 @@
+"""Results of both evaluation protocols as ``summary.json`` and printed tables, per arm, per ``EO_task``
+and ``question_type``, with paired deltas between arms: the teacher-forced turns of ``eogym-sft
+evaluate`` (mean scores, paired over turns) and the closed-loop episodes of ``eogym-sft rollout``
+(Pass@k per question, paired over questions). Pure functions over result records; no model, no I/O.
+``docs/evaluation.md`` defines every figure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from itertools import combinations
+from math import comb
+
+from ..metrics.scoring import POSITIVE_METRICS, mean_scores, paired_stats
+
+GROUP_FIELDS = ("EO_task", "question_type")
+# The evaluate report's columns, in this order, where any arm has them; its paired table shows these
+# (and their @k); summary.json has every metric.
+TURN_METRICS = (
+    "turn_correct",
+    "action_match",
+    "name_match",
+    "call_match",
+    "invalid_call",
+    "unknown_tool",
+    "answer_exact",
+    "answer_normalized",
+    "no_answer",
+)
+TURN_PAIRED_METRICS = ("turn_correct", "call_match", "answer_normalized", "answer_judge")
+# The rollout report's columns after Pass@k.
+EPISODE_METRICS = ("mean_score", "answered", "tool_any", "tool_error_rate", "calls_per_episode", "turns_per_episode")
+
+
+# ---------------------------------------------------------------- shared by both protocols
+
+
+def by_group(items: list[dict], field: str) -> dict[str, list[dict]]:
+    """``items`` per value of ``field`` (``"(none)"`` where it is missing or empty), sorted by that value."""
+    groups = defaultdict(list)
+    for item in items:
+        groups[item.get(field) or "(none)"].append(item)
+    return dict(sorted(groups.items()))
+
+
+def paired_units(a: str, b: str, units_a: dict, units_b: dict, metrics: list[str], cluster=None) -> list[dict]:
+    """Arm ``b`` against arm ``a`` per metric on the units (keys of ``units_a``/``units_b``, each a dict of
+    metric values) where both have a value, with :func:`eogym_sft.metrics.scoring.paired_stats`; ``cluster(key)``
+    names a unit's cluster for the clustered SE."""
+    keys = sorted(units_a.keys() & units_b.keys())
+    out = []
+    for metric in metrics:
+        units = [k for k in keys if units_a[k].get(metric) is not None and units_b[k].get(metric) is not None]
+        if not units:
+            continue
+        xs = [units_a[k][metric] for k in units]
+        ys = [units_b[k][metric] for k in units]
+        clusters = [cluster(k) for k in units] if cluster else None
+        out.append({"a": a, "b": b, "metric": metric, **paired_stats(xs, ys, clusters=clusters)})
+    return out
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def table(
+    title: str, columns: list[tuple[str, int]], metrics: list[str], rows: list[tuple[str, list[int], dict]]
+) -> list[str]:
+    """Text lines: a header, then per ``(name, counts, values)`` row the counts right-aligned under
+    ``columns`` (``(header, width)`` each) and the ``metrics`` of ``values`` to 3 decimals (``-`` if none)."""
+    width = max([len(title)] + [len(name) for name, _, _ in rows])
+    widths = [max(len(m), 6) for m in metrics]
+
+    def line(name: str, counts: list, cells: list[str]) -> str:
+        lead = " ".join([f"{name:<{width}}", *(f"{c:>{w}}" for c, (_, w) in zip(counts, columns))])
+        return lead + " " + " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+
+    lines = [line(title, [head for head, _ in columns], metrics)]
+    return lines + [line(name, counts, [_cell(values.get(m)) for m in metrics]) for name, counts, values in rows]
+
+
+def arm_tables(arms: dict, columns: list[tuple[str, int]], metrics: list[str], row) -> list[str]:
+    """The ``overall`` table of every arm, then one per group field with a row per group and arm.
+    ``row(name, figures)`` makes a :func:`table` row from an arm's figures (``None`` where that arm has
+    no such group), or returns ``None`` to leave the row out."""
+    lines = table("overall", columns, metrics, [row(name, a["overall"]) for name, a in arms.items()])
+    for field in GROUP_FIELDS:
+        groups = sorted({g for a in arms.values() for g in a[f"by_{field}"]})
+        rows = [row(f"{g} | {name}", a[f"by_{field}"].get(g)) for g in groups for name, a in arms.items()]
+        lines += ["", *table(f"by {field} | arm", columns, metrics, [r for r in rows if r is not None])]
+    return lines
+
+
+def paired_table(
+    paired: list[dict], unit: str = "questions", cluster: str | None = None, notes: tuple[str, ...] = ()
+) -> list[str]:
+    """The paired comparisons as text lines (SE = sd(diff)/sqrt(n); 95% CI = delta +/- 1.96 SE); with
+    ``cluster`` (what units cluster in, e.g. ``"trace"``) a column of the clustered SE; ``notes`` go
+    under the legend."""
+    wlt = f"W/L/T = {unit} where B is better/worse/equal"
+    clustered_head = f" {f'SE ({cluster}-cl.)':>14}" if cluster else ""
+    lines = [
+        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        f"SE ({cluster}-clustered) allows for correlated {unit} of one {cluster}; {wlt};" if cluster else wlt,
+        *notes,
+        f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
+        f"{'95% CI, normal approx.':>22}{clustered_head} {'W/L/T':>13}",
+    ]
+    for p in paired:
+        ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
+        se = "-" if p["se"] is None else f"{p['se']:.4f}"
+        sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
+        names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5}"
+        means = f"{p['mean_a']:>7.3f} {p['mean_b']:>7.3f} {p['delta']:>+8.3f}"
+        clustered = f" {sec:>14}" if cluster else ""
+        lines.append(f"{names} {means} {se:>7} {ci:>22}{clustered} {p['wins']:>4}/{p['losses']}/{p['ties']}")
+    return lines
+
+
+# ---------------------------------------------------------------- teacher-forced turns (eogym-sft evaluate)
+
+
+def paired_turns(records: list[dict], arms: list[str]) -> list[dict]:
+    """Every later arm against every earlier one, per positive metric, on the turns both have scored
+    (a turn is ``(trace_id, turn)``; SEs also clustered by trace). Turns must have identical prompts."""
+    by_arm = {a: {(r["trace_id"], r["turn"]): r for r in records if r["arm"] == a} for a in arms}
+    names = dict.fromkeys(k for r in records for k in r["scores"])
+    metrics = [m for m in names if m.split("@")[0] in POSITIVE_METRICS]
+    out = []
+    for a, b in combinations(arms, 2):
+        for key in sorted(by_arm[a].keys() & by_arm[b].keys()):
+            if by_arm[a][key]["prompt_sha256"] != by_arm[b][key]["prompt_sha256"]:
+                raise RuntimeError(f"turn {key} has different prompts in arms {a} and {b}")
+        scores_a = {k: r["scores"] for k, r in by_arm[a].items()}
+        scores_b = {k: r["scores"] for k, r in by_arm[b].items()}
+        out += paired_units(a, b, scores_a, scores_b, metrics, cluster=lambda key: key[0])
+    return out
+
+
+def summarize_turns(records: list[dict], arms: list, settings: dict, counts: dict, timing: dict) -> dict:
+    """``summary.json`` of ``eogym-sft evaluate``: settings, counts, per arm (:class:`eogym_sft.models.loading.Arm`)
+    the mean scores overall and per group and the timing, and the paired comparisons."""
+    per_arm = {}
+    for arm in arms:
+        mine = [r for r in records if r["arm"] == arm.name]
+        per_arm[arm.name] = {
+            "adapter": arm.adapter,
+            "overall": mean_scores([r["scores"] for r in mine]),
+            **{
+                f"by_{field}": {g: mean_scores([r["scores"] for r in rs]) for g, rs in by_group(mine, field).items()}
+                for field in GROUP_FIELDS
+            },
+            "timing": timing.get(arm.name, {}),
+        }
+    paired = paired_turns(records, [a.name for a in arms])
+    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired}
+
+
+def _turn_row(name: str, scores: dict | None) -> tuple[str, list[int], dict]:
+    scores = scores or {}  # an arm without this group: a row of 0 turns
+    return name, [max((v["n"] for v in scores.values()), default=0)], {m: v["mean"] for m, v in scores.items()}
+
+
+def format_turn_report(summary: dict) -> str:
+    """The report of ``eogym-sft evaluate``: counts, per-arm metrics overall and per group, then the
+    paired comparisons of the headline metrics."""
+    counts, arms = summary["counts"], summary["arms"]
+    k = summary["settings"]["samples"]
+    extra = ("answer_judge", f"turn_correct@{k}", f"answer_normalized@{k}")
+    metrics = [m for m in TURN_METRICS + extra if any(m in a["overall"] for a in arms.values())]
+    lines = [
+        f"rows {counts['rows_in']} (failed {counts['rows_failed']}), turns {counts['turns_total']} "
+        f"(scored {counts['turns_scored']}, skipped {counts['turns_skipped']}), "
+        f"arms {len(arms)}, samples per turn {k}",
+        "",
+        *arm_tables(arms, [("turns", 6)], metrics, _turn_row),
+    ]
+    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in TURN_PAIRED_METRICS]
+    if headline:
+        notes = ("headline metrics only: summary.json has every positive metric",)
+        lines += ["", *paired_table(headline, "turns", cluster="trace", notes=notes)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- closed-loop episodes (eogym-sft rollout)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased Pass@k estimator from ``n`` samples of which ``c`` are correct (Chen et al., 2021):
+    ``1 - C(n - c, k) / C(n, k)``, the chance that ``k`` of the ``n`` drawn without replacement hold one
+    correct. Needs ``n >= k``.
+
+    >>> pass_at_k(5, 2, 1), pass_at_k(5, 2, 3), pass_at_k(3, 0, 3)
+    (0.4, 0.9, 0.0)
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def questions(records: list[dict], ks: list[int]) -> dict:
+    """Per ``(arm, question)``: the episodes' outcomes and the question's Pass@k.
+
+    A sample whose score is ``None`` (no ``gt_answer``, a failed judge request) is left out of ``n``;
+    Pass@k needs ``n >= k`` scored samples and is ``None`` otherwise."""
+    grouped = defaultdict(list)
+    for r in records:
+        grouped[(r["arm"], r["source_id"])].append(r)
+    out = {}
+    for key, eps in grouped.items():
+        scored = [e["correct"] for e in eps if e.get("correct") is not None]
+        n, c = len(scored), sum(scored)
+        out[key] = {
+            "n": n,
+            "correct": c,
+            **{f"pass@{k}": pass_at_k(n, c, k) if n >= k else None for k in ks},
+            "tool_any": sum(e["tool_calls"] > 0 for e in eps) / len(eps),
+            **{f: eps[0].get(f) or "" for f in GROUP_FIELDS},
+        }
+    return out
+
+
+def episode_metrics(eps: list[dict], per_question: list[dict], ks: list[int]) -> dict:
+    """Figures over a set of episodes and their questions (one arm, possibly one group)."""
+    attempts = sum(e["tool_calls"] + e["tool_error_codes"].get("invalid_call", 0) for e in eps)
+    scored = [e["correct"] for e in eps if e.get("correct") is not None]
+    out = {
+        "questions": len(per_question),
+        "episodes": len(eps),
+        "mean_score": sum(scored) / len(scored) if scored else None,
+        "scored_episodes": len(scored),
+    }
+    for k in ks:
+        values = [q[f"pass@{k}"] for q in per_question if q[f"pass@{k}"] is not None]
+        out[f"pass@{k}"] = sum(values) / len(values) if values else None
+        out[f"pass@{k}_questions"] = len(values)
+    n = max(len(eps), 1)
+    out.update(
+        {
+            "answered": sum(e["final_answer"] is not None for e in eps) / n,
+            "tool_any": sum(e["tool_calls"] > 0 for e in eps) / n,
+            "tool_error_rate": sum(e["tool_errors"] for e in eps) / attempts if attempts else None,
+            "calls_per_episode": sum(e["tool_calls"] for e in eps) / n,
+            "turns_per_episode": sum(e["turns"] for e in eps) / n,
+            "new_tokens_per_episode": sum(e["new_tokens"] for e in eps) / n,
+            "stop_reasons": dict(sorted(Counter(e["stop_reason"] for e in eps).items())),
+            "tool_error_codes": dict(sorted(sum((Counter(e["tool_error_codes"]) for e in eps), Counter()).items())),
+            "judge_failed": sum(1 for e in eps if e.get("judge_error")),
+        }
+    )
+    return out
+
+
+def paired_arms(per_q: dict, arms: list[str], ks: list[int]) -> list[dict]:
+    """Every later arm against every earlier one on the questions both scored: Pass@k and tool-any deltas,
+    with the SE and 95% CI of :func:`eogym_sft.metrics.scoring.paired_stats` (questions are the units)."""
+    mine = {arm: {q: v for (a, q), v in per_q.items() if a == arm} for arm in arms}
+    metrics = [f"pass@{k}" for k in ks] + ["tool_any"]
+    return [p for a, b in combinations(arms, 2) for p in paired_units(a, b, mine[a], mine[b], metrics)]
+
+
+def summarize_rollouts(records: list[dict], arms: list[str], ks: list[int], settings: dict, counts: dict, timing: dict) -> dict:
+    """``summary.json`` of a closed-loop run."""
+    per_q = questions(records, ks)
+    per_arm = {}
+    for arm in arms:
+        eps = [r for r in records if r["arm"] == arm]
+        qs = [v for (a, _), v in per_q.items() if a == arm]
+        entry = {"overall": episode_metrics(eps, qs, ks), "timing": timing.get(arm, {})}
+        for field in GROUP_FIELDS:
+            qs_by_group = by_group(qs, field)
+            entry[f"by_{field}"] = {
+                g: episode_metrics(members, qs_by_group.get(g, []), ks) for g, members in by_group(eps, field).items()
+            }
+        per_arm[arm] = entry
+    return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired_arms(per_q, arms, ks)}
+
+
+def _episode_row(name: str, figures: dict | None) -> tuple[str, list[int], dict] | None:
+    return None if figures is None else (name, [figures["questions"], figures["episodes"]], figures)
+
+
+def format_rollout_report(summary: dict) -> str:
+    """The printed tables: overall, per ``EO_task`` and ``question_type``, stop reasons, paired deltas."""
+    ks, arms, counts = summary["settings"]["ks"], summary["arms"], summary["counts"]
+    lines = [
+        f"questions {counts['questions']} (rows failed {counts['rows_failed']}), samples per question "
+        f"{summary['settings']['samples']}, episodes {counts['episodes']} (errors {counts['episode_errors']}, "
+        f"judge failures {counts['judge_failed']})",
+        "",
+    ]
+    metrics = [f"pass@{k}" for k in ks] + list(EPISODE_METRICS)
+    lines += arm_tables(arms, [("quest.", 6), ("eps", 5)], metrics, _episode_row)
+    lines += ["", "stop reasons"]
+    for name, a in arms.items():
+        reasons = ", ".join(f"{r} {n}" for r, n in a["overall"]["stop_reasons"].items())
+        lines.append(f"  {name}: {reasons}")
+    for name, a in arms.items():
+        t = a.get("timing") or {}
+        if t:
+            lines.append(f"  {name}: {t['episodes_per_min']:.1f} episodes/min, {t['new_tokens_per_s']:.1f} generated tokens/s")
+    if summary["paired"]:
+        lines += ["", *paired_table(summary["paired"])]
+    return "\n".join(lines)

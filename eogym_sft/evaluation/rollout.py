@@ -1,0 +1,265 @@
+"""``eogym-sft rollout``: closed-loop episodes of a base Qwen3-VL and LoRA adapters on EO-Gym questions,
+scored as the paper scores them (Pass@k of final answers against ``gt_answer``).
+
+For every arm (the base, then each adapter) and every row, ``samples`` episodes start from the row's
+system prompt, tools and question (any gold trajectory after it is ignored, so question-only rows work)
+and run in :mod:`eogym_sft.evaluation.episodes` on one :class:`~eogym_sft.models.generation.SlotDecoder`. Outputs in
+``--output``: ``episodes.jsonl`` (one EO-Gym row per episode, readable by ``eogym-sft prepare`` with the
+same ``--data-root``), ``skipped.jsonl``, ``summary.json`` and ``report.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..data.datasets import read_rows
+from ..data.images import ImageError, image_size, resolve_image_path
+from ..data.traces import TraceError
+from ..environment.env import BACKENDS, DEFAULT_BACKENDS
+from ..guards import refuse_nonempty_output
+from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge, judge_all, load_judge
+from ..metrics.scoring import normalize_answer
+from ..models.generation import Sampling, SlotDecoder
+from .episodes import (
+    LoopConfig,
+    canonical_prompt,
+    new_episode,
+    question_messages,
+    run_episodes,
+)
+from .report import format_rollout_report, summarize_rollouts
+from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(ArmsConfig):
+    """Settings of a closed-loop run (the flags of ``eogym-sft rollout``); ``max_length`` is an episode's
+    token budget, image tokens included (the KV cache holds ``slots`` x ``max_length`` tokens)."""
+
+    max_length: int = 16384  # an episode is prompt and turns: longer than a training sample's default
+    tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    tool_url: str | None = None  # the tool server of the http backend
+    ks: list[int] | None = None  # Pass@k reported for these k (default: 1 and samples)
+    max_turns: int = 8
+    slots: int = 32
+    compile: str | None = None
+    cuda_graphs: bool = True  # replay the decode step from CUDA graphs on a CUDA device (unless compile is set)
+    judge_url: str | None = None
+    judge_model: str = DEFAULT_JUDGE_MODEL
+    judge_retries: int = 3
+
+    def __post_init__(self):
+        super().__post_init__()
+        if min(self.max_turns, self.slots) < 1:
+            raise ValueError("max_turns and slots must be at least 1")
+        self.ks = sorted(set(self.ks or [1, self.samples]))
+        if self.ks[0] < 1 or self.ks[-1] > self.samples:
+            raise ValueError(f"Pass@k needs 1 <= k <= samples ({self.samples}), got k in {self.ks}")
+        if self.judge and self.judge_url:
+            raise ValueError("give --judge or --judge-url, not both")
+        unknown = set(self.tools) - set(BACKENDS)
+        if unknown:
+            raise ValueError(f"--tools: unknown backend(s) {sorted(unknown)}; known: {', '.join(BACKENDS)}")
+        if "http" in self.tools and not self.tool_url:
+            raise ValueError("--tools http needs --tool-url (the tool server's URL)")
+
+
+def read_questions(cfg: RolloutConfig) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """``(source, row)`` for every usable row (its question renders and its images exist) and one entry
+    per row that is not, naming file, line, field and reason."""
+    rows, failures, seen = [], [], {}
+    for source, row in read_rows(cfg.data, cfg.limit):
+        try:
+            if isinstance(row, TraceError):
+                raise row
+            if not isinstance(row, dict):
+                raise TraceError("not_an_object", "<row>", f"a row must be a JSON object, got {type(row).__name__}")
+            trace = canonical_prompt({**row, "messages": question_messages(row)}, cfg.tool_images)
+            if trace.id in seen:
+                raise TraceError("duplicate_id", "id", f"id {trace.id!r} already used at {seen[trace.id]}")
+            for rel in trace.images:
+                image_size(resolve_image_path(rel, cfg.data_root))
+        except TraceError as err:
+            failures.append({"source": source, "reason": err.reason, "field": err.field, "detail": err.detail})
+            continue
+        except ImageError as err:
+            failures.append({"source": source, "reason": err.reason, "field": f"image {err.path}", "detail": err.detail})
+            continue
+        seen[trace.id] = source
+        rows.append((source, row))
+    return rows, failures
+
+
+def make_judge(cfg: RolloutConfig):
+    """The judge the flags ask for, or None for the rule-based match alone."""
+    if cfg.judge:
+        return load_judge(cfg.judge)
+    if cfg.judge_url:
+        return ChatJudge(cfg.judge_url, cfg.judge_model, retries=cfg.judge_retries)
+    return None
+
+
+def score_episodes(records: list[dict], judge=None) -> None:
+    """Set ``rule_correct`` (normalised answer equals ``gt_answer``) and ``correct`` on each record:
+    the judge's verdict when there is a judge (``None`` plus ``judge_error`` when its request failed),
+    else the rule. No ``gt_answer``: both ``None``. No final answer: wrong, with no judge request."""
+    asks = []
+    for r in records:
+        gt = str(r.get("gt_answer") or "").strip()
+        answer = r["final_answer"]
+        r["rule_correct"] = None if not gt else answer is not None and normalize_answer(answer) == normalize_answer(gt)
+        r["correct"] = r["rule_correct"]
+        r["judge_error"] = None
+        if judge is not None and gt and answer is not None:
+            asks.append(r)
+    if not asks:
+        return
+    verdicts = judge_all(judge, [(_question_text(r), r["final_answer"], str(r["gt_answer"])) for r in asks])
+    for r, (verdict, error) in zip(asks, verdicts):
+        r["correct"], r["judge_error"] = verdict, error
+
+
+def _question_text(record: dict) -> str:
+    user = next((m for m in record["messages"] if m.get("role") == "user"), {})
+    content = user.get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content or "").replace("<image>", "").strip()
+
+
+def default_env_factory(cfg: RolloutConfig):
+    """``row -> EOGymEnvironment`` with the backends of ``--tools``."""
+    from ..environment.env import EOGymEnvironment
+
+    def factory(row: dict):
+        return EOGymEnvironment(row, cfg.data_root, backends=tuple(cfg.tools), http=cfg.tool_url, attach=cfg.tool_images)
+
+    return factory
+
+
+def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict:
+    """Run every arm over every usable row ``cfg.samples`` times; write the outputs; return the summary."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..models.loading import (
+        load_inference_model,
+        parse_arms,
+        resolve_device,
+        use_arm,
+    )
+    from ..models.processor import load_processor
+
+    out = Path(cfg.output)
+    refuse_nonempty_output(out, cfg.overwrite, "eogym-sft rollout")
+    judge = make_judge(cfg)
+    arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    env_factory = env_factory or default_env_factory(cfg)
+    processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
+    rows, failures = read_questions(cfg)
+    model = load_inference_model(cfg.model, arms, device, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
+    loop = LoopConfig(cfg.max_turns, cfg.max_new_tokens, cfg.tool_images, cfg.seed)
+    graphs = cfg.cuda_graphs and device.type == "cuda" and not cfg.compile
+    decoder = SlotDecoder(model, min(cfg.slots, max(1, len(rows) * cfg.samples)), cfg.max_length, cfg.compile, cuda_graphs=graphs)
+    records, timing = [], {}
+    bar = tqdm(total=len(rows) * cfg.samples * len(arms), unit="episode", desc="rollout", disable=not progress)
+    with open(out / "episodes.jsonl", "w") as fh:
+        for arm in arms:
+            bar.set_description(f"rollout {arm.name}")
+            done: list[dict] = []
+            episodes = (start_episode(row, source, arm.name, k, env_factory) for source, row in rows for k in range(cfg.samples))
+            with use_arm(model, arm):
+                stats = run_episodes(decoder, processor, episodes, sampling, loop, cfg.data_root, lambda ep: done.append(ep.record()), bar)
+            decoder.reset()  # the next arm's weights make these caches and graphs stale
+            score_episodes(done, judge)
+            for r in done:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+            fh.flush()
+            records += done
+            minutes = stats["seconds"] / 60
+            timing[arm.name] = {
+                **stats,
+                "episodes_per_min": len(done) / minutes if minutes else None,
+                "new_tokens_per_s": stats["new_tokens"] / stats["seconds"] if stats["seconds"] else None,
+            }
+    bar.close()
+    settings = recorded_settings(cfg, arms, device, dtype)
+    settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
+    settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    counts = {
+        "rows_in": len(rows) + len(failures),
+        "rows_failed": len(failures),
+        "questions": len(rows),
+        "episodes": len(records),
+        "episode_errors": sum(r["stop_reason"] == "error" for r in records),
+        "judge_failed": sum(bool(r["judge_error"]) for r in records),
+    }
+    summary = summarize_rollouts(records, [a.name for a in arms], cfg.ks, settings, counts, timing)
+    with open(out / "skipped.jsonl", "w") as fh:
+        for item in failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]:
+            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    report = format_rollout_report(summary)
+    (out / "report.txt").write_text(report + "\n")
+    print(report)
+    return summary
+
+
+def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
+    """A new episode with its own environment; one whose environment cannot be built ends at once in
+    ``error``, named, and the run goes on."""
+    try:
+        env = env_factory(row)
+    except Exception as err:  # a row the environment refuses fails alone
+        episode = new_episode(row, source, arm, sample, None)
+        episode.fail(err)
+        return episode
+    return new_episode(row, source, arm, sample, env)
+
+
+def _episode_problem(record: dict) -> dict:
+    reason = "episode_error" if record["stop_reason"] == "error" else "judge_failed"
+    return {"source": record["source"], "episode": record["id"], "reason": reason, "detail": record["error"] or record["judge_error"]}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_rollout_args(parser) -> None:
+    """The flags of ``eogym-sft rollout`` (one per :class:`RolloutConfig` field)."""
+    add_shared_args(parser, "roll out")
+    add = parser.add_argument
+    add("--data", nargs="+", required=True, help="EO-Gym JSONL file(s); rows may carry only the question")
+    add("--output", required=True, help="folder for episodes.jsonl, skipped.jsonl, summary.json, report.txt")
+    add("--tools", default=",".join(DEFAULT_BACKENDS), help="tool backends, first that answers wins (comma-separated: crop,replay,http)")
+    add("--tool-url", default=None, help="URL of a running tool server for the http backend (docs/environment.md)")
+    add("--pass-k", type=int, nargs="+", default=None, metavar="K", help="report Pass@k for these k (default: 1 and --samples)")
+    add("--max-turns", type=int, default=RolloutConfig.max_turns, help="assistant turns per episode")
+    add("--slots", type=int, default=RolloutConfig.slots, help="episodes decoded at once")
+    add("--max-length", type=int, default=RolloutConfig.max_length, help="tokens per episode, images included (the KV cache holds --slots x this)")
+    add("--compile", default=None, choices=("default", "reduce-overhead"), help="torch.compile the decode step")
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=RolloutConfig.cuda_graphs,
+        help="replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)")
+    add("--judge-url", default=None, help="OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)")
+    add("--judge-model", default=RolloutConfig.judge_model, help="model name sent to --judge-url")
+    add("--judge-retries", type=int, default=RolloutConfig.judge_retries, help="retries of a failed judge request before it is counted")
+
+
+def run_rollout(args) -> dict:
+    """``eogym-sft rollout``: build the :class:`RolloutConfig` from parsed flags and run :func:`rollout`."""
+    try:
+        cfg = RolloutConfig(
+            **shared_settings(args, "eogym-sft rollout"), tools=[t for t in args.tools.split(",") if t],
+            tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
+            max_length=args.max_length, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
+            judge_model=args.judge_model, judge_retries=args.judge_retries,
+        )
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft rollout: {err}") from None
+    return rollout(cfg, progress=not args.no_progress, env_factory=None)

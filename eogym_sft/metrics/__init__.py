@@ -1,0 +1,1 @@
+"""Metrics: token accuracy, answer and action scoring, judges. Pure functions, no model."""

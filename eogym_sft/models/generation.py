@@ -1,0 +1,381 @@
+"""Batched decoding for closed-loop episodes: a fixed set of slots over one preallocated KV cache.
+
+Each slot holds one conversation. :meth:`SlotDecoder.prefill` brings a slot's cache up to a new token
+sequence, computing only the tokens past the longest prefix it already holds (the next turn of an
+episode recomputes its tool results, not its history); :meth:`SlotDecoder.decode` advances every busy
+slot by one token in a single forward. A slot freed by a finished episode takes the next one at once
+(continuous refill, driven by :mod:`eogym_sft.evaluation.episodes`), so no slot waits for the longest episode.
+
+Why not ``model.generate``: it re-encodes the whole history at every turn, pads a batch to its longest
+prompt, and its dynamic cache copies itself at every step; and transformers' continuous batching does
+not take Qwen3-VL pixel inputs. The forward here is Qwen3-VL's text tower run layer by layer with the
+model's own modules (so PEFT adapters apply and switch as usual) over the slot cache; tests pin it
+to the model's own forward. Images (with their DeepStack features and 3-D rotary positions) enter
+through prefill only: generated tokens are text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Qwen3-VL's vision special tokens. A sampled one would stand for image features that do not exist:
+# the next prefill (or TRL's training forward) then fails on a mismatch between image tokens and images.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """Ids of :data:`VISION_TOKENS` in ``tokenizer`` (those it has): tokens a policy must never write."""
+    ids = (tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS)
+    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+
+
+@dataclass
+class ImageInput:
+    """One image as the vision tower takes it (``image_processor`` output for that image alone)."""
+
+    pixel_values: torch.Tensor  # (patches, channels * temporal * patch * patch)
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4  # Qwen3-VL merges 2x2 patches into one visual token
+
+
+def image_input(processor, image) -> ImageInput:
+    """Pixel values and grid of one PIL image, resized by the processor's own rules (pixel cap included)."""
+    out = processor.image_processor(images=[image], return_tensors="pt")
+    return ImageInput(out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0]))
+
+
+def expand_image_pads(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:
+    """Token ids with each ``<|image_pad|>`` repeated once per visual token of its image, as the processor does."""
+    out, k = [], 0
+    for tok in ids:
+        if tok == image_token_id:
+            if k == len(images):
+                raise ValueError(f"the text has more <|image_pad|> tokens than the {len(images)} images given")
+            out.extend([tok] * images[k].tokens)
+            k += 1
+        else:
+            out.append(tok)
+    if k != len(images):
+        raise ValueError(f"the text has {k} <|image_pad|> tokens but {len(images)} images were given")
+    return out
+
+
+def rope_positions(ids: list[int], images: list[ImageInput], image_token_id: int, merge: int = 2) -> torch.Tensor:
+    """Qwen3-VL's 3-D rotary positions ``(3, len(ids))`` for one sequence (``get_rope_index``'s rule):
+    text advances all three by one per token; an image's tokens take ``(start, start + row, start + col)``
+    and the text after it resumes at ``start + max(rows, cols)``."""
+    pos = torch.empty(3, len(ids), dtype=torch.long)
+    ids_t = torch.tensor(ids)
+    i, k, current = 0, 0, 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            j = i
+            while j < len(ids) and ids[j] != image_token_id:
+                j += 1
+            pos[:, i:j] = torch.arange(current, current + j - i)
+            current += j - i
+            i = j
+            continue
+        _, h, w = images[k].grid_thw
+        rows, cols = h // merge, w // merge
+        n = rows * cols
+        if not bool((ids_t[i : i + n] == image_token_id).all()):
+            raise ValueError(f"image {k} needs {n} <|image_pad|> tokens at position {i}")
+        pos[0, i : i + n] = current
+        pos[1, i : i + n] = (torch.arange(rows) + current).repeat_interleave(cols)
+        pos[2, i : i + n] = (torch.arange(cols) + current).repeat(rows)
+        current += max(rows, cols)
+        i += n
+        k += 1
+    return pos
+
+
+def _text_parts(model):
+    """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model, base.lm_head
+
+
+class SlotDecoder:
+    """``slots`` conversations of up to ``max_len`` tokens each, decoded together.
+
+    Args:
+        model: a Qwen3-VL ``...ForConditionalGeneration`` (optionally PEFT-wrapped), in eval mode.
+        slots (`int`): conversations held at once (the decode batch).
+        max_len (`int`): tokens per conversation, history and generation included.
+        compile (`str`, *optional*): a ``torch.compile`` mode for the one-token decode step, e.g.
+            ``"default"`` or ``"reduce-overhead"`` (CUDA graphs); ``None`` runs it eagerly.
+        attn_bucket (`int`): decode attends over the cache up to the longest busy slot rounded up to a
+            multiple of this: short episodes do not read the whole cache, and a compiled step sees few shapes.
+        cuda_graphs (`bool`): replay the eager decode step as CUDA graphs, one captured per attention span
+            the first time that span is used (no compiler). A 4B model's decode step is many small kernels (36
+            layers of a few dozen each), and launching them one by one from Python costs more than running them.
+            Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
+    """
+
+    def __init__(
+        self, model, slots: int, max_len: int, compile: str | None = None, attn_bucket: int = 512, cuda_graphs: bool = False
+    ):
+        self.model = model
+        self.inner, self.lm_head = _text_parts(model)
+        self.text = self.inner.language_model
+        cfg = self.text.config
+        self.image_token_id = model.config.image_token_id
+        self.merge = model.config.vision_config.spatial_merge_size
+        self.slots, self.max_len = slots, max_len
+        self.device = self.lm_head.weight.device
+        self.dtype = self.lm_head.weight.dtype
+        self.kv_heads, self.head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
+        layers = len(self.text.layers)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]  # what each slot's cache holds
+        self.next_pos = [0] * slots  # rotary position of each slot's next token
+        self.attn_bucket = attn_bucket
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+
+        self._rotate = apply_rotary_pos_emb
+        self._step = self._decode_step
+        if compile:
+            import torch._dynamo as dynamo
+
+            for tensor in self.keys + self.values:  # fixed addresses: CUDA graphs can replay over them
+                dynamo.mark_static_address(tensor)
+            # one graph per attention span bucket
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, max_len // attn_bucket + 8)
+            self._step = torch.compile(self._decode_step, mode=compile, dynamic=False)
+        if cuda_graphs:
+            if compile:
+                raise ValueError("cuda_graphs and compile both take over the decode step: choose one")
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
+            self._step = GraphedStep(self._decode_step, slots, self.device)
+
+    # ------------------------------------------------------------ prefill
+
+    def memory_bytes(self) -> int:
+        return 2 * sum(k.numel() * k.element_size() for k in self.keys)
+
+    def release(self, slot: int) -> None:
+        self.tokens[slot] = []
+        self.next_pos[slot] = 0
+
+    def reset(self) -> None:
+        """Empty every slot and forget captured graphs: call it after the model's weights or active
+        adapter change (a graph replays the kernels, and so the adapter, it was captured with)."""
+        for slot in range(self.slots):
+            self.release(slot)
+        if isinstance(self._step, GraphedStep):
+            self._step.graphs.clear()
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
+        """Make slot ``slot`` hold ``ids`` (image pads expanded for ``images``, all images of the
+        conversation in order) and return the logits ``(vocab,)`` for the token after them.
+
+        Only the tokens past the longest prefix that the slot already holds are computed; a prefix never
+        ends inside an image, and at least the last token is always recomputed for its logits."""
+        if len(ids) >= self.max_len:
+            raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
+        held = self.tokens[slot]
+        start = 0
+        limit = min(len(held), len(ids) - 1)
+        while start < limit and held[start] == ids[start]:
+            start += 1
+        while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
+            start -= 1  # never split an image: its tokens are encoded together
+        positions = rope_positions(ids, images, self.image_token_id, self.merge)
+        visual_before = sum(1 for t in ids[:start] if t == self.image_token_id)
+        counted, image_index = 0, 0  # the first image at or after `start`
+        while image_index < len(images) and counted < visual_before:
+            counted += images[image_index].tokens
+            image_index += 1
+        chunk = ids[start:]
+        logits = self._forward_chunk(slot, start, chunk, positions[:, start:], images[image_index:])
+        self.tokens[slot] = list(ids)
+        self.next_pos[slot] = int(positions.max()) + 1
+        return logits
+
+    def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
+        ids = torch.tensor(chunk, device=self.device)
+        embeds = self.text.embed_tokens(ids)[None]
+        mask = ids == self.image_token_id
+        if not images:
+            return embeds, None, None
+        pixels = torch.cat([im.pixel_values for im in images]).to(self.device, self.inner.visual.dtype)
+        grid = torch.tensor([im.grid_thw for im in images], device=self.device)
+        out = self.inner.get_image_features(pixels, grid, return_dict=True)
+        image_embeds = torch.cat(out.pooler_output).to(embeds.dtype)
+        if image_embeds.shape[0] != int(mask.sum()):
+            raise ValueError(f"{image_embeds.shape[0]} visual tokens for {int(mask.sum())} <|image_pad|> tokens")
+        embeds[0, mask] = image_embeds
+        deepstack = [torch.cat(feat).to(embeds.dtype) for feat in out.deepstack_features]
+        return embeds, mask, deepstack
+
+    def _forward_chunk(self, slot: int, start: int, chunk: list[int], positions: torch.Tensor, images) -> torch.Tensor:
+        hidden, mask, deepstack = self._embed_chunk(chunk, images)
+        n = len(chunk)
+        cos, sin = self.text.rotary_emb(hidden, positions[:, None, :].to(self.device))
+        end = start + n
+        causal = None
+        if start:  # the chunk sees the slot's history and itself causally
+            causal = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        for index, layer in enumerate(self.text.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q, k, v = self._qkv(attn, x, cos, sin)
+            self.keys[index][slot, :, start:end] = k[0]
+            self.values[index][slot, :, start:end] = v[0]
+            keys = self.keys[index][slot : slot + 1, :, :end].repeat_interleave(self.groups, dim=1)
+            values = self.values[index][slot : slot + 1, :, :end].repeat_interleave(self.groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, is_causal=causal is None, scale=attn.scaling)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if deepstack is not None and index < len(deepstack):
+                hidden[0, mask] = hidden[0, mask] + deepstack[index]
+        return self.lm_head(self.text.norm(hidden[:, -1]))[0].float()
+
+    def _qkv(self, attn, x, cos, sin):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = self._rotate(q, k, cos, sin)
+        return q, k, v
+
+    # ------------------------------------------------------------ decode
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Run the decode step once per attention span, so that a compiled step compiles (and captures its
+        CUDA graphs) before a timed or long run rather than during it. Caches are untouched: every slot
+        writes the scratch row. Returns the number of spans."""
+        spans = sorted({min(self.max_len, b) for b in range(self.attn_bucket, self.max_len + self.attn_bucket, self.attn_bucket)})
+        zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        scratch = torch.full((self.slots,), self.max_len - 1, dtype=torch.long, device=self.device)
+        for span in spans:
+            self._step(zeros, scratch, zeros, zeros + 1, span)
+        return len(spans)
+
+    @torch.inference_mode()
+    def decode(self, next_tokens: dict[int, int]) -> tuple[list[int], torch.Tensor]:
+        """Append one token to each slot in ``next_tokens`` (slot -> token); return the busy slots in
+        order and their logits ``(len(busy), vocab)`` for the token after. Slots not named stay as they are."""
+        busy = sorted(next_tokens)
+        for s in busy:
+            if len(self.tokens[s]) + 1 >= self.max_len:
+                raise ValueError(f"slot {s} is full ({self.max_len} tokens)")
+        tokens = torch.zeros(self.slots, dtype=torch.long)
+        write = torch.full((self.slots,), self.max_len - 1, dtype=torch.long)  # idle slots write a scratch row
+        pos = torch.zeros(self.slots, dtype=torch.long)
+        length = torch.zeros(self.slots, dtype=torch.long)
+        for s in busy:
+            tokens[s], write[s], pos[s] = next_tokens[s], len(self.tokens[s]), self.next_pos[s]
+            length[s] = len(self.tokens[s]) + 1
+        span = min(self.max_len, math.ceil(int(length.max()) / self.attn_bucket) * self.attn_bucket)
+        args = [t.to(self.device, non_blocking=True) for t in (tokens, write, pos, length)]
+        logits = self._step(*args, span)
+        for s in busy:
+            self.tokens[s].append(next_tokens[s])
+            self.next_pos[s] += 1
+        return busy, logits[busy]
+
+    def _decode_step(self, tokens, write, pos, length, span: int):
+        hidden = self.text.embed_tokens(tokens)[:, None]  # (slots, 1, hidden)
+        cos, sin = self.text.rotary_emb(hidden, pos.view(1, -1, 1).expand(3, -1, 1))
+        rows = torch.arange(self.slots, device=hidden.device)
+        visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
+        for index, layer in enumerate(self.text.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q, k, v = self._qkv(attn, x, cos, sin)  # q (S, heads, 1, d), k/v (S, kv_heads, 1, d)
+            self.keys[index][rows, :, write] = k[:, :, 0]
+            self.values[index][rows, :, write] = v[:, :, 0]
+            # The query heads of one KV head are folded into the query length: no KV copy per group.
+            q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
+            )
+            hidden = hidden + attn.o_proj(out.reshape(self.slots, 1, -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.lm_head(self.text.norm(hidden[:, 0])).float()
+
+
+class GraphedStep:
+    """A decode step ``step(tokens, write, pos, length, span)`` replayed from CUDA graphs, one per ``span``.
+
+    The four ``(slots,)`` inputs are copied into fixed buffers that the graphs read; the returned logits are
+    the graph's own output tensor, overwritten by the next replay (callers index it, which copies). All
+    graphs share one memory pool: they never run at the same time."""
+
+    def __init__(self, step, slots: int, device):
+        self.step = step
+        self.inputs = [torch.zeros(slots, dtype=torch.long, device=device) for _ in range(4)]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def __call__(self, tokens, write, pos, length, span: int) -> torch.Tensor:
+        for buffer, value in zip(self.inputs, (tokens, write, pos, length)):
+            buffer.copy_(value, non_blocking=True)
+        if span not in self.graphs:
+            self.graphs[span] = self._capture(span)
+        graph, logits = self.graphs[span]
+        graph.replay()
+        return logits
+
+    def _capture(self, span: int):
+        # One eager run first, on a side stream as capture requires: kernels and cuBLAS workspaces get
+        # set up outside the capture. It writes this step's keys and values, which the replay writes again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(*self.inputs, span)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # image threads run meanwhile
+            logits = self.step(*self.inputs, span)
+        self.pool = graph.pool()
+        return graph, logits
+
+
+@dataclass
+class Sampling:
+    """Greedy (``temperature`` 0) or temperature / top-k / top-p sampling, with the stop tokens held
+    back until a turn has ``min_new_tokens`` tokens (benchmarks force a fixed length that way)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_new_tokens: int = 0
+
+    def pick(self, logits: torch.Tensor, generated: list[int], stop_ids: list[int], generator=None, banned_ids=()) -> list[int]:
+        """One next token per row of ``logits`` ``(rows, vocab)``; ``generated`` = tokens each row's turn has so far.
+        ``banned_ids`` are never picked (the vision special tokens, :func:`vision_token_ids`)."""
+        if len(banned_ids):
+            logits = logits.index_fill(-1, torch.tensor(list(banned_ids), device=logits.device), float("-inf"))
+        early = [i for i, n in enumerate(generated) if n < self.min_new_tokens]
+        if early:
+            logits = logits.clone()
+            logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(stop_ids, device=logits.device)] = float("-inf")
+        if self.temperature <= 0:
+            return logits.argmax(-1).tolist()
+        logits = logits / self.temperature
+        if self.top_k > 0:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p  # the top token always stays
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()

@@ -1,0 +1,395 @@
+"""GRPO after SFT: TRL's ``GRPOTrainer`` with ``environment_factory`` over :class:`EOGymEnvironment`.
+
+The model sees what SFT showed it. The prompt is the row's system prompt and question (its images
+included) normalised by :func:`eogym_sft.data.traces.normalize_row`; the ``# Tools`` block is the row's own
+tool schemas, not schemas TRL derives from Python signatures; tool results come back as the tool turns
+of data prep (the result text, then the images the tool produced, under the processor's pixel cap).
+
+How the row's schemas reach the prompt. TRL renders each prompt with the tools of the environment that
+the example's ``environment`` column selects (a ``{name: factory}`` ``environment_factory``). Rows are
+grouped by their tool schemas: the group key is the ``environment`` column, and after the trainer is
+built :func:`show_row_tools` replaces each group's rendered tools (TRL's private ``_env_tools``, pinned by
+``tests/training/test_grpo.py``) with the group's JSON schemas. The tool calls themselves run through public
+methods of one environment class built for the dataset's tool names (:func:`environment_class`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import ImageConfig, OutputDirConfig
+from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
+from ..data.traces import TraceError
+from ..environment.env import DEFAULT_BACKENDS
+from ..evaluation.episodes import canonical_prompt, question_messages
+from ..metrics.judge import DEFAULT_JUDGE_MODEL
+from ..models.tiny import qwen3_vl_chat_template
+
+logger = logging.getLogger(__name__)
+
+RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own meaning
+
+
+@dataclass
+class GRPOScriptArguments(ImageConfig, OutputDirConfig):
+    """Data, environment and reward settings of an EO-Gym GRPO run; images as in SFT (:class:`ImageConfig`,
+    crops included); the rest are TRL's ``GRPOConfig`` and ``ModelConfig``."""
+
+    dataset_path: str = field(
+        default="data/eo_gym/train.jsonl",
+        metadata={"help": "EO-Gym JSONL: questions with gt_answer (gold trajectories optional)"},
+    )
+    data_root: str = field(default="data/eo_gym", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
+    sft_adapter: str | None = field(
+        default=None,
+        metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"},
+    )
+    tool_backends: str = field(
+        default=",".join(DEFAULT_BACKENDS),
+        metadata={"help": "environment backends, first that can answer wins: crop, replay, http"},
+    )
+    crop_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
+    )
+    tool_images: str = field(
+        default="produced",
+        metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
+    )
+    tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
+    action_cost_scale: float = field(
+        default=0.2,
+        metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"},
+    )
+    max_cost_penalty: float = field(
+        default=0.2,
+        metadata={"help": "largest share of the score the action cost may take"},
+    )
+    judge: str | None = field(
+        default=None,
+        metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"},
+    )
+    judge_url: str | None = field(
+        default=None,
+        metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
+    )
+    judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to judge_url"})
+    limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("tool_call_cost", "action_cost_scale", "max_cost_penalty"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_cost_penalty > 1:
+            raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
+        if self.judge and self.judge_url:
+            raise ValueError("give judge or judge_url, not both")
+
+    def load_judge(self):
+        """The answer judge these settings name, or None for the normalised match."""
+        from ..metrics.judge import ChatJudge, load_judge
+
+        if self.judge_url:
+            return ChatJudge(self.judge_url, self.judge_model)
+        return load_judge(self.judge) if self.judge else None
+
+
+################
+# Episodes: one dataset row per question
+################
+
+
+def prompt_trace(row: dict, tool_images="produced"):
+    """The row normalised up to its first assistant turn (system, question, its images), as a
+    :class:`~eogym_sft.data.traces.Trace`: the prompt ``eogym-sft rollout`` starts an episode from."""
+    return canonical_prompt({**row, "messages": question_messages(row)}, tool_images)
+
+
+def tools_key(tools: list[dict]) -> str:
+    """The ``environment`` name of a tool list: rows with identical schemas share it."""
+    digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
+    return f"tools-{digest}"
+
+
+def episode_record(row: dict, data_root: str | Path) -> dict:
+    """One GRPO example from an EO-Gym row; raises ``TraceError``/``ImageError``/``ValueError`` on bad rows."""
+    trace = prompt_trace(row)
+    if not str(trace.meta.get("gt_answer", "")).strip():
+        raise TraceError("missing_field", "gt_answer", "GRPO scores answers against gt_answer, and this row has none")
+    if not trace.tools:
+        raise TraceError("missing_field", "tools", "the row offers no tools")
+    for tool in trace.tools:
+        name = tool["function"]["name"]
+        if name in RESERVED_NAMES or name.startswith("_"):
+            raise TraceError("bad_field_type", "tools", f"tool name {name!r} is reserved by TRL's environment protocol")
+    for path in trace.images:
+        image_size(resolve_image_path(path, data_root))  # missing or unreadable images fail here, not mid-run
+    return {
+        "id": trace.id,
+        "prompt": json.dumps(trace.messages),
+        "images": trace.images,
+        "environment": tools_key(trace.tools),
+        "tools": json.dumps(trace.tools),
+        "row": json.dumps(row),
+        "gt_answer": trace.meta["gt_answer"],
+        "EO_task": trace.meta["EO_task"],
+    }
+
+
+@dataclass
+class EpisodeData:
+    """The examples of a GRPO run, the tool schemas of each ``environment`` group, and what was skipped."""
+
+    records: list[dict]
+    schemas: dict[str, list[dict]]
+    rows_in: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skipped_rows: list[str] = field(default_factory=list)  # "file:line: reason" (the first 50)
+
+    @property
+    def tool_names(self) -> list[str]:
+        return sorted({t["function"]["name"] for tools in self.schemas.values() for t in tools})
+
+    def stats(self) -> dict:
+        return {
+            "rows_in": self.rows_in,
+            "episodes": len(self.records),
+            "skipped": dict(self.skipped),
+            "skipped_rows": self.skipped_rows,
+        }
+
+
+def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = None) -> EpisodeData:
+    """Read EO-Gym JSONL into GRPO examples. A bad row is skipped, named (file:line) and counted."""
+    data = EpisodeData([], {})
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(data.records) >= limit:
+                break
+            data.rows_in += 1
+            try:
+                record = episode_record(json.loads(line), data_root)
+            except json.JSONDecodeError as err:
+                _skip(data, f"{path}:{line_no}", "bad_json", err.msg)
+                continue
+            except (TraceError, ImageError) as err:
+                _skip(data, f"{path}:{line_no}", err.reason, str(err))
+                continue
+            data.records.append(record)
+            data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
+    if not data.records:
+        raise ValueError(f"{path}: no usable rows ({data.rows_in} read, skipped: {dict(data.skipped)})")
+    logger.info(
+        "GRPO episodes: %d of %d rows, %d tool sets, skipped %s",
+        len(data.records), data.rows_in, len(data.schemas), dict(data.skipped),
+    )
+    return data
+
+
+def _skip(data: EpisodeData, where: str, reason: str, detail: str) -> None:
+    data.skipped[reason] += 1
+    if len(data.skipped_rows) < 50:
+        data.skipped_rows.append(f"{where}: {detail}")
+    logger.warning("skipped %s: %s", where, detail)
+
+
+@dataclass
+class DecodeEpisodes:
+    """``Dataset.with_transform`` hook: JSON prompts back to messages, image paths to RGB images."""
+
+    data_root: str
+
+    def __call__(self, batch: dict) -> dict:
+        out = dict(batch)
+        out["prompt"] = [json.loads(p) for p in batch["prompt"]]
+        out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
+        return out
+
+
+def episode_dataset(data: EpisodeData, data_root: str | Path):
+    """A ``datasets.Dataset`` TRL can sample from: ``prompt`` (messages), ``images`` (decoded on access),
+    ``environment`` (the tool-set group), ``row`` (the raw EO-Gym row, for the environment) and ``gt_answer``."""
+    from datasets import Dataset
+
+    return Dataset.from_list(data.records).with_transform(DecodeEpisodes(str(data_root)))
+
+
+################
+# The environment TRL drives
+################
+
+
+class EOGymToolEnvironment:
+    """One closed-loop episode for TRL: ``reset(**example)`` starts it on the example's row, and each tool
+    the dataset names is a method (added by :func:`environment_class`) that runs the call in
+    :class:`~eogym_sft.environment.env.EOGymEnvironment` and returns the tool turn as content blocks.
+
+    ``tool_calls`` and ``tool_errors`` count the calls the environment ran and those it answered with an error.
+    """
+
+    _settings: dict = {}  # keyword arguments of EOGymEnvironment beside the row, set by environment_class
+
+    def reset(self, row: str, **example) -> None:
+        from ..environment.env import EOGymEnvironment
+
+        self._env = EOGymEnvironment(json.loads(row), **self._settings)
+        self.tool_calls = 0
+        self.tool_errors = 0
+        return None  # the prompt is the dataset's
+
+    def _call(self, name: str, arguments: dict) -> list[dict]:
+        result = self._env.call(name, arguments)
+        self.tool_calls += 1
+        self.tool_errors += not result.ok
+        blocks = [{"type": "text", "text": result.text}]
+        for path in result.images:
+            try:
+                blocks.append({"type": "image", "image": load_rgb(path)})
+            except ImageError as err:  # a crop that does not decode: the model is told, the run goes on
+                self.tool_errors += 1
+                blocks.append({"type": "text", "text": f"\n(image not available: {err.reason})"})
+        return blocks
+
+
+def _tool_method(name: str):
+    def tool(self, **arguments):
+        return self._call(name, arguments)
+
+    tool.__name__ = tool.__qualname__ = name
+    tool.__doc__ = f"Run the EO-Gym tool {name!r}; its schema is the row's own (see eogym_sft.training.grpo)."
+    return tool
+
+
+def environment_class(tool_names: list[str], data_root: str | Path, backends=DEFAULT_BACKENDS, **env_kwargs) -> type:
+    """An :class:`EOGymToolEnvironment` subclass with one method per tool name.
+
+    TRL executes a call by looking up a public method of the environment's class by the tool's name. A call
+    to a tool outside the row's own list still reaches :class:`EOGymEnvironment`, which answers it with
+    its ``unknown_tool`` error, as in ``eogym-sft rollout``.
+    """
+    methods = {name: _tool_method(name) for name in tool_names}
+    settings = {"data_root": data_root, "backends": tuple(backends), **env_kwargs}
+    return type("EOGymTools", (EOGymToolEnvironment,), {**methods, "_settings": settings})
+
+
+def show_row_tools(trainer, schemas: dict[str, list[dict]]) -> None:
+    """Render each ``environment`` group's prompts with its rows' own JSON tool schemas.
+
+    TRL keeps the tools it renders per environment name in ``trainer._env_tools`` (methods, turned into
+    schemas from their signatures); JSON schemas are what ``apply_chat_template(tools=...)`` renders
+    as they are. ``parse_response`` also types call arguments from these schemas.
+    """
+    env_tools = getattr(trainer, "_env_tools", None)
+    if not isinstance(env_tools, dict) or set(env_tools) != set(schemas):
+        raise RuntimeError(
+            "this TRL version does not keep per-environment tools in GRPOTrainer._env_tools; "
+            "eogym_sft.training.grpo.show_row_tools needs updating (tests/training/test_grpo.py pins the behaviour)"
+        )
+    for name, tools in schemas.items():
+        env_tools[name] = tools
+
+
+def check_chat_template(processor) -> None:
+    """TRL parses tool calls only under chat templates it knows: for Qwen3-VL, its own copy."""
+    if processor.chat_template != qwen3_vl_chat_template():
+        raise ValueError(
+            "GRPO with tools needs the processor's chat template to equal TRL's Qwen3-VL template "
+            "(trl/chat_templates/qwen3_vl.jinja), which TRL parses tool calls under; set "
+            "processor.chat_template = eogym_sft.models.tiny.qwen3_vl_chat_template() if yours renders the same turns"
+        )
+
+
+################
+# The trainer
+################
+
+
+def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptArguments, training_args, judge=None):
+    """``GRPOTrainer`` over the episodes in ``data``, with the EO-Gym environment and episode reward.
+
+    ``model`` is the LoRA-wrapped policy; ``judge`` an optional ``judge(question, prediction, reference)``.
+    """
+    from trl import GRPOTrainer
+
+    from ..models.generation import vision_token_ids
+    from .rewards import EpisodeReward
+
+    check_chat_template(processor)
+    env_class = environment_class(
+        data.tool_names, script_args.data_root, script_args.tool_backends.split(","),
+        cache_dir=script_args.crop_cache_dir, attach=script_args.tool_images,
+    )
+    tokenizer = processor.tokenizer
+    reward = EpisodeReward(
+        training_args.num_generations,
+        script_args.tool_call_cost,
+        script_args.action_cost_scale,
+        script_args.max_cost_penalty,
+        judge=judge,
+        eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id, tokenizer.pad_token_id),
+    )
+    if not training_args.use_vllm:
+        # TRL suppresses only <|image_pad|>; a sampled <|video_pad|> or <|vision_start|> breaks the training
+        # forward's 3-D positions (seen on an H200 with random weights), so every vision token is suppressed.
+        kwargs = dict(training_args.generation_kwargs or {})
+        kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
+        training_args.generation_kwargs = kwargs
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=training_args,
+        train_dataset=episode_dataset(data, script_args.data_root),
+        processing_class=processor,
+        environment_factory={name: env_class for name in data.schemas},
+    )
+    show_row_tools(trainer, data.schemas)
+    return trainer
+
+
+def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
+    """GRPO from ``--sft_adapter`` (trained further) or a new LoRA adapter on the base model; save the
+    adapter, its processor and ``eogym_run.json`` to ``output_dir`` and return that folder."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
+    from ..data.datasets import file_sha256
+    from ..models.loading import apply_lora, continue_lora, load_base_model
+    from ..models.processor import load_processor
+    from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
+    from .run_info import save_run
+
+    logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    if not model_args.use_peft:
+        raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    claim_output_dir(training_args, script_args.overwrite_output_dir)
+    processor = load_processor(model_args.model_name_or_path, script_args.max_pixels, script_args.min_pixels)
+    data = load_episodes(script_args.dataset_path, script_args.data_root, script_args.limit)
+    stats = {"content_hash": file_sha256(script_args.dataset_path), **data.stats()}
+    stats.update(samples_out=len(data.records), rows_dropped=sum(data.skipped.values()))
+    # Resume only a complete checkpoint of this same run (configs and data hash), as the SFT recipe does.
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    identity, checkpoint = resume_point(training_args, configs, stats["content_hash"])
+    if checkpoint is not None and finished(checkpoint):
+        return training_args.output_dir
+
+    # A new adapter's A matrices are drawn when it is added, before the Trainer seeds anything.
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
+    model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
+    if script_args.sft_adapter:
+        model = continue_lora(model, script_args.sft_adapter)
+    else:
+        model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
+    trainer.add_callback(CheckpointIdentity(identity))
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+
+    output_dir = save_run(trainer, processor, configs, stats)
+    logger.info("adapter saved to %s", output_dir)
+    return output_dir

@@ -1,0 +1,102 @@
+"""What a training run leaves next to its adapter: resolved config, git SHA, data hash, versions."""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import json
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from .. import __version__
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "deepspeed", "qwen-vl-utils", "liger-kernel")
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def is_own_checkout(root: Path) -> bool:
+    """``root`` is a checkout of this project: its setup.cfg names the package (not, say, a user's
+    repository that holds a virtualenv with eogym_sft installed in it)."""
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(root / "setup.cfg")
+    except configparser.Error:
+        return False
+    return parser.get("metadata", "name", fallback=None) == "eogym_sft"
+
+
+def git_sha(package_dir: str | Path | None = None) -> str | None:
+    """HEAD of the eogym_sft checkout the package runs from, with ``-dirty`` when it has local changes.
+
+    ``None`` unless the package's parent folder is the top of a git checkout of this project: an
+    installed copy inside another repository (a virtualenv in the user's project) has no SHA of ours.
+    """
+    root = Path(package_dir or Path(__file__).resolve().parents[1]).parent
+    try:
+        top = Path(_git(root, "rev-parse", "--show-toplevel")).resolve()
+        if top != root.resolve() or not is_own_checkout(root):
+            return None
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+        return _git(root, "rev-parse", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def versions() -> dict:
+    """This library's own version (of the copy running, installed or not) and its dependencies'."""
+    out = {"eogym_sft": __version__}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def as_dict(config) -> dict:
+    """A config dataclass as a plain dict (TrainingArguments through its own ``to_dict``)."""
+    if hasattr(config, "to_dict"):  # TrainingArguments redacts tokens and makes enums plain
+        return config.to_dict()
+    return dataclasses.asdict(config)
+
+
+def write_run_info(output_dir: str | Path, configs: dict, data_stats: dict, processor, skipped: dict | None = None) -> Path:
+    """Write ``eogym_run.json`` next to the adapter and return its path. ``skipped``: samples skipped
+    for an image that failed after prep, ``{"train": n, "eval": n}`` (listed in skipped_samples.jsonl)."""
+    ip = processor.image_processor
+    info = {
+        "git_sha": git_sha(),
+        "config": {name: as_dict(cfg) for name, cfg in configs.items()},
+        "data": {
+            "content_hash": data_stats.get("content_hash"),
+            "inputs": data_stats.get("settings", {}).get("input_hashes"),
+            "samples": data_stats.get("samples_out"),
+            "rows_in": data_stats.get("rows_in"),
+            "rows_dropped": data_stats.get("rows_dropped"),
+        },
+        "processor": {"size": dict(ip.size), "patch_size": ip.patch_size, "merge_size": ip.merge_size},
+        "versions": versions(),
+        "skipped_samples": skipped or {"train": 0, "eval": 0},
+    }
+    path = Path(output_dir) / "eogym_run.json"
+    path.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return path
+
+
+def save_run(trainer, processor, configs: dict, data_stats: dict) -> str:
+    """Save the adapter, the processor (with its pixel cap) and ``eogym_run.json`` side by side in the
+    trainer's ``output_dir``; return that folder."""
+    from .trainer import (
+        skipped_counts,  # the trainer is built already: no import cost here
+    )
+
+    output_dir = trainer.args.output_dir
+    trainer.save_model(output_dir)
+    if trainer.accelerator.is_main_process:
+        processor.save_pretrained(output_dir)
+        write_run_info(output_dir, configs, data_stats, processor, skipped_counts(trainer.state.log_history))
+    return output_dir

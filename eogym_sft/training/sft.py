@@ -1,0 +1,107 @@
+"""One LoRA SFT run: processor, data, model, trainer, save. ``recipes/eo_gym_4b.py`` and ``eogym-sft demo``
+call :func:`train` with TrlParser's three configs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from transformers.trainer_utils import enable_full_determinism, set_seed
+from trl import ModelConfig, SFTConfig
+
+from ..config import EOGymScriptArguments
+from ..data.datasets import load_or_prepare, split_by_trace
+from ..data.prepare import PrepConfig
+from ..models.loading import apply_lora, compile_language_layers, load_base_model
+from ..models.processor import load_processor
+from .collator import EOGymCollator
+from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
+from .run_info import save_run
+from .sampler import accumulation_steps
+from .trainer import EOGymSFTTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
+    """Derive ``gradient_accumulation_steps`` so that a step is ``samples_per_step`` samples on this world size."""
+    if script_args.samples_per_step is not None:
+        training_args.gradient_accumulation_steps = accumulation_steps(
+            script_args.samples_per_step, training_args.per_device_train_batch_size, training_args.world_size
+        )
+    logger.info(
+        "samples per optimizer step: %d = %d per micro-batch x %d micro-batches x %d processes",
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size,
+        training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps, training_args.world_size,
+    )
+
+
+def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
+    """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder."""
+    logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    if not model_args.use_peft:
+        raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    sample = script_args.sample_config(training_args.max_length)
+    claim_output_dir(training_args, script_args.overwrite_output_dir)
+    set_samples_per_step(script_args, training_args)
+
+    ################
+    # Processor and data
+    ################
+    processor = load_processor(model_args.model_name_or_path, sample.max_pixels, sample.min_pixels)
+    prep = PrepConfig(
+        **sample.sample_kwargs(), data_root=script_args.data_root, overlong=script_args.overlong, tool_images=script_args.tool_images
+    )
+    script_args.prepared_dir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
+    with training_args.main_process_first(desc="data prep"):
+        dataset, data_stats = load_or_prepare(
+            script_args.dataset_path, model_args.model_name_or_path, processor, prep, script_args.prepared_dir,
+            script_args.prep_num_proc,
+        )
+    train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    logger.info("samples: %d train, %d eval", len(train_dataset), 0 if eval_dataset is None else len(eval_dataset))
+
+    configs = {"script": script_args, "training": training_args, "model": model_args}
+    identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
+    if checkpoint is not None and finished(checkpoint):
+        return training_args.output_dir
+
+    ################
+    # Model
+    ################
+    # LoRA's A matrices are drawn when the adapters are added, before the Trainer seeds anything.
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
+    model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
+    model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    if script_args.compile_layers:
+        logger.info("compiled %d decoder layers", compile_language_layers(model))
+
+    ################
+    # Training
+    ################
+    # An image that fails after prep (changed on disk) skips its sample, logged and counted by the trainer.
+    # Pixels leave the workers in the model's dtype, which the vision tower casts them to anyway:
+    # half of float32's bytes.
+    collator = EOGymCollator(
+        processor, **sample.sample_kwargs(), data_root=script_args.data_root, padding_free=training_args.padding_free,
+        skip_bad_images=True, pixel_dtype=model.dtype,
+    )
+    trainer = EOGymSFTTrainer(
+        model=model,
+        args=training_args,
+        data_collator=collator,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=processor,
+        callbacks=[CheckpointIdentity(identity)],
+    )
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+
+    ################
+    # Save: adapter, processor (with the pixel cap) and the run's evidence, side by side
+    ################
+    output_dir = save_run(trainer, processor, configs, data_stats)
+    logger.info("adapter saved to %s", output_dir)
+    return output_dir

@@ -1,0 +1,156 @@
+"""The http backend against a real local tool server started by the test: request and response shape,
+retries on 5xx and timeouts, refusals, and a server that is not there."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eogym_sft.environment.backends.http import HttpBackend, HttpToolServer
+from eogym_sft.environment.results import CannotAnswer, ToolCallError
+
+
+class ToolServer:
+    """A local tool server whose answers the test scripts: a list of (status, body, delay_s) per call."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.script: list[tuple[int, str, float]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
+                status, text, delay = server.script.pop(0) if server.script else (200, json.dumps({"output": body}), 0)
+                time.sleep(delay)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    if status == 299:  # a reply cut short: it promises more bytes than it sends
+                        self.send_header("Content-Length", str(len(text) + 100))
+                        self.close_connection = True
+                    self.end_headers()
+                    self.wfile.write(text.encode())
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/execute"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def tool_server():
+    server = ToolServer()
+    yield server
+    server.close()
+
+
+def _backend(server, **kw):
+    return HttpBackend(HttpToolServer(server.url, backoff_s=0.01, **kw), row_id="row-7")
+
+
+def test_request_and_response_shapes(tool_server):
+    result = {"cropped_path": "image_cache/crops/x.png", "width": 8}
+    tool_server.script = [(200, json.dumps({"output": result}), 0)]
+    text, images = _backend(tool_server).answer("crop_optical_or_sar_image", {"aoi": [0, 0, 1, 1]})
+    assert json.loads(text) == result and images is None
+    assert tool_server.requests[-1] == {
+        "path": "/execute",
+        "body": {"tool_name": "crop_optical_or_sar_image", "arguments": {"aoi": [0, 0, 1, 1]}},
+        "auth": None,
+    }
+    # another server's shape: other field names, a nested string result, the row id, fixed extras, a header
+    tool_server.script = [(200, json.dumps({"data": {"items": [{"text": "plain words"}]}}), 0)]
+    backend = _backend(
+        tool_server, name_field="tool", arguments_field="args", result_field="data.items.0.text",
+        row_id_field="task", extra={"split": "test"}, headers={"Authorization": "Bearer k"},
+    )
+    assert backend.answer("get_image_metadata", {"image_url": "EO_GYM_DATA/a/b.jpg"}) == ("plain words", None)
+    assert tool_server.requests[-1]["body"] == {"tool": "get_image_metadata", "args": {"image_url": "EO_GYM_DATA/a/b.jpg"}, "split": "test", "task": "row-7"}
+    assert tool_server.requests[-1]["auth"] == "Bearer k"
+    tool_server.script = [(200, "not json at all", 0)]
+    assert _backend(tool_server, result_field="").answer("t", {}) == ("not json at all", None)
+    tool_server.script = [(200, json.dumps({"other": 1}), 0)]
+    with pytest.raises(ToolCallError, match="no 'output'") as err:
+        _backend(tool_server).answer("t", {})
+    assert err.value.code == "http_error"
+
+
+def test_server_errors_and_timeouts_are_retried(tool_server):
+    tool_server.script = [(503, "busy", 0), (500, "oops", 0), (200, json.dumps({"output": "third time"}), 0)]
+    assert _backend(tool_server, retries=2).answer("t", {}) == ("third time", None)
+    assert len(tool_server.requests) == 3
+    tool_server.script = [(200, json.dumps({"output": "late"}), 1.0), (200, json.dumps({"output": "on time"}), 0)]
+    assert _backend(tool_server, retries=1, timeout_s=0.2).answer("t", {}) == ("on time", None)
+    tool_server.script = [(299, '{"output": "cut', 0), (200, json.dumps({"output": "whole"}), 0)]
+    assert _backend(tool_server, retries=1).answer("t", {}) == ("whole", None)
+    tool_server.script = [(500, "down", 0)] * 3
+    with pytest.raises(ToolCallError, match="after 3 attempts") as err:
+        _backend(tool_server, retries=2).answer("t", {})
+    assert err.value.code == "http_error"
+
+
+def test_refusals_are_not_retried(tool_server):
+    tool_server.script = [(422, '{"detail": "aoi must be normalised"}', 0)]
+    with pytest.raises(ToolCallError, match="refused the call \\(422\\).*aoi must be normalised"):
+        _backend(tool_server).answer("t", {})
+    tool_server.script = [(404, "no such tool", 0)]
+    with pytest.raises(CannotAnswer):  # the server does not run this tool: the next backend may
+        _backend(tool_server).answer("t", {})
+    assert len(tool_server.requests) == 2
+
+
+def test_no_server_listening():
+    with socket.socket() as sock:  # a port that was free a moment ago
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = HttpBackend(HttpToolServer(f"http://127.0.0.1:{port}/execute", retries=1, backoff_s=0.01, timeout_s=1))
+    with pytest.raises(ToolCallError, match="did not answer after 2 attempts") as err:
+        backend.answer("t", {})
+    assert err.value.code == "http_error"
+
+
+def test_the_environment_over_http_attaches_the_served_crop(tool_server, tmp_path):
+    from PIL import Image
+
+    from eogym_sft.environment.env import EOGymEnvironment
+
+    (tmp_path / "image_cache" / "srv").mkdir(parents=True)
+    Image.new("RGB", (8, 6)).save(tmp_path / "image_cache" / "srv" / "c.png")
+    served = {"cropped_path": "/remote/cache/image_cache/srv/c.png", "width": 8, "height": 6}
+    tool_server.script = [(200, json.dumps({"output": served}), 0)]
+    row = {"id": "r", "tools": [{"type": "function", "function": {"name": "crop_optical_or_sar_image", "parameters": {}}}], "messages": []}
+    env = EOGymEnvironment(row, tmp_path, backends=("http",), http=HttpToolServer(tool_server.url, backoff_s=0.01))
+    result = env.call("crop_optical_or_sar_image", {"image_url": "EO_GYM_DATA/a.jpg", "aoi": [0, 0, 1, 1]})
+    assert (result.ok, result.backend, result.images) == (True, "http", [str(tmp_path / "image_cache" / "srv" / "c.png")])
+    tool_server.script = [(500, "down", 0)] * 3
+    failed = env.call("crop_optical_or_sar_image", {"image_url": "EO_GYM_DATA/a.jpg", "aoi": [0, 0, 1, 1]})
+    assert (failed.ok, failed.error, failed.backend) == (False, "http_error", "http")
+    assert env.counts == {"calls": 2, "backend:http": 1, "errors": 1, "error:http_error": 1}
+
+
+def test_tool_call_command_over_http(tool_server, tmp_path, capsys):
+    from eogym_sft.cli import main
+
+    tool_server.script = [(200, json.dumps({"data": {"sensor": "S2"}}), 0)]
+    config = json.dumps({"result_field": "data", "name_field": "tool", "retries": 0})
+    main(["tool-call", "--data-root", str(tmp_path), "--tools", "http", "--http-url", tool_server.url, "--http-config", config,
+          "get_image_metadata", '{"image_url": "EO_GYM_DATA/a/b.jpg"}'])
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ok"], out["backend"], out["text"], out["images"]) == (True, "http", '{"sensor": "S2"}', [])
+    assert tool_server.requests[-1]["body"] == {"tool": "get_image_metadata", "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg"}}

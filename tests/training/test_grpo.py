@@ -1,0 +1,194 @@
+"""GRPO on the tiny Qwen3-VL, on CPU: TRL's GRPOTrainer drives real EO-Gym environments through a scripted
+policy (real forward passes, forced tokens), and the conversation it builds is token for token the SFT
+sample of the same trajectory; a step trains every LoRA weight and nothing else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_row, save_image
+from helpers import IM_END, ScriptedPolicy, perturb_lora_b, trained_spans
+from transformers import LogitsProcessorList
+
+from eogym_sft.data.traces import normalize_row
+from eogym_sft.models.generation import vision_token_ids
+from eogym_sft.models.loading import apply_lora, load_base_model
+from eogym_sft.models.processor import load_processor
+from eogym_sft.training.collator import EOGymCollator
+from eogym_sft.training.grpo import (
+    EpisodeData,
+    GRPOScriptArguments,
+    build_trainer,
+    check_chat_template,
+    environment_class,
+    load_episodes,
+    prompt_trace,
+    show_row_tools,
+    tools_key,
+)
+
+MIN_PIXELS, MAX_PIXELS = 1024, 4096  # small images keep the CPU steps short
+PAD = 151643
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prompt_trace_works_on_question_only_rows(row_factory):
+    full = row_factory(n_steps=2)
+    question_only = {**full, "messages": full["messages"][:2]}
+    for row in (full, question_only):
+        trace = prompt_trace(row)
+        assert [m["role"] for m in trace.messages] == ["system", "user"]
+        assert trace.images == ["EO_GYM_DATA/aaaa0000/scene.jpg"]
+        assert [t["function"]["name"] for t in trace.tools] == ["crop_optical_or_sar_image", "compute_index"]
+
+
+def test_load_episodes_skips_names_and_counts_bad_rows(tmp_path, data_root, row_factory):
+    good = row_factory(n_steps=1)
+    other_tools = {**row_factory(n_steps=0, row_id="train_2"), "tools": [good["tools"][0]]}
+    path = write_jsonl(
+        tmp_path / "rows.jsonl",
+        [
+            good,
+            "{not json",
+            {**good, "id": "no_answer", "gt_answer": ""},
+            {**good, "id": "no_image", "images": ["EO_GYM_DATA/missing.jpg"]},
+            other_tools,
+        ],
+    )
+    data = load_episodes(path, data_root)
+    assert [r["id"] for r in data.records] == ["train_0000000_aaaaaaaaaaaa", "train_2"]
+    assert data.stats()["skipped"] == {"bad_json": 1, "missing_field": 1, "missing_image": 1}
+    assert [s.split(": ")[0] for s in data.skipped_rows] == [f"{path}:2", f"{path}:3", f"{path}:4"]
+    assert data.rows_in == 5
+    keys = [r["environment"] for r in data.records]
+    assert keys == [tools_key(good["tools"]), tools_key([good["tools"][0]])]
+    assert data.schemas == {keys[0]: good["tools"], keys[1]: [good["tools"][0]]}
+    assert data.tool_names == ["compute_index", "crop_optical_or_sar_image"]
+
+
+def test_environment_class_runs_the_rows_tools_and_counts(data_root, row_factory):
+    row = row_factory(n_steps=2)
+    env = environment_class(["crop_optical_or_sar_image", "compute_index"], data_root, ["crop"])()
+    env.reset(row=json.dumps(row), prompt=[], gt_answer="3")
+    blocks = env.crop_optical_or_sar_image(image_url=row["images"][0], aoi=[0.25, 0.25, 0.75, 0.75])
+    assert [b["type"] for b in blocks] == ["text", "image"]
+    assert json.loads(blocks[0]["text"])["bbox_px"] == [160, 120, 480, 360]
+    assert blocks[1]["image"].size == (320, 240)
+    error = env.compute_index(dataset="x", index="ndvi")  # no backend can run it here
+    assert [b["type"] for b in error] == ["text"] and error[0]["text"].startswith("Error:")
+    assert (env.tool_calls, env.tool_errors) == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def policy_run(tmp_path_factory, tiny_model_dir):
+    """One GRPO step on one row; the scripted policy writes the row's gold trajectory (a crop, the
+    right answer) in one episode of the group and a wrong one-turn answer in the other."""
+    tmp_path = tmp_path_factory.mktemp("grpo")
+    data_root = tmp_path / "data"
+    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
+        save_image(data_root, rel, width, height)
+    row = make_row(n_steps=1)
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    trace = normalize_row(row)
+    collator = EOGymCollator(processor, data_root=str(data_root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
+    wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
+    header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
+
+    # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A.
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
+    model.generate = _with_logits_processor(model.generate, policy)
+    data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [row]), data_root)
+    script_args = GRPOScriptArguments(
+        dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS
+    )
+    from trl import GRPOConfig
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_steps=1,
+        max_completion_length=1024, learning_rate=1e-2, beta=0.0, scale_rewards="group", mask_truncated_completions=True,
+        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0,
+        generation_kwargs={"do_sample": False},  # the policy forces every token; skip sampling over 152k logits
+    )
+    trainer = build_trainer(model, processor, data, script_args, args)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data}
+
+
+def _with_logits_processor(generate, processor):
+    def scripted_generate(*args, **kwargs):
+        return generate(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
+
+    return scripted_generate
+
+
+def test_the_episode_is_token_for_token_the_sft_sample(policy_run):
+    """Prompt (system, # Tools block of the row's own schemas, question and image), the policy's turns
+    and the replayed tool results with their crops: the same token ids as the SFT sample, image
+    tokens included, so every image was resized under the same pixel cap."""
+    sft_ids = policy_run["sft"]["input_ids"][0].tolist()
+    seen = policy_run["policy"].longest[0]
+    seen = seen[next(i for i, t in enumerate(seen) if t != PAD) :]  # left padding of the batch
+    # The last forward pass sees everything but the final <|im_end|>; SFT adds it and a newline.
+    assert seen == sft_ids[:-2]
+    assert sft_ids[-2] == IM_END
+
+
+def test_trl_renders_the_rows_own_tool_schemas(policy_run):
+    """Pins TRL's private ``_env_tools``: the per-environment tools its prompts are rendered with."""
+    trainer, data = policy_run["trainer"], policy_run["data"]
+    assert trainer._env_tools == data.schemas
+    with pytest.raises(RuntimeError, match="_env_tools"):
+        show_row_tools(trainer, {"tools-other": []})
+
+
+def test_a_step_trains_every_lora_weight_and_nothing_else(policy_run):
+    model, before = policy_run["model"], policy_run["before"]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n and ".visual." not in n for n in trainable)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed == trainable
+
+
+def test_the_seeds_diagnostics_are_logged(policy_run):
+    logs = policy_run["trainer"].state.log_history[0]
+    # One group per step: the gold episode (a crop, right: 1 x (1 - 1 x 0.1 x 0.2)) and a wrong answer (0).
+    assert logs["rewards/eogym_episode/mean"] == pytest.approx(0.49)
+    assert logs["reward/group_std"] == pytest.approx(0.49)
+    assert logs["reward/score"] == pytest.approx(0.5)
+    assert logs["reward/cost_penalty"] == pytest.approx(0.01)
+    assert logs["episode/tool_calls"] == pytest.approx(0.5)
+    assert logs["episode/turns"] == pytest.approx(1.5)
+    assert logs["episode/invalid_calls"] == 0 and logs["episode/truncated"] == 0
+    assert logs["grad_norm"] > 0 and logs["entropy"] > 0
+    assert logs["tools/call_frequency"] == pytest.approx(0.5)
+    assert logs["completions/clipped_ratio"] == 0
+
+
+def test_generation_never_samples_a_vision_token(policy_run, processor):
+    """TRL suppresses only <|image_pad|>; a sampled <|video_pad|> broke the training forward on a GPU."""
+    suppressed = policy_run["trainer"].generation_config.suppress_tokens
+    assert set(vision_token_ids(processor.tokenizer)) <= set(suppressed)
+
+
+def test_a_foreign_chat_template_is_refused(processor):
+    class Other:
+        chat_template = "{{ messages }}"
+
+    check_chat_template(processor)
+    with pytest.raises(ValueError, match="qwen3_vl.jinja"):
+        check_chat_template(Other())
+
+
+def test_episode_data_refuses_an_empty_file(tmp_path, data_root):
+    with pytest.raises(ValueError, match="no usable rows"):
+        load_episodes(write_jsonl(tmp_path / "rows.jsonl", ["{bad"]), data_root)
+    assert EpisodeData([], {}).stats()["episodes"] == 0

@@ -1,0 +1,485 @@
+"""``EOGymSFTTrainer``: the supervised-positions-only loss equals the model's own full-logits loss, and the
+logged token accuracy is the token-weighted count of ``eogym_sft.metrics.token_accuracy``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import chat_example, lean_towards_im_end, perturb_lora_b, sharpen
+
+from eogym_sft.metrics.token_accuracy import token_accuracy_counts
+
+MIN_PIXELS, MAX_PIXELS = 1024, 16384
+
+
+def _examples():
+    from PIL import Image
+
+    tool_use = {  # a tool call and a tool result with an image (no tools block: it would add 150 context tokens)
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Ships?"}]},
+            {
+                "role": "assistant",
+                "content": "Crop.",
+                "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}],
+            },
+            {"role": "tool", "content": [{"type": "text", "text": "ok"}, {"type": "image"}]},
+            {"role": "assistant", "content": "Final Answer: 2"},
+        ],
+        "images": [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (32, 64), "blue")],
+    }
+    return [
+        tool_use,
+        chat_example("Flooded?", "Final Answer: no"),
+        chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def trainer(processor, tmp_path_factory):
+    from trl import SFTConfig
+
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    # a loss far from log(vocab), and some right predictions (most wrong)
+    model = perturb_lora_b(apply_lora(lean_towards_im_end(sharpen(build_tiny_model(seed=4), seed=4))), seed=4)
+    args = SFTConfig(
+        output_dir=str(tmp_path_factory.mktemp("trainer")),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        per_device_train_batch_size=3,
+    )
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    from datasets import Dataset
+
+    train = Dataset.from_list([{"messages": json.dumps(ex["messages"])} for ex in _examples()[1:]])  # needed, unused
+    trainer = EOGymSFTTrainer(
+        model=model, args=args, data_collator=collator, train_dataset=train, processing_class=processor
+    )
+    trainer.model.eval()  # no LoRA dropout: the two losses see the same network
+    return trainer
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_compute_loss_equals_the_full_logits_loss(trainer, processor, padding_free):
+    from eogym_sft.training.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    batch = collator(_examples())
+    trainer._token_counts.clear()
+    with torch.no_grad():
+        full = trainer.model(**batch, use_cache=False)
+        loss = trainer.compute_loss(trainer.model, batch)
+    assert 1.0 < full.loss.item() < 100.0
+    assert abs(loss.item() - full.loss.item()) < 1e-5
+    # the counts it keeps for logging are the metrics' definition on the full logits
+    assert trainer._token_counts["eval"].tolist() == token_accuracy_counts(full.logits, batch["labels"]).tolist()
+    # with num_items_in_batch (gradient accumulation) the sum is divided by that count instead
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    with torch.no_grad():
+        summed = trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(4 * n))
+    assert abs(summed.item() - full.loss.item() / 4) < 1e-5
+
+
+def test_compute_loss_gradients_match(trainer, processor):
+    from eogym_sft.training.collator import EOGymCollator
+
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(_examples())
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    want = torch.autograd.grad(trainer.model(**batch, use_cache=False).loss, params)
+    got = torch.autograd.grad(trainer.compute_loss(trainer.model, batch), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-4)
+    assert any(w.abs().sum() > 0 for w in want)
+
+
+def test_logged_token_accuracy_is_token_weighted(trainer, processor):
+    from eogym_sft.training.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    batches = [collator(_examples()[:1]), collator(_examples()[1:])]
+    trainer._token_counts.clear()
+    trainer._metrics["eval"].clear()
+    totals = torch.zeros(2, dtype=torch.long)
+    step_accuracies = []
+    with torch.no_grad():
+        for batch in batches:
+            trainer.compute_loss(trainer.model, batch)
+            counts = token_accuracy_counts(trainer.model(**batch, use_cache=False).logits, batch["labels"])
+            totals += counts
+            step_accuracies.append(counts[0].item() / counts[1].item())
+    # steps of different accuracy, so that the token-weighted figure differs from the mean of the steps
+    assert step_accuracies[0] != step_accuracies[1] and 0 < totals[0] < totals[1]
+    assert abs(totals[0].item() / totals[1].item() - sum(step_accuracies) / 2) > 0.01
+    logs = {"eval_loss": 1.0}
+    trainer.log(logs)
+    assert logs["eval_token_accuracy"] == totals[0].item() / totals[1].item()
+    assert logs["eval_mean_token_accuracy"] == pytest.approx(sum(step_accuracies) / 2)
+    assert "eval" not in trainer._token_counts  # counted once per logging window
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor, padding_free):
+    """On the last batch accelerate repeats samples to even out the ranks and reports how many are real
+    (``remainder``); the accuracy counts keep exactly those, one row per sample, in padded and packed batches."""
+    from eogym_sft.training.collator import EOGymCollator
+
+    class LastBatch:  # what accelerate's gradient state reads from the active dataloader
+        end_of_dataloader = True
+        remainder = 1  # one real sample, the others repeated
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    examples = _examples()
+    alone = collator(examples[:1])
+    with torch.no_grad():
+        first_only = token_accuracy_counts(trainer.model(**alone, use_cache=False).logits, alone["labels"])
+    last_batch = LastBatch()
+    state = trainer.accelerator.gradient_state
+    trainer._token_counts.clear()
+    state._add_dataloader(last_batch)
+    try:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, collator(examples))
+    finally:
+        state._remove_dataloader(last_batch)
+    assert trainer._token_counts["eval"].tolist() == first_only.tolist()
+    assert first_only[1] > 0
+
+
+def test_train_counts_stay_on_device_until_the_log(trainer, processor):
+    from eogym_sft.training.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    batches = [collator(_examples()[:1]), collator(_examples()[1:])]
+    dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
+    saved = [m.p for m in dropouts]
+    trainer._train_steps.clear()
+    trainer._metrics["train"].clear()
+    trainer._total_train_tokens = 0
+    trainer.model.train()
+    try:
+        for m in dropouts:  # train mode without dropout: the counts can be checked against the logits
+            m.p = 0.0
+        with torch.no_grad():
+            counts = [token_accuracy_counts(trainer.model(**b, use_cache=False).logits, b["labels"]) for b in batches]
+            for batch in batches:
+                trainer.compute_loss(trainer.model, batch)
+        assert len(trainer._train_steps) == 2 and "train" not in trainer._token_counts  # nothing summed yet
+        logs = {"loss": 1.0}
+        trainer.log(logs)
+    finally:
+        trainer.model.eval()
+        for m, p in zip(dropouts, saved):
+            m.p = p
+    totals = counts[0] + counts[1]
+    assert logs["token_accuracy"] == totals[0].item() / totals[1].item()
+    assert logs["mean_token_accuracy"] == pytest.approx(sum(c[0].item() / c[1].item() for c in counts) / 2)
+    assert logs["num_tokens"] == sum(b["input_ids"].numel() for b in batches)
+    assert trainer._train_steps == []
+
+
+def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(trainer, processor, monkeypatch):
+    """The Trainer adds ``floating_point_ops`` of every micro-batch to ``total_flos``; ours gives its figure with
+    the model's parameters counted on the first call only."""
+    from transformers import Trainer
+
+    from eogym_sft.training.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    batches = [collator(_examples()[:1]), collator(_examples()[1:])]
+    want = [Trainer.floating_point_ops(trainer, b) for b in batches]
+    calls = []
+    count = trainer.model.num_parameters
+    monkeypatch.setattr(trainer.model, "num_parameters", lambda **kw: calls.append(kw) or count(**kw), raising=False)
+    monkeypatch.setattr(trainer, "_flops_per_token", None)
+    assert [trainer.floating_point_ops(b) for b in batches] == want and want[0] != want[1]
+    assert calls == [{"exclude_embeddings": True}]
+    assert trainer.floating_point_ops({"labels": batches[0]["labels"]}) == 0  # no input ids, as the Trainer's
+
+
+def test_a_small_shared_memory_is_named_before_workers_die_of_it(tmp_path, monkeypatch, caplog):
+    """Docker's default /dev/shm (64 MB) kills DataLoader workers mid-run with a bus error: said up front."""
+    import shutil
+
+    from eogym_sft.training.trainer import warn_on_small_shared_memory
+
+    assert not warn_on_small_shared_memory(8, str(tmp_path / "missing"))
+    assert not warn_on_small_shared_memory(0, str(tmp_path))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=64 << 20))
+    with caplog.at_level("WARNING", logger="eogym_sft.training.trainer"):
+        assert warn_on_small_shared_memory(8, str(tmp_path))
+    assert f"{tmp_path} holds 64 MiB" in caplog.text and "--shm-size" in caplog.text
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(total=8 << 30))
+    assert not warn_on_small_shared_memory(8, str(tmp_path))
+
+
+def test_batch_rebalance_gives_token_balanced_micro_batches(processor, tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.sampler import TokenBalancedSampler, deal_by_cost
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    lengths = [900, 100, 100, 100, 500, 400, 300, 100]
+    train = Dataset.from_dict({"n_tokens": lengths, "messages": ["[]"] * len(lengths)})
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, seed=3,
+        dataset_kwargs={"skip_prepare_dataset": True}, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        train_sampling_strategy="batch_rebalance", length_column_name="n_tokens",
+    )
+    trainer = EOGymSFTTrainer(
+        model=build_tiny_model(), args=args, data_collator=EOGymCollator(processor), train_dataset=train, processing_class=processor
+    )
+    sampler = trainer._get_train_sampler()
+    assert isinstance(sampler, TokenBalancedSampler) and sampler.seed == 3
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    want = [g for k in (0, 4) for g in deal_by_cost(order[k : k + 4], [lengths[i] for i in order[k : k + 4]], 2)]
+    assert list(sampler) == want
+    assert len(trainer.get_train_dataloader()) == 4  # the Trainer takes it as a batch sampler
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer, processor, padding_free):
+    """A step's samples in one micro-batch or dealt into several (the recipe's token-balanced 2 x 32 in
+    place of the published 4 x 16): with the step's supervised-token count as the denominator, as the
+    Trainer passes it, the accumulated gradient is the same."""
+    from eogym_sft.training.collator import EOGymCollator
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    examples = _examples()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def step_gradient(groups):
+        batches = [collator([examples[i] for i in group]) for group in groups]
+        n_items = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+        total = [torch.zeros_like(p) for p in params]
+        for batch in batches:
+            grads = torch.autograd.grad(trainer.compute_loss(trainer.model, batch, num_items_in_batch=n_items), params)
+            total = [t + g for t, g in zip(total, grads)]
+        return total
+
+    whole, dealt = step_gradient([[0, 1, 2]]), step_gradient([[2], [0, 1]])
+    for w, d in zip(whole, dealt):
+        torch.testing.assert_close(d, w, atol=1e-6, rtol=1e-4)
+    assert any(w.abs().sum() > 0 for w in whole)
+
+
+def test_skipped_samples_are_logged_counted_and_listed(trainer, processor, caplog):
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import SKIPPED_FILE, skipped_counts
+
+    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, skip_bad_images=True)
+    bad = dict(chat_example("Ships?", "Final Answer: 1", ["gone/scene.png"]), sample_id="scene-9#w0")
+    batch = collator([bad])  # every sample skipped: a step that trains nothing, but runs
+    assert batch["skipped_samples"][0]["sample_id"] == "scene-9#w0"
+    trainer.model.train()
+    try:
+        with caplog.at_level("WARNING", logger="eogym_sft.training.trainer"):
+            loss = trainer.compute_loss(trainer.model, batch)
+    finally:
+        trainer.model.eval()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=False)
+    assert loss.item() == 0.0 and all(g.abs().sum() == 0 for g in grads)
+    assert "skipped sample scene-9#w0 (missing_image): gone/scene.png" in caplog.text
+    logs = {"loss": 0.0}
+    trainer.model.train()
+    try:
+        trainer.log(logs)
+    finally:
+        trainer.model.eval()
+    assert logs["skipped_samples"] == 1
+    (listed,) = [json.loads(line) for line in open(f"{trainer.args.output_dir}/{SKIPPED_FILE}")]
+    assert (listed["sample_id"], listed["file"], listed["reason"], listed["mode"]) == ("scene-9#w0", "gone/scene.png", "missing_image", "train")
+    assert skipped_counts(trainer.state.log_history[-1:]) == {"train": 1, "eval": 0}
+
+
+def test_padding_free_config_trains_on_packed_image_batches(processor, tmp_path):
+    """TRL refuses ``padding_free`` on image data (its collator cannot pack images); the trainer accepts it with
+    a collator that packs, keeps the setting as given, and refuses it with one that pads."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    train = Dataset.from_dict({"messages": ["[]"], "images": [[]]})
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, padding_free=True,
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    model, packing = build_tiny_model(), EOGymCollator(processor, padding_free=True)
+    with pytest.raises(ValueError, match="Padding-free training is yet not supported for vision datasets"):
+        SFTTrainer(model=model, args=args, data_collator=packing, train_dataset=train, processing_class=processor)
+    trainer = EOGymSFTTrainer(model=model, args=args, data_collator=packing, train_dataset=train, processing_class=processor)
+    assert trainer.args.padding_free is True and trainer.data_collator is packing
+    with pytest.raises(ValueError, match="needs a collator that packs"):
+        EOGymSFTTrainer(model=model, args=args, data_collator=EOGymCollator(processor), train_dataset=train, processing_class=processor)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor, loss_type, padding_free):
+    """TRL's own SFTTrainer.compute_loss (its fused LM head over every position) on the same batch: the same
+    loss for each loss_type, and the same entropy as its `entropy` metric."""
+    from trl import SFTTrainer
+
+    from eogym_sft.training.collator import EOGymCollator
+
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)(_examples())
+    trainer._token_counts.clear()
+    trainer._entropy_sums.clear()
+    trainer._metrics["eval"].clear()
+    trainer.args.loss_type = loss_type
+    try:
+        with torch.no_grad():
+            theirs = SFTTrainer.compute_loss(trainer, trainer.model, dict(batch))
+            ours = trainer.compute_loss(trainer.model, batch)
+    finally:
+        trainer.args.loss_type = "nll"
+    assert abs(ours.item() - theirs.item()) < 1e-5
+    total = trainer._token_counts["eval"][1].item()
+    assert trainer._entropy_sums["eval"] / total == pytest.approx(trainer._metrics["eval"]["entropy"][0], rel=1e-5)
+    if loss_type == "dft":  # not the plain loss: the weights are the tokens' probabilities
+        with torch.no_grad():
+            assert ours.item() < trainer.model(**batch, use_cache=False).loss.item() / 2
+
+
+def test_label_smoothing_and_compute_loss_func_are_trls_full_logits_loss(trainer, processor):
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from eogym_sft.training.collator import EOGymCollator
+
+    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(_examples())
+    with torch.no_grad():
+        full = trainer.model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
+        smoothed = LabelSmoother(epsilon=0.1)(full, batch["labels"], shift_labels=True)
+        plain = trainer.model(**batch, use_cache=False).loss
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append((outputs.logits.shape, labels is batch["labels"]))
+        return outputs.logits.float().mean() * 0 + 7.0
+
+    try:
+        trainer.label_smoother = LabelSmoother(epsilon=0.1)
+        with torch.no_grad():
+            assert trainer.compute_loss(trainer.model, dict(batch)).item() == pytest.approx(smoothed.item(), abs=1e-6)
+        trainer.label_smoother = None
+        trainer.compute_loss_func = loss_func
+        with torch.no_grad():
+            assert trainer.compute_loss(trainer.model, dict(batch)).item() == 7.0
+    finally:
+        trainer.label_smoother = None
+        trainer.compute_loss_func = None
+    assert abs(smoothed.item() - plain.item()) > 0.01
+    assert seen == [(batch["input_ids"].shape + (151936,), True)]
+
+
+@pytest.mark.parametrize("workers,accumulation,given,expected", [(4, 32, None, 8), (4, 2, None, 2), (3, 32, 5, 5), (0, 32, None, None)])
+def test_workers_keep_a_whole_step_in_flight(processor, tmp_path, workers, accumulation, given, expected):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False,
+        dataset_kwargs={"skip_prepare_dataset": True}, dataloader_num_workers=workers,
+        gradient_accumulation_steps=accumulation, dataloader_prefetch_factor=given,
+    )
+    train = Dataset.from_dict({"messages": ["[]"]})
+    trainer = EOGymSFTTrainer(model=build_tiny_model(), args=args, data_collator=EOGymCollator(processor), train_dataset=train,
+                              processing_class=processor)
+    assert trainer.args.dataloader_prefetch_factor == expected
+
+
+# What the trainer relies on in TRL and transformers beyond their public API. If an upgrade changes
+# any of it, these fail, rather than the trainer silently doing something else.
+
+
+def test_upstream_trainer_draws_a_whole_step_before_running_it(processor, tmp_path):
+    """``Trainer.get_batch_samples`` takes all of a step's micro-batches before ``on_step_begin``: the reason the
+    trainer sets the dataloader's prefetch factor to a step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    calls, at_step_begin = [], []
+
+    class Counting(EOGymCollator):
+        def __call__(self, examples):
+            calls.append(len(examples))
+            return super().__call__(examples)
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            at_step_begin.append(len(calls))
+
+    rows = [json.dumps(chat_example(f"Question {i}?", "Final Answer: yes")["messages"]) for i in range(8)]
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, max_steps=2,
+        dataset_kwargs={"skip_prepare_dataset": True}, per_device_train_batch_size=1, gradient_accumulation_steps=3,
+        save_strategy="no", logging_steps=100,
+    )
+    trainer = EOGymSFTTrainer(model=build_tiny_model(), args=args, data_collator=Counting(processor),
+                              train_dataset=Dataset.from_dict({"messages": rows}), processing_class=processor, callbacks=[Watch()])
+    trainer.train()
+    assert at_step_begin == [4, 7]  # each step's 3, and accelerate's dataloader reads one batch ahead
+
+
+def test_upstream_private_hooks_keep_their_shape():
+    """The private methods and attributes the trainer and sampler override or read."""
+    import inspect
+
+    from transformers import Trainer
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    assert list(inspect.signature(Trainer._get_train_sampler).parameters) == ["self", "train_dataset"]
+    assert list(inspect.signature(Trainer._prepare_inputs).parameters) == ["self", "inputs"]
+    assert list(inspect.signature(BatchRebalanceSampler.__init__).parameters) == [
+        "self", "lengths", "effective_batch_size", "dp_size", "grad_accum", "shuffle", "seed", "rank", "drop_last"]
+    sampler = BatchRebalanceSampler([5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 1, seed=3, rank=1, drop_last=False)
+    assert (sampler.lengths, sampler.effective_batch_size, sampler.dp_size, sampler.grad_accum, sampler.rank, sampler.drop_last) == (
+        [5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 1, 1, False)
+
+    class Recording(BatchRebalanceSampler):  # _assign gets each step's drawn samples; rank r's slots are yielded
+        def _assign(self, indices, lengths):
+            seen.append((list(indices), list(lengths)))
+            return [[[i] for i in indices[:2]], [[i] for i in indices[2:]]]
+
+    seen = []
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    yielded = list(Recording([5, 4, 3, 2, 1, 6, 7, 8], 4, 2, 2, seed=3, rank=1))
+    assert seen == [(order[:4], [[5, 4, 3, 2, 1, 6, 7, 8][i] for i in order[:4]]), (order[4:], [[5, 4, 3, 2, 1, 6, 7, 8][i] for i in order[4:]])]
+    assert yielded == [[order[2]], [order[3]], [order[6]], [order[7]]]
+
+
+def test_upstream_sft_log_averages_and_clears_its_metric_lists(trainer):
+    """The trainer appends to TRL's ``_metrics[mode]`` lists and adds to its ``_total_train_tokens`` (an int from
+    ``SFTTrainer.__init__``); ``SFTTrainer.log`` averages each list into the logs and clears them."""
+    trainer._metrics["eval"].clear()
+    trainer._metrics["eval"]["mean_token_accuracy"].extend([0.25, 0.75])
+    logs = {"eval_loss": 1.0}
+    trainer._token_counts.clear()
+    trainer.log(logs)
+    assert logs["eval_mean_token_accuracy"] == 0.5 and not trainer._metrics["eval"]
+    assert isinstance(trainer._total_train_tokens, int)
