@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import SampleConfig
-from .guards import refuse_nonempty_output
+from .guards import refuse_nonempty_output, user_errors
 
 
 def add_sample_args(parser: argparse.ArgumentParser) -> None:
@@ -187,11 +187,13 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: EOGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_args, _, help_text) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
-    COMMANDS[args.command][1](args)
+    with user_errors(f"eogym-sft {args.command}", args.debug):
+        COMMANDS[args.command][1](args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +25,27 @@ def refuse_nonempty_output(path: str | Path, overwrite: bool, command: str) -> N
     taken = path.is_file() or (path.is_dir() and any(path.iterdir()))
     if taken and not overwrite:
         raise FileExistsError(f"{command}: {path} exists and is not empty: pick another output or pass --overwrite")
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """What a user's input or setup causes (a bad flag value, a missing file, a taken output, a refused URL):
+    shown as one line. Anything else is a bug and keeps its traceback."""
+    from .net import NetError
+
+    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError)
+
+
+@contextlib.contextmanager
+def user_errors(command: str, debug: bool = False):
+    """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1.
+    ``debug`` (or ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
+    try:
+        yield
+    except user_error_types() as err:
+        if debug or os.environ.get("EOGYM_DEBUG", "") not in ("", "0"):
+            raise
+        message = str(err) if str(err).startswith(command) else f"{command}: {err}"
+        raise SystemExit(f"{message} (--debug or EOGYM_DEBUG=1 shows the traceback)") from None
 
 
 def model_key(name_or_path: str) -> str:

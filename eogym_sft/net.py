@@ -86,6 +86,15 @@ def short(text: str | bytes, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+def quoted(value, limit: int = 80) -> str:
+    """A value a model or a server sent, as a short prefix of its JSON, for a message (never all 10 MB of it)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return short(text, limit)
+
+
 def _connection(parts: urllib.parse.SplitResult, timeout: float) -> http.client.HTTPConnection:
     if parts.scheme == "https":
         return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout, context=ssl.create_default_context())

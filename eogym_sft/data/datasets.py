@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..models.processor import processor_fingerprint
-from .prepare import PrepConfig, _decode_line, prepare_files, read_lines
+from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, prepare_files, read_lines
 from .prepared import format_summary, load_prepared, write_prepared
 from .traces import TraceError
 
@@ -88,6 +88,8 @@ def read_rows(files: list[str], limit: int | None = None):
             try:
                 if not raw.strip():
                     raise TraceError("blank_line", "<line>", "empty line")
-                yield f"{file}:{line}", _decode_line(raw)
+                row = _decode_line(raw)
+                _check_row_size(row, MAX_MESSAGES)
+                yield f"{file}:{line}", row
             except TraceError as err:
                 yield f"{file}:{line}", err

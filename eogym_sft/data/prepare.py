@@ -14,12 +14,19 @@ from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
 from ..config import SampleConfig
+from ..safe_json import UntrustedJSONError, loads
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, checked_image_size, resolve_image_path
 from .tool_images import ToolImageRule
 from .traces import Trace, TraceError, normalize_row
 
 OVERLONG_MODES = ("split", "drop")
+UTF8_BOM = b"\xef\xbb\xbf"
+# Bounds on one row's cost. Rendering prefix by prefix makes a row's prep time grow faster than its turn
+# count (a 500-turn row takes seconds, a 5,000-turn row minutes), and a row's bytes bound its memory.
+# EO-Gym rows have tens of messages and tens of kilobytes; these leave wide room.
+MAX_ROW_BYTES = 4 << 20
+MAX_MESSAGES = 256
 
 
 @dataclass
@@ -30,6 +37,8 @@ class PrepConfig(SampleConfig):
     overlong: str = "split"
     tool_images: str = "produced"  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
     strict: bool = False
+    max_row_bytes: int = MAX_ROW_BYTES  # a longer line is dropped as row_too_large before it is parsed
+    max_messages: int = MAX_MESSAGES  # a row with more messages is dropped as too_many_messages before it is rendered
 
     def __post_init__(self):
         super().__post_init__()
@@ -62,6 +71,10 @@ class PrepError(ValueError):
     """A bad input line under ``--strict``: names the file, line and field."""
 
 
+class EmptyInputError(ValueError):
+    """An input file with no lines at all."""
+
+
 def image_factor(processor) -> int:
     """Pixels per visual token along a side: patch size x spatial merge (32 for Qwen3-VL)."""
     ip = processor.image_processor
@@ -90,15 +103,24 @@ def image_token_count(hw: tuple[int, int], factor: int) -> int:
     return (hw[0] // factor) * (hw[1] // factor)
 
 
-def _decode_line(raw: bytes) -> dict:
+def _decode_line(raw: bytes, max_bytes: int = MAX_ROW_BYTES):
+    """One JSONL line's value; any line that is too long, not UTF-8 or not acceptable JSON is a :class:`TraceError`."""
+    if len(raw) > max_bytes:
+        raise TraceError("row_too_large", "<line>", f"{len(raw)} bytes, over the bound of {max_bytes}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise TraceError("non_utf8", "<line>", f"invalid UTF-8 at byte {err.start}") from None
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TraceError("malformed_json", "<line>", f"{err.msg} at column {err.colno}") from None
+        return loads(text)
+    except UntrustedJSONError as err:
+        raise TraceError(err.reason, "<line>", err.detail) from None
+
+
+def _check_row_size(row, max_messages: int) -> None:
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if isinstance(messages, list) and len(messages) > max_messages:
+        raise TraceError("too_many_messages", "messages", f"{len(messages)} messages, over the bound of {max_messages}")
 
 
 def _image_layout(trace: Trace, cfg: PrepConfig, factor: int) -> list[tuple[int, int]]:
@@ -231,8 +253,9 @@ def prepare_line(processor, cfg: PrepConfig, file: str, line: int, raw: bytes) -
         return _dropped(cfg, file, line, None, TraceError("blank_line", "<line>", "empty line"))
     row_id = None
     try:
-        row = _decode_line(raw)
+        row = _decode_line(raw, cfg.max_row_bytes)
         row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
+        _check_row_size(row, cfg.max_messages)
         trace = normalize_row(row, cfg.tool_images)
         hws = _image_layout(trace, cfg, image_factor(processor))
         status, samples = trace_samples(processor, trace, hws, cfg)
@@ -250,10 +273,17 @@ def _dropped(cfg: PrepConfig, file: str, line: int, row_id, err: TraceError) -> 
 
 
 def read_lines(path: str | os.PathLike):
-    """``(line_number, raw_bytes)`` for every line of a JSONL file, 1-based, bytes undecoded."""
+    """``(line_number, raw_bytes)`` for every line of a JSONL file, 1-based, bytes undecoded (a UTF-8 BOM
+    that opens the file is not part of its first line). An empty file is an error: it is never what was meant."""
     with open(path, "rb") as fh:
+        empty = True
         for number, raw in enumerate(fh, 1):
+            if number == 1 and raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
+            empty = False
             yield number, raw.rstrip(b"\r\n")
+    if empty:
+        raise EmptyInputError(f"{path} is empty: no rows to read")
 
 
 def _prepare_chunk(processor, cfg: PrepConfig, chunk) -> list[LineResult]:

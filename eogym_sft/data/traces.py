@@ -13,10 +13,10 @@ parts. Everything here is pure Python: no I/O, no model. ``docs/data.md`` lists 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 
+from ..safe_json import UntrustedJSONError, loads
 from .tool_images import ToolImageRule
 
 ROLES = ("system", "user", "assistant", "tool", "function")
@@ -67,9 +67,9 @@ def normalize_tools(tools, where: str = "tools") -> list[dict]:
         return []
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as err:
-            raise TraceError("bad_field_type", where, f"tools is a string but not JSON ({err.msg})") from None
+            tools = loads(tools)
+        except UntrustedJSONError as err:
+            raise TraceError("bad_field_type", where, f"tools is a string but not usable JSON ({err})") from None
     if not isinstance(tools, list):
         raise TraceError("bad_field_type", where, f"expected a list of tool schemas, got {type(tools).__name__}")
     out = []
@@ -90,9 +90,9 @@ def parse_arguments(arguments, where: str) -> dict:
         return {}
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as err:
-            raise TraceError("invalid_tool_arguments", where, f"not valid JSON ({err.msg})") from None
+            arguments = loads(arguments) if arguments.strip() else {}
+        except UntrustedJSONError as err:
+            raise TraceError("invalid_tool_arguments", where, f"not valid JSON ({err})") from None
     if not isinstance(arguments, dict):
         raise TraceError("invalid_tool_arguments", where, f"expected an object, got {type(arguments).__name__}")
     return arguments
@@ -110,9 +110,9 @@ def parse_tool_call_text(text: str, where: str) -> tuple[str, list[dict]]:
     calls = []
     for k, match in enumerate(TOOL_CALL_RE.finditer(text)):
         try:
-            payload = json.loads(match.group(1))
-        except json.JSONDecodeError as err:
-            raise TraceError("invalid_tool_call", f"{where}<tool_call {k}>", f"not valid JSON ({err.msg})") from None
+            payload = loads(match.group(1))
+        except UntrustedJSONError as err:
+            raise TraceError("invalid_tool_call", f"{where}<tool_call {k}>", f"not valid JSON ({err})") from None
         if not isinstance(payload, dict):
             raise TraceError("invalid_tool_call", f"{where}<tool_call {k}>", "expected a JSON object")
         calls.append(_tool_call(payload.get("name"), payload.get("arguments"), f"{where}<tool_call {k}>"))

@@ -15,7 +15,6 @@ count in ``counts``, never an exception. ``docs/environment.md`` has the details
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -23,12 +22,15 @@ from pathlib import Path
 from ..data.images import ImageError, checked_image_size, resolve_image_path
 from ..data.tool_images import ToolImageRule
 from ..data.traces import TraceError, normalize_tools, parse_arguments
+from ..net import quoted, short
+from ..safe_json import UntrustedJSONError, loads
 from .backends.crop import CropBackend
 from .backends.http import HttpBackend, HttpToolServer
 from .backends.replay import ReplayBackend
 from .results import CannotAnswer, ToolCallError, ToolResult
 
 BACKENDS = ("crop", "replay", "http")
+MAX_TOOL_TEXT_CHARS = 32768  # a tool text longer than this is cut, with a note saying so: it is context the model pays for
 DEFAULT_BACKENDS = ("crop", "replay")  # offline: computed crops, the rest answered from the row's own trace
 JSON_TYPES = {
     "string": str,
@@ -48,14 +50,14 @@ def check_arguments(schema: dict, arguments: dict) -> str | None:
     if missing:
         return f"missing required argument(s): {', '.join(missing)}"
     if schema.get("additionalProperties") is False and set(arguments) - set(props):
-        return f"unknown argument(s): {', '.join(sorted(set(arguments) - set(props)))}"
+        return f"unknown argument(s): {short(', '.join(sorted(set(arguments) - set(props))), 120)}"
     for key, value in arguments.items():
         kinds = (props.get(key) or {}).get("type")
         kinds = [kinds] if isinstance(kinds, str) else kinds or []
         types = tuple(t for k in kinds for t in (JSON_TYPES.get(k),) if t)
         bool_ok = "boolean" in kinds  # bool is an int in Python, not a number in JSON
         if types and (not isinstance(value, types) or (isinstance(value, bool) and not bool_ok)):
-            return f"argument {key!r} must be {' or '.join(kinds)}, got {json.dumps(value)}"
+            return f"argument {short(key, 40)!r} must be {' or '.join(kinds)}, got {quoted(value)}"
     return None
 
 
@@ -78,6 +80,7 @@ class EOGymEnvironment:
         http: HttpToolServer | str | None = None,
         attach: ToolImageRule | str | None = None,
         replay_tolerance: float = 0.01,
+        max_tool_text_chars: int = MAX_TOOL_TEXT_CHARS,
     ):
         self.row = row
         self.data_root = Path(data_root).resolve()
@@ -88,6 +91,7 @@ class EOGymEnvironment:
         if not cache.is_relative_to(self.data_root):
             raise ValueError(f"cache_dir {cache} must lie inside the data root {self.data_root}")
         self.backends = [self._backend(b, cache, http, replay_tolerance) for b in backends]
+        self.max_tool_text_chars = max_tool_text_chars
         self.counts: Counter = Counter()
 
     def _backend(self, spec, cache: Path, http, tolerance: float):
@@ -111,7 +115,7 @@ class EOGymEnvironment:
         try:
             args = self._arguments(name, arguments)
             backend, text, images = self._answer(name, args)
-            result = ToolResult(name, args, text, self._resolve(images), True, backend)
+            result = ToolResult(name, args, self._capped(text), self._resolve(images), True, backend)
         except ToolCallError as err:
             self.counts["errors"] += 1
             self.counts[f"error:{err.code}"] += 1
@@ -119,10 +123,17 @@ class EOGymEnvironment:
         self.counts[f"backend:{backend}"] += 1
         return result
 
+    def _capped(self, text: str) -> str:
+        if len(text) <= self.max_tool_text_chars:
+            return text
+        self.counts["truncated_results"] += 1
+        cut = len(text) - self.max_tool_text_chars
+        return f"{text[: self.max_tool_text_chars]}\n[result truncated: {cut} more characters]"
+
     def _arguments(self, name: str, arguments) -> dict:
         if name not in self.schemas:
             known = ", ".join(self.schemas) or "none"
-            raise ToolCallError("unknown_tool", f"unknown tool {name!r}; the tools are: {known}")
+            raise ToolCallError("unknown_tool", f"unknown tool {short(str(name), 80)!r}; the tools are: {known}")
         try:
             args = parse_arguments(arguments, "arguments")
         except TraceError as err:
@@ -154,18 +165,18 @@ class EOGymEnvironment:
                 path = resolve_image_path(rel, self.data_root)
                 checked_image_size(path)  # what data prep requires of an image: the whole file decodes
             except ImageError as err:
-                raise ToolCallError("bad_image", f"the result names image {rel}, which cannot be shown ({err.reason})") from None
+                raise ToolCallError("bad_image", f"the result names image {short(rel, 120)}, which cannot be shown ({err.reason})") from None
             out.append(str(path))
         return out
 
 
 def find_row(path: str | os.PathLike, row_id: str) -> dict:
     """The row with id ``row_id`` in an EO-Gym JSONL file (lines that are not JSON are skipped)."""
-    with open(path, encoding="utf-8", errors="replace") as fh:
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
         for line in fh:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = loads(line)
+            except UntrustedJSONError:
                 continue
             if isinstance(row, dict) and str(row.get("id")) == row_id:
                 return row

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 class ToolCallError(Exception):
     """A call that ends in an error message for the model; ``code`` is a stable reason
-    (``unknown_tool``, ``bad_arguments``, ``no_backend``, ``http_error``, ``bad_image``)."""
+    (``unknown_tool``, ``bad_arguments``, ``no_backend``, ``http_error``, ``bad_image``, ``tool_failed``)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)

@@ -95,8 +95,9 @@ def test_server_errors_and_timeouts_are_retried(tool_server):
     tool_server.script = [(503, "busy", 0), (500, "oops", 0), (200, json.dumps({"output": "third time"}), 0)]
     assert _backend(tool_server, retries=2).answer("t", {}) == ("third time", None)
     assert len(tool_server.requests) == 3
-    tool_server.script = [(200, json.dumps({"output": "late"}), 1.0), (200, json.dumps({"output": "on time"}), 0)]
-    assert _backend(tool_server, retries=1, timeout_s=0.2).answer("t", {}) == ("on time", None)
+    tool_server.script = [(200, json.dumps({"output": "late"}), 1.0)]
+    with pytest.raises(ToolCallError, match="within the deadline of 0.3 s"):  # one deadline for the call, retries included
+        _backend(tool_server, retries=5, timeout_s=0.3).answer("t", {})
     tool_server.script = [(299, '{"output": "cut', 0), (200, json.dumps({"output": "whole"}), 0)]
     assert _backend(tool_server, retries=1).answer("t", {}) == ("whole", None)
     tool_server.script = [(500, "down", 0)] * 3
@@ -120,7 +121,7 @@ def test_no_server_listening():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     backend = HttpBackend(HttpToolServer(f"http://127.0.0.1:{port}/execute", retries=1, backoff_s=0.01, timeout_s=1))
-    with pytest.raises(ToolCallError, match="did not answer after 2 attempts") as err:
+    with pytest.raises(ToolCallError, match="did not answer.*after 2 attempt") as err:
         backend.answer("t", {})
     assert err.value.code == "http_error"
 

@@ -24,20 +24,29 @@ import tempfile
 from pathlib import Path
 
 from ...data.images import ImageError, load_rgb, resolve_image_path
+from ...net import quoted, short
 from ..results import CannotAnswer, ToolCallError
 
 CROP_TOOL = "crop_optical_or_sar_image"
+MAX_PATH_CHARS = 1024  # longer than any EO-Gym image path; a longer image_url is a model's mistake, not a file
+
+
+def _finite(v) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)  # an int too large for a float raises OverflowError
+    except OverflowError:
+        return False
 
 
 def parse_aoi(aoi) -> list[float]:
     """A valid normalised AOI as four floats, or :class:`ToolCallError` ``bad_arguments``."""
-    ok = isinstance(aoi, (list, tuple)) and len(aoi) == 4
-    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in aoi)
-    if not ok:
-        raise ToolCallError("bad_arguments", f"aoi must be four numbers [x0, y0, x1, y1], got {json.dumps(aoi)}")
+    if not (isinstance(aoi, (list, tuple)) and len(aoi) == 4 and all(_finite(v) for v in aoi)):
+        raise ToolCallError("bad_arguments", f"aoi must be four numbers [x0, y0, x1, y1], got {quoted(aoi)}")
     x0, y0, x1, y1 = (float(v) for v in aoi)
     if not (0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1):
-        raise ToolCallError("bad_arguments", f"aoi must be normalised with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1, got {json.dumps(aoi)}")
+        raise ToolCallError("bad_arguments", f"aoi must be normalised with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1, got {quoted(aoi)}")
     return [x0, y0, x1, y1]
 
 
@@ -113,14 +122,21 @@ class CropBackend:
         rel = arguments.get("image_url")
         if not isinstance(rel, str) or not rel:
             raise ToolCallError("bad_arguments", "image_url must be the path of an image, e.g. EO_GYM_DATA/<id>/<hash>.jpg")
+        if len(rel) > MAX_PATH_CHARS:
+            raise ToolCallError("bad_arguments", f"image_url is {len(rel)} characters long, not an image path: {short(rel, 80)!r}")
         try:
             source = resolve_image_path(rel, self.data_root)
+            found = source.is_file()
         except ImageError as err:
-            raise ToolCallError("bad_arguments", f"image_url {rel!r}: {err.detail}") from None
-        if not source.is_file():
-            raise CannotAnswer(f"no image {rel} under the data root")
+            raise ToolCallError("bad_arguments", f"image_url {short(rel, 80)!r}: {short(err.detail, 120)}") from None
+        except OSError as err:  # ENAMETOOLONG for one path component, ELOOP, ...
+            raise ToolCallError("bad_arguments", f"image_url {short(rel, 80)!r} is not a usable path ({err.strerror})") from None
+        if not found:
+            raise CannotAnswer(f"no image {short(rel, 120)} under the data root")
         try:
             result = crop_image(source, rel, aoi, self.cache_dir, self.data_root)
         except ImageError as err:
-            raise CannotAnswer(f"cannot read {rel}: {err.reason}: {err.detail}") from None
+            raise CannotAnswer(f"cannot read {short(rel, 120)}: {err.reason}: {short(err.detail, 120)}") from None
+        except OSError as err:  # the crop cache is full, read-only or not a folder: the tool failed, not the model
+            raise ToolCallError("tool_failed", f"the crop could not be saved to the crop cache ({err.strerror or err})") from None
         return json.dumps(result), None
