@@ -40,6 +40,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
     parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
+    parser.add_argument(
+        "--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
+    )
     add_overwrite_arg(parser)
 
 
@@ -49,7 +52,8 @@ def run_prepare(args: argparse.Namespace) -> dict:
     from .models.processor import load_processor
 
     cfg = PrepConfig(
-        **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict
+        **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict,
+        max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
     )
     for path in args.input:
         if not Path(path).is_file():

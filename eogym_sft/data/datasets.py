@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..models.processor import processor_fingerprint
-from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, prepare_files, read_lines
+from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, check_drop_share, prepare_files, read_lines
 from .prepared import format_summary, load_prepared, write_prepared
 from .traces import TraceError
 
@@ -46,6 +46,7 @@ def prepare_dataset(files: list[str], model: str, processor, cfg: PrepConfig, ou
     """Prepare EO-Gym JSONL ``files`` into ``output`` (``dataset/``, ``manifest.jsonl``, ``stats.json``) with
     ``processor``, loaded from ``model`` with ``cfg``'s pixel settings; print the summary and return the stats."""
     results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
+    check_drop_share(results, cfg.max_drop_share)
     stats = write_prepared(output, results, prep_settings(files, model, processor, cfg))
     print(format_summary(stats))
     return stats

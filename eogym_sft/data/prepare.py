@@ -39,6 +39,7 @@ class PrepConfig(SampleConfig):
     strict: bool = False
     max_row_bytes: int = MAX_ROW_BYTES  # a longer line is dropped as row_too_large before it is parsed
     max_messages: int = MAX_MESSAGES  # a row with more messages is dropped as too_many_messages before it is rendered
+    max_drop_share: float = 0.5  # more rows than this share dropped for one reason stops the run (1.0: never)
 
     def __post_init__(self):
         super().__post_init__()
@@ -73,6 +74,40 @@ class PrepError(ValueError):
 
 class EmptyInputError(ValueError):
     """An input file with no lines at all."""
+
+
+class TooManyDropped(ValueError):
+    """More than ``max_drop_share`` of the rows dropped for one reason: the inputs or the data root are likely wrong."""
+
+
+LIKELY_CAUSE = {
+    "missing_image": "the images are not under --data-root (it must hold EO_GYM_DATA/ and image_cache/)",
+    "unsafe_image_path": "the rows' image paths are absolute or leave --data-root",
+    "malformed_json": "the input is not JSONL (one JSON object a line)",
+    "non_utf8": "the input is not UTF-8 text",
+    "overlong": "--max-length is too small for these rows (or use --overlong split)",
+    "turn_exceeds_budget": "--max-length is too small for these rows",
+}
+
+
+def check_drop_share(results: list[LineResult], max_share: float, allow_flag: str = "--allow-drops") -> None:
+    """Refuse a run that dropped more than ``max_share`` of its rows for one reason, naming the reason, two
+    examples and the likely cause; a run that silently loses most of its data is never what was meant."""
+    rows = [r for r in results if r.reason != "blank_line"]
+    if not rows or max_share >= 1:
+        return
+    by_reason: dict[str, list[LineResult]] = {}
+    for r in rows:
+        if r.status == "dropped":
+            by_reason.setdefault(r.reason, []).append(r)
+    for reason, dropped in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        if len(dropped) > max_share * len(rows):
+            examples = "; ".join(f"{r.file}:{r.line} {r.field}: {r.detail}" for r in dropped[:2])
+            cause = LIKELY_CAUSE.get(reason, "the inputs do not fit these settings")
+            raise TooManyDropped(
+                f"{len(dropped)} of {len(rows)} rows dropped as {reason} (e.g. {examples}); likely cause: {cause}. "
+                f"Pass {allow_flag} to go on anyway"
+            )
 
 
 def image_factor(processor) -> int:

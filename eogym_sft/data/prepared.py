@@ -7,6 +7,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from ..atomic import write_lines_atomic, write_text_atomic
+
 META_FIELDS = ("EO_task", "question_type", "data_source", "gt_answer")
 HISTOGRAM_BIN = 512
 
@@ -99,17 +101,18 @@ def write_prepared(output: str | Path, results, settings: dict) -> dict:
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
+    # stats.json goes first and comes back last: a folder loads only with it, so a run killed half way
+    # (an --overwrite rerun included) leaves a folder that refuses to load, never a half-new one that loads
+    (output / "stats.json").unlink(missing_ok=True)
     samples = [s for r in results for s in r.samples]
     schema = features()
     # from_dict, not from_list: it also builds an empty dataset (every row dropped), saved as one empty shard
     dataset = Dataset.from_dict({name: [s[name] for s in samples] for name in schema}, features=schema)
     dataset.save_to_disk(str(output / "dataset"), num_shards=None if samples else 1)
-    with open(output / "manifest.jsonl", "w") as fh:
-        for res in results:
-            fh.write(json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n")
+    write_lines_atomic(output / "manifest.jsonl", (json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n" for res in results))
     stats = compute_stats(results, samples)
     stats["settings"] = settings
-    (output / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(output / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     return stats
 
 
@@ -129,7 +132,11 @@ def load_prepared(folder: str | Path):
     folder = Path(folder)
     if not (folder / "dataset").is_dir() or not (folder / "stats.json").is_file():
         raise FileNotFoundError(f"{folder} is not a prepared folder (no dataset/ or stats.json): run `eogym-sft prepare`")
-    dataset, stats = load_from_disk(str(folder / "dataset")), json.loads((folder / "stats.json").read_text())
+    try:
+        stats = json.loads((folder / "stats.json").read_text())
+    except ValueError as err:
+        raise ValueError(f"{folder}/stats.json is damaged ({err}): prepare the folder again with `eogym-sft prepare`") from None
+    dataset = load_from_disk(str(folder / "dataset"))
     expected = stats.get("content_hash")
     if expected is None:
         raise ValueError(f"{folder}/stats.json has no content_hash: prepare the folder again with `eogym-sft prepare`")

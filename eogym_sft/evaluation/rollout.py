@@ -50,6 +50,7 @@ class RolloutConfig(ArmsConfig):
     judge_url: str | None = None
     judge_model: str = DEFAULT_JUDGE_MODEL
     judge_retries: int = 3
+    judge_timeout: float = 60.0  # seconds for judging one answer, retries included
 
     def __post_init__(self):
         super().__post_init__()
@@ -98,7 +99,7 @@ def make_judge(cfg: RolloutConfig):
     if cfg.judge:
         return load_judge(cfg.judge)
     if cfg.judge_url:
-        return ChatJudge(cfg.judge_url, cfg.judge_model, retries=cfg.judge_retries)
+        return ChatJudge(cfg.judge_url, cfg.judge_model, timeout=cfg.judge_timeout, retries=cfg.judge_retries)
     return None
 
 
@@ -249,6 +250,7 @@ def add_rollout_args(parser) -> None:
     add("--judge-url", default=None, help="OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)")
     add("--judge-model", default=RolloutConfig.judge_model, help="model name sent to --judge-url")
     add("--judge-retries", type=int, default=RolloutConfig.judge_retries, help="retries of a failed judge request before it is counted")
+    add("--judge-timeout", type=float, default=RolloutConfig.judge_timeout, help="seconds for judging one answer, retries included")
 
 
 def run_rollout(args) -> dict:
@@ -258,7 +260,7 @@ def run_rollout(args) -> dict:
             **shared_settings(args, "eogym-sft rollout"), tools=[t for t in args.tools.split(",") if t],
             tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
             max_length=args.max_length, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
-            judge_model=args.judge_model, judge_retries=args.judge_retries,
+            judge_model=args.judge_model, judge_retries=args.judge_retries, judge_timeout=args.judge_timeout,
         )
     except ValueError as err:
         raise SystemExit(f"eogym-sft rollout: {err}") from None

@@ -9,11 +9,7 @@ error, never a silent "wrong".
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -46,14 +42,18 @@ def load_judge(spec: str):
 
 @dataclass
 class ChatJudge:
-    """An OpenAI-compatible ``/chat/completions`` judge.
+    """An OpenAI-compatible ``/chat/completions`` judge, over :func:`eogym_sft.net.post_json` (http(s) only,
+    no redirects: the API key never goes to another origin; one deadline per answer judged; a reply cap).
 
     Args:
         url (`str`): the endpoint, e.g. ``https://api.openai.com/v1/chat/completions``.
         model (`str`): e.g. ``gpt-4.1-mini``.
         api_key_env (`str`): the environment variable holding the bearer token (none sent when unset).
-        timeout (`float`): seconds per request.
-        retries (`int`): further attempts after a failed one, with exponential back-off from ``backoff`` s.
+        timeout (`float`): seconds for judging one answer, retries and pauses included.
+        retries (`int`): further attempts after a failed request (connection, 429, 5xx), with exponential
+            back-off from ``backoff`` s, within ``timeout``. A reply that is neither CORRECT nor INCORRECT is
+            not retried (at temperature 0 it would come again).
+        max_bytes (`int`): the longest reply read.
     """
 
     url: str
@@ -62,19 +62,16 @@ class ChatJudge:
     timeout: float = 60.0
     retries: int = 3
     backoff: float = 1.0
+    max_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        from ..net import check_url
+
+        check_url(self.url)
 
     def __call__(self, question: str, prediction: str, reference: str) -> bool:
-        last = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                return self._ask(question, prediction, reference)
-            except JudgeError as err:
-                last = err
-        raise JudgeError(f"{self.retries + 1} attempts failed; last: {last}")
+        from .. import net
 
-    def _ask(self, question: str, prediction: str, reference: str) -> bool:
         body = {
             "model": self.model,
             "temperature": 0,
@@ -83,17 +80,17 @@ class ChatJudge:
                 {"role": "user", "content": JUDGE_USER_TEMPLATE.format(question=question, reference=reference, prediction=prediction)},
             ],
         }
-        headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        request = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read())
+            payload = net.post_json(self.url, body, headers, self.timeout, self.max_bytes, self.retries, self.backoff)
             reply = payload["choices"][0]["message"]["content"]
-        except (urllib.error.URLError, TimeoutError, OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        except net.NetError as err:
             raise JudgeError(f"{type(err).__name__}: {err}") from None
+        except (KeyError, IndexError, TypeError) as err:
+            raise JudgeError(f"the reply has no choices[0].message.content ({type(err).__name__})") from None
+        if not isinstance(reply, str):
+            raise JudgeError(f"the reply's content is {type(reply).__name__}, not text")
         return parse_verdict(reply)
 
 

@@ -79,6 +79,8 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
         metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
     )
     judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to judge_url"})
+    judge_timeout: float = field(default=60.0, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
+    judge_retries: int = field(default=3, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
 
     def __post_init__(self):
@@ -96,7 +98,7 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
         from ..metrics.judge import ChatJudge, load_judge
 
         if self.judge_url:
-            return ChatJudge(self.judge_url, self.judge_model)
+            return ChatJudge(self.judge_url, self.judge_model, timeout=self.judge_timeout, retries=self.judge_retries)
         return load_judge(self.judge) if self.judge else None
 
 
@@ -167,24 +169,22 @@ class EpisodeData:
 
 def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = None) -> EpisodeData:
     """Read EO-Gym JSONL into GRPO examples. A bad row is skipped, named (file:line) and counted."""
+    from ..data.prepare import _decode_line, read_lines
+
     data = EpisodeData([], {})
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(data.records) >= limit:
-                break
-            data.rows_in += 1
-            try:
-                record = episode_record(json.loads(line), data_root)
-            except json.JSONDecodeError as err:
-                _skip(data, f"{path}:{line_no}", "bad_json", err.msg)
-                continue
-            except (TraceError, ImageError) as err:
-                _skip(data, f"{path}:{line_no}", err.reason, str(err))
-                continue
-            data.records.append(record)
-            data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
+    for line_no, raw in read_lines(path):  # bytes: a line that is not UTF-8, or hostile JSON, is one skip
+        if not raw.strip():
+            continue
+        if limit is not None and len(data.records) >= limit:
+            break
+        data.rows_in += 1
+        try:
+            record = episode_record(_decode_line(raw), data_root)
+        except (TraceError, ImageError) as err:
+            _skip(data, f"{path}:{line_no}", err.reason, str(err))
+            continue
+        data.records.append(record)
+        data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
     if not data.records:
         raise ValueError(f"{path}: no usable rows ({data.rows_in} read, skipped: {dict(data.skipped)})")
     logger.info(

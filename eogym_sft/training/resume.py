@@ -1,8 +1,8 @@
 """Which checkpoint a run may resume from, and when a new run may use an output folder.
 
-Every checkpoint gets ``eogym_checkpoint.json`` once all of it is on disk: the run's resolved config
-and data hash (its *identity*). A checkpoint without it was cut short (killed while saving) and is
-never resumed from. Resuming compares identities and names every setting that differs; settings that
+Every checkpoint gets ``eogym_checkpoint.json`` once all of it is on disk (written atomically): the run's
+resolved config and data hash (its *identity*). A checkpoint without it, or with it or ``trainer_state.json``
+damaged, was cut short (killed while saving) and is never resumed from: ``last`` passes over it. Resuming compares identities and names every setting that differs; settings that
 change only where things are written or how often (:data:`FREE_ON_RESUME`) may differ.
 """
 
@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 from transformers import TrainerCallback
+
+from ..atomic import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class CheckpointIdentity(TrainerCallback):
             dist.barrier()  # every rank's part of the checkpoint is on disk
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            (folder / MARKER).write_text(json.dumps({**self.identity, "step": state.global_step}, indent=2) + "\n")
+            write_text_atomic(folder / MARKER, json.dumps({**self.identity, "step": state.global_step}, indent=2) + "\n")
         return control
 
 
@@ -74,8 +76,18 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: -int(CHECKPOINT_RE.match(p.name)[1]))
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):  # missing, unreadable, cut short, not UTF-8
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def is_complete(checkpoint: Path) -> bool:
-    return (checkpoint / MARKER).is_file() and (checkpoint / "trainer_state.json").is_file()
+    """Whether the checkpoint's marker and ``trainer_state.json`` are both there and whole JSON objects."""
+    state = _read_json(checkpoint / "trainer_state.json")
+    return _read_json(checkpoint / MARKER) is not None and state is not None and "global_step" in state
 
 
 def wants_resume(wanted) -> bool:
@@ -98,12 +110,17 @@ def resolve_resume(wanted, output_dir: str | Path, identity: dict) -> Path | Non
             what = f"only incomplete ones ({', '.join(c.name for c in found)})" if found else "no checkpoint-* folder"
             raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: {output_dir} holds {what}")
         for skipped in found[: found.index(complete[0])]:
-            logger.warning("%s is incomplete (no %s: cut short while saving): resuming from %s", skipped, MARKER, complete[0].name)
+            logger.warning(
+                "%s is incomplete (%s or trainer_state.json missing or damaged: cut short while saving): resuming from %s",
+                skipped, MARKER, complete[0].name,
+            )
         chosen = complete[0]
     else:
         chosen = Path(wanted)
         if not is_complete(chosen):
-            raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: not a complete checkpoint (no {MARKER} or trainer_state.json)")
+            raise FileNotFoundError(
+                f"--resume_from_checkpoint {wanted}: not a complete checkpoint ({MARKER} or trainer_state.json missing or damaged)"
+            )
     diffs = identity_differences(json.loads((chosen / MARKER).read_text()), identity)
     if diffs:
         raise ValueError(f"{chosen} belongs to another run; what differs (checkpoint -> now):\n  " + "\n  ".join(diffs))

@@ -174,7 +174,7 @@ def test_chat_judge_against_a_local_server(judge_server, monkeypatch):
     items = [("How many?", "3 ships", "3"), ("How many?", "5", "3"), ("q", "flaky", "flaky"), ("q", "broken", "x"), ("q", "chatty", "x")]
     verdicts = judge_all(judge, items, workers=1)
     assert [v for v, _ in verdicts] == [True, False, True, None, None]
-    assert "2 attempts failed" in verdicts[3][1] and "HTTPError" in verdicts[3][1]
+    assert "HTTPStatusError" in verdicts[3][1] and "answered 500 after 2 attempt(s)" in verdicts[3][1]
     assert "not CORRECT or INCORRECT" in verdicts[4][1]
     assert _JudgeHandler.seen[0] == ("gpt-4.1-mini", "3 ships", "Bearer sk-test")
     assert sum(c == "flaky" for _, c, _ in _JudgeHandler.seen) == 2  # retried once, then right

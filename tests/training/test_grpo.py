@@ -63,7 +63,7 @@ def test_load_episodes_skips_names_and_counts_bad_rows(tmp_path, data_root, row_
     )
     data = load_episodes(path, data_root)
     assert [r["id"] for r in data.records] == ["train_0000000_aaaaaaaaaaaa", "train_2"]
-    assert data.stats()["skipped"] == {"bad_json": 1, "missing_field": 1, "missing_image": 1}
+    assert data.stats()["skipped"] == {"malformed_json": 1, "missing_field": 1, "missing_image": 1}
     assert [s.split(": ")[0] for s in data.skipped_rows] == [f"{path}:2", f"{path}:3", f"{path}:4"]
     assert data.rows_in == 5
     keys = [r["environment"] for r in data.records]

@@ -1,0 +1,46 @@
+"""Files that a later command loads are written whole or not at all: a temporary name beside the target,
+flushed and fsynced, then renamed over it (a rename within a folder is atomic on POSIX). A kill at any
+point leaves the old file or the new one, never a cut-short one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` by ``text`` (UTF-8) atomically."""
+    write_lines_atomic(path, [text])
+
+
+def write_lines_atomic(path: str | os.PathLike, pieces) -> None:
+    """Replace ``path`` by the concatenation of the strings ``pieces`` (an iterable, written as it comes) atomically."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for piece in pieces:
+                fh.write(piece)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (a power cut after it must not bring the old name back)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
