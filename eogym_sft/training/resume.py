@@ -151,6 +151,9 @@ def clear_earlier_run(output_dir: str | Path) -> None:
     for folder in checkpoints(output_dir):
         logger.warning("overwrite_output_dir: removing %s", folder)
         shutil.rmtree(folder)
+    # the earlier run's lists and records: a new run starts its own (the trainer appends to skipped_samples.jsonl)
+    for name in ("skipped_samples.jsonl", "eogym_run.json"):
+        (Path(output_dir) / name).unlink(missing_ok=True)
 
 
 def claim_output_dir(training_args, overwrite: bool) -> None:

@@ -24,16 +24,47 @@ logger = logging.getLogger(__name__)
 
 
 def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
-    """Derive ``gradient_accumulation_steps`` so that a step is ``samples_per_step`` samples on this world size."""
+    """Derive ``gradient_accumulation_steps`` so that a step is ``samples_per_step`` samples on this world size.
+
+    A ``gradient_accumulation_steps`` other than 1 (TRL's default) was chosen by the user: one that differs from
+    what ``samples_per_step`` derives is refused, naming both, never replaced silently."""
     if script_args.samples_per_step is not None:
-        training_args.gradient_accumulation_steps = accumulation_steps(
-            script_args.samples_per_step, training_args.per_device_train_batch_size, training_args.world_size
-        )
+        derived = accumulation_steps(script_args.samples_per_step, training_args.per_device_train_batch_size, training_args.world_size)
+        given = training_args.gradient_accumulation_steps
+        if given != 1 and given != derived:
+            raise ValueError(
+                f"samples_per_step {script_args.samples_per_step} and gradient_accumulation_steps {given} disagree: "
+                f"{script_args.samples_per_step} samples a step at per_device_train_batch_size "
+                f"{training_args.per_device_train_batch_size} on {training_args.world_size} process(es) is {derived} "
+                "micro-batches a step. Set one of them: --samples_per_step None keeps gradient_accumulation_steps as given"
+            )
+        training_args.gradient_accumulation_steps = derived
     logger.info(
         "samples per optimizer step: %d = %d per micro-batch x %d micro-batches x %d processes",
         training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size,
         training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps, training_args.world_size,
     )
+
+
+IMAGE_CHECK_SAMPLES = 64  # samples whose image files are looked for before training: a wrong data root shows at once
+
+
+def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share: float = 0.5) -> None:
+    """Refuse to train on zero samples, or when most of the first samples' images are not under ``data_root``
+    (the collator would skip them one by one: a run that trains on nothing and saves an adapter anyway)."""
+    import os
+
+    if len(dataset) == 0:
+        raise ValueError(f"{source}: no usable samples (every row was dropped in data prep): nothing to train on")
+    head = dataset.select(range(min(IMAGE_CHECK_SAMPLES, len(dataset))))
+    images = [(sid, p) for sid, paths in zip(head["sample_id"], head["images"]) for p in paths]
+    missing = [(sid, p) for sid, p in images if not os.path.isfile(os.path.join(data_root, p))]
+    if images and len(missing) > max_missing_share * len(images):
+        sid, path = missing[0]
+        raise FileNotFoundError(
+            f"{len(missing)} of the {len(images)} images of the first {len(head)} samples are not under --data_root "
+            f"{data_root} (e.g. {path} of {sid}): pass the --data_root the data was prepared with"
+        )
 
 
 def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
@@ -58,6 +89,7 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
             script_args.dataset_path, model_args.model_name_or_path, processor, prep, script_args.prepared_dir,
             script_args.prep_num_proc,
         )
+    refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path)
     train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
     if eval_dataset is None:
         training_args.eval_strategy = "no"

@@ -211,10 +211,21 @@ class EOGymSFTTrainer(SFTTrainer):
         if total:
             logs[prefix + "token_accuracy"] = correct / total
             logs[prefix + "entropy"] = entropy_sum / total
-        skipped = self._flush_skipped(mode)
-        if skipped:
-            logs[prefix + "skipped_samples"] = skipped
+        logs.update(self._flush_all_skipped())  # both modes: a sample skipped in either is counted at the next log
         super().log(logs, start_time)
+
+    def _flush_all_skipped(self) -> dict:
+        counts = {"skipped_samples": self._flush_skipped("train"), "eval_skipped_samples": self._flush_skipped("eval")}
+        return {key: n for key, n in counts.items() if n}
+
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``; samples skipped after the last log are counted in the log history too, so that
+        ``eogym_run.json`` and ``skipped_samples.jsonl`` agree with what was skipped."""
+        output = super().train(*args, **kwargs)
+        leftover = self._flush_all_skipped()
+        if leftover:
+            self.state.log_history.append({**leftover, "step": self.state.global_step})
+        return output
 
 
 def skipped_counts(log_history: list[dict]) -> dict:
