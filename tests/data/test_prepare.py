@@ -662,3 +662,117 @@ def test_make_sample_is_deterministic_and_matches_the_bundle(sample_dir, tmp_pat
     assert listing(tmp_path) == listing(sample_dir)
     assert len(listing(sample_dir)) == 125
     assert sum(p.stat().st_size for p in sample_dir.rglob("*") if p.is_file()) < 2_000_000
+
+
+################
+# Hostile input through `eogym-sft prepare` (issue 28)
+################
+
+
+def _prepare_cli(tiny_model_dir, data_root, inputs, out, *extra):
+    from eogym_sft.cli import main
+
+    main(["prepare", "--input", *map(str, inputs), "--data-root", str(data_root), "--model", str(tiny_model_dir),
+          "--output", str(out), *extra])
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+def test_hostile_lines_are_named_drops(tiny_model_dir, data_root, row_factory, tmp_path):
+    good = [json.dumps(row_factory(row_id=f"ok{k}")).encode() for k in range(4)]
+    hostile = [
+        b"[" * 100000 + b"]" * 100000,  # RecursionError in json
+        b'{"id": "big", "messages": [], "n": ' + b"9" * 5000 + b"}",  # the int digit limit
+        b'{"id": "deep", "messages": [], "x": ' + b"[" * 70 + b"]" * 70 + b"}",  # parses, but deeper than any row: refused
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n".join(good + hostile) + b"\n")  # a BOM before the first row
+    manifest = _prepare_cli(tiny_model_dir, data_root, [path], tmp_path / "out")
+    assert [(m["line"], m["status"], m["reason"]) for m in manifest] == [
+        (1, "kept", None), (2, "kept", None), (3, "kept", None), (4, "kept", None),
+        (5, "dropped", "json_too_deep"), (6, "dropped", "json_number_too_long"), (7, "dropped", "json_too_deep"),
+    ]
+
+
+def test_an_arguments_string_of_hostile_json_is_a_named_drop(tiny_model_dir, data_root, row_factory, tmp_path):
+    rows = [row_factory(row_id=f"ok{k}") for k in range(3)]
+    bad = row_factory(row_id="bad")
+    bad["messages"][2]["tool_calls"][0]["function"]["arguments"] = "[" * 50000 + "]" * 50000
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows + [bad]) + "\n")
+    manifest = _prepare_cli(tiny_model_dir, data_root, [path], tmp_path / "out")
+    assert (manifest[3]["reason"], manifest[3]["field"]) == ("invalid_tool_arguments", "messages[2].tool_calls[0].function.arguments")
+
+
+def test_rows_over_the_bounds_are_dropped_quickly(tiny_model_dir, data_root, row_factory, tmp_path):
+    import time
+
+    many = row_factory(row_id="many", n_steps=2500)  # 5,000 turns
+    huge = row_factory(row_id="huge")
+    huge["messages"][1]["content"] += "x" * (50 << 20)  # a 50 MB user turn
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [row_factory(row_id=f"ok{k}") for k in range(3)] + [many, huge]) + "\n")
+    start = time.monotonic()
+    manifest = _prepare_cli(tiny_model_dir, data_root, [path], tmp_path / "out")
+    assert time.monotonic() - start < 60  # was more than 900 s for the 5,000-turn row alone
+    assert [(m["reason"], m["field"]) for m in manifest[3:]] == [("too_many_messages", "messages"), ("row_too_large", "<line>")]
+    assert manifest[3]["detail"] == "5003 messages, over the bound of 256"
+
+
+def test_an_empty_input_file_is_an_error(tiny_model_dir, data_root, tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with pytest.raises(SystemExit, match=r"^eogym-sft prepare: .*empty.jsonl is empty: no rows to read \(--debug"):
+        _prepare_cli(tiny_model_dir, data_root, [tmp_path / "empty.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out" / "stats.json").exists()
+
+
+def test_a_wrong_data_root_stops_prepare_with_the_likely_cause(tiny_model_dir, data_root, row_factory, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(row_factory(row_id=f"r{k}")) for k in range(3)) + "\n")
+    wrong = tmp_path / "elsewhere"
+    wrong.mkdir()
+    with pytest.raises(SystemExit, match=r"3 of 3 rows dropped as missing_image \(e\.g\. .*rows\.jsonl:1 image 0 .*likely cause: "
+                       r"the images are not under --data-root.*Pass --allow-drops"):
+        _prepare_cli(tiny_model_dir, wrong, [path], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written
+    manifest = _prepare_cli(tiny_model_dir, wrong, [path], tmp_path / "out", "--allow-drops")
+    assert [m["reason"] for m in manifest] == ["missing_image"] * 3
+
+
+def test_user_errors_are_one_line_and_debug_shows_the_traceback(tiny_model_dir, data_root, tmp_path, monkeypatch):
+    from eogym_sft.cli import main
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    argv = ["prepare", "--input", str(tmp_path / "rows.jsonl"), "--model", str(tiny_model_dir), "--output", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert str(err.value).count("\n") == 0 and str(err.value).startswith("eogym-sft prepare: ")
+    assert "exists and is not empty" in str(err.value)
+    with pytest.raises(FileExistsError):
+        main(["--debug", *argv])
+    monkeypatch.setenv("EOGYM_DEBUG", "1")
+    with pytest.raises(FileExistsError):
+        main(argv)
+
+
+def test_a_rerun_killed_while_writing_leaves_a_folder_that_does_not_load(tmp_path, monkeypatch):
+    from eogym_sft.data import prepared
+    from eogym_sft.data.prepare import LineResult
+
+    results = [LineResult("f", 1, "a", "dropped", "malformed_json", "<line>", "x")]
+    prepared.write_prepared(tmp_path, results, {})
+    assert prepared.load_prepared(tmp_path)[1]["rows_in"] == 1
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a kill between the dataset and the manifest
+
+    monkeypatch.setattr(prepared, "write_lines_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepared.write_prepared(tmp_path, results + results, {})
+    with pytest.raises(FileNotFoundError, match="not a prepared folder"):
+        prepared.load_prepared(tmp_path)
+    assert (tmp_path / "manifest.jsonl").read_text().count("\n") == 1  # the old manifest, whole
+    (tmp_path / "stats.json").write_text('{"rows_in": ')
+    with pytest.raises(ValueError, match="stats.json is damaged"):
+        prepared.load_prepared(tmp_path)
