@@ -182,3 +182,65 @@ def test_tool_call_command(sample_copy, capsys):
         main(["tool-call", "--data-root", str(sample_copy), "get_optical_image_list", args])
     assert stop.value.code == 1
     assert json.loads(capsys.readouterr().out)["error"] == "no_backend"
+
+
+################
+# A model's hostile calls are messages, never exceptions (issue 28)
+################
+
+
+def _crop_env(root, **kw):
+    row = {"id": "r", "tools": [{"type": "function", "function": {"name": CROP, "parameters": {"type": "object"}}}]}
+    return EOGymEnvironment(row, root, ("crop",), **kw)
+
+
+def test_hostile_calls_are_bad_arguments_messages(sample_copy):
+    image = normalize_row(_good_rows(sample_copy)[0]).images[0]
+    env = _crop_env(sample_copy)
+    cases = {
+        "a long path": {"image_url": "a" * 5000 + ".jpg", "aoi": [0, 0, 1, 1]},  # ENAMETOOLONG
+        "a long component": {"image_url": "EO_GYM_DATA/" + "b" * 300 + ".jpg", "aoi": [0, 0, 1, 1]},
+        "a huge AOI integer": {"image_url": image, "aoi": [0, 0, 10**400, 1]},  # OverflowError in float()
+        "a 10 MB AOI": {"image_url": image, "aoi": ["x" * (10 << 20), 0, 1, 1]},
+    }
+    for what, arguments in cases.items():
+        result = env.call(CROP, arguments)
+        assert (result.ok, result.error) == (False, "bad_arguments"), what
+        assert len(result.text) < 400, what  # a short prefix of the argument, never all of it
+    hostile = '{"image_url": "a", "aoi": ' + "[" * 100000 + "]" * 100000 + "}"
+    result = env.call(CROP, hostile)
+    assert (result.ok, result.error) == (False, "bad_arguments") and "json_too_deep" in result.text
+    assert env.counts["error:bad_arguments"] == 5
+
+
+def test_a_broken_crop_cache_is_a_message(sample_copy, tmp_path):
+    image = normalize_row(_good_rows(sample_copy)[0]).images[0]
+    cache = sample_copy / "image_cache" / "not_a_folder"
+    cache.write_text("a file where the cache should be")
+    try:
+        result = _crop_env(sample_copy, cache_dir=cache).call(CROP, {"image_url": image, "aoi": [0.1, 0.1, 0.3, 0.3]})
+    finally:
+        cache.unlink()
+    assert (result.ok, result.error, result.backend) == (False, "tool_failed", "crop")
+    assert result.text.startswith("Error: the crop could not be saved to the crop cache")
+
+
+def test_a_long_tool_text_is_cut_for_the_model(sample_copy):
+    class Chatty:
+        name = "chatty"
+
+        def answer(self, tool, arguments):
+            return "y" * 100, None
+
+    env = EOGymEnvironment({"id": "r", "tools": [{"name": "t", "parameters": {}}]}, sample_copy, (Chatty(),), max_tool_text_chars=10)
+    result = env.call("t", {})
+    assert result.ok and result.text == "yyyyyyyyyy\n[result truncated: 90 more characters]"
+    assert env.counts["truncated_results"] == 1
+
+
+def test_find_row_skips_hostile_lines(tmp_path):
+    from eogym_sft.environment.env import find_row
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"[" * 100000 + b"\n" + b'{"n": ' + b"9" * 5000 + b"}\n" + b'{"id": "r1"}\n')
+    assert find_row(path, "r1") == {"id": "r1"}
