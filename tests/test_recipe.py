@@ -450,3 +450,43 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny
     listed = [json.loads(line) for line in (whole / "skipped_samples.jsonl").read_text().splitlines()]
     assert {(r["sample_id"], r["file"], r["reason"]) for r in listed} == {("train_0000000_tiny#w0", str(broken.resolve()), "corrupt_image")}
     assert len(listed) == info_whole["skipped_samples"]["train"]
+
+
+################
+# Runs that would do nothing useful refuse loudly (issue 28)
+################
+
+
+def test_a_prepared_folder_with_the_wrong_data_root_refuses_to_train(first_run, tiny_model_dir, workspace):
+    argv = recipe_args(tiny_model_dir, workspace["prepared"], workspace["root"] / "wrong_root", workspace["prepared"], steps=2)
+    at = argv.index("--data_root")
+    argv[at + 1] = str(workspace["root"] / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"of the first \d+ samples are not under --data_root .*nowhere .*pass the --data_root"):
+        first_run["recipe"].train(*first_run["recipe"].parse_args(argv))
+    assert not (workspace["root"] / "wrong_root" / "adapter_model.safetensors").exists()
+
+
+def test_zero_usable_samples_refuse_to_train(tmp_path):
+    from datasets import Dataset
+
+    from eogym_sft.data.prepared import features
+    from eogym_sft.training.sft import refuse_unusable_data
+
+    empty = Dataset.from_dict({name: [] for name in features()}, features=features())
+    with pytest.raises(ValueError, match="data/x: no usable samples"):
+        refuse_unusable_data(empty, str(tmp_path), "data/x")
+
+
+def test_explicit_accumulation_that_disagrees_with_samples_per_step_is_an_error(first_run):
+    from eogym_sft.training.sft import set_samples_per_step
+
+    recipe = first_run["recipe"]
+    script, training, _ = recipe.parse_args(["--use_cpu", "true", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"])
+    with pytest.raises(ValueError, match="samples_per_step 64 and gradient_accumulation_steps 2 disagree: .* is 64 micro-batches"):
+        set_samples_per_step(script, training)
+    script, training, _ = recipe.parse_args(["--use_cpu", "true", "--gradient_accumulation_steps", "2", "--samples_per_step", "None"])
+    set_samples_per_step(script, training)
+    assert training.gradient_accumulation_steps == 2  # honoured: no samples_per_step to derive it from
+    script, training, _ = recipe.parse_args(["--use_cpu", "true", "--gradient_accumulation_steps", "32"])
+    set_samples_per_step(script, training)
+    assert training.gradient_accumulation_steps == 32  # agrees with 64 samples at 2 a micro-batch

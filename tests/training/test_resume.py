@@ -69,3 +69,49 @@ def test_finished_and_used_output_dirs(tmp_path):
         refuse_used_output_dir(tmp_path, overwrite=False, resuming=False)
     refuse_used_output_dir(tmp_path, overwrite=True, resuming=False)
     refuse_used_output_dir(tmp_path, overwrite=False, resuming=True)
+
+
+@pytest.mark.parametrize("damaged", [MARKER, "trainer_state.json"])
+@pytest.mark.parametrize("content", ['{"config": {"tra', "", "\xff not json", "[1, 2]"])
+def test_a_damaged_marker_or_trainer_state_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damaged, content):
+    _checkpoint(tmp_path, 2)
+    newest = _checkpoint(tmp_path, 4)
+    (newest / damaged).write_text(content)  # cut short while written, or overwritten with junk
+    with caplog.at_level("WARNING"):
+        assert resolve_resume("last", tmp_path, IDENTITY) == tmp_path / "checkpoint-2"
+    assert "checkpoint-4 is incomplete" in caplog.text and "missing or damaged" in caplog.text
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        resolve_resume(str(newest), tmp_path, IDENTITY)
+
+
+def test_the_marker_is_written_atomically(tmp_path, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from eogym_sft.training.resume import CheckpointIdentity
+
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / MARKER).write_text("old, whole")
+    state = SimpleNamespace(global_step=3, is_world_process_zero=True)
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # a kill just before the rename
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        CheckpointIdentity(IDENTITY).on_save(SimpleNamespace(output_dir=str(tmp_path)), state, None)
+    assert (tmp_path / "checkpoint-3" / MARKER).read_text() == "old, whole"
+    assert sorted(p.name for p in (tmp_path / "checkpoint-3").iterdir()) == [MARKER]  # no temporary left behind
+    monkeypatch.undo()
+    CheckpointIdentity(IDENTITY).on_save(SimpleNamespace(output_dir=str(tmp_path)), state, None)
+    assert json.loads((tmp_path / "checkpoint-3" / MARKER).read_text()) == {**IDENTITY, "step": 3}
+
+
+def test_overwrite_starts_new_run_records(tmp_path):
+    from eogym_sft.training.resume import clear_earlier_run
+
+    _checkpoint(tmp_path, 2)
+    (tmp_path / "skipped_samples.jsonl").write_text('{"sample_id": "old"}\n')
+    (tmp_path / "eogym_run.json").write_text("{}")
+    clear_earlier_run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
