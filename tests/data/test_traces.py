@@ -465,3 +465,80 @@ def test_image_tags_inside_tool_results_take_row_images(result_turn):
         "content": [{"type": "text", "text": "See the crop."}, {"type": "image"}],
     }
     assert trace.images == [IMG, CROP1]
+
+
+################
+# Property tests: any JSON a row may hold is a canonical trace or a TraceError, nothing else (issue 28)
+################
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from eogym_sft.data.prepare import _decode_line  # noqa: E402
+from eogym_sft.data.traces import parse_tool_call_text  # noqa: E402
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _json(floats):
+    return st.recursive(
+        st.none() | st.booleans() | st.integers() | floats | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=10,
+    )
+
+
+JSON = _json(st.floats(allow_nan=True))
+EQUAL_JSON = _json(st.floats(allow_nan=False))  # NaN != NaN: round trips compare values without it
+ROLE = st.sampled_from(["system", "user", "assistant", "tool", "function", "robot", None])
+CONTENT = st.none() | st.text(max_size=40) | st.lists(
+    st.text(max_size=10) | st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "video"]), "text": st.text(max_size=10)}),
+    max_size=3,
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": ROLE, "content": CONTENT},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": JSON, "arguments": JSON | st.text(max_size=30)})}), max_size=2), "name": JSON},
+)
+ROW = st.fixed_dictionaries(
+    {"id": JSON, "messages": st.lists(MESSAGE, max_size=6) | JSON},
+    optional={"images": st.lists(st.text(max_size=10), max_size=2) | JSON, "tools": JSON},
+)
+
+
+@PROPERTY
+@given(row=ROW | JSON)
+def test_any_row_is_a_trace_or_a_trace_error(row):
+    try:
+        trace = normalize_row(row)
+    except TraceError as err:
+        assert err.reason and err.field
+        return
+    assert trace.messages[-1]["role"] == "assistant" and all(m["role"] in ("system", "user", "assistant", "tool") for m in trace.messages)
+
+
+@PROPERTY
+@given(raw=st.binary(max_size=200) | st.builds(lambda n: b"[" * n + b"]" * n, st.integers(0, 200000)) | st.builds(lambda n: b"9" * n, st.integers(4000, 6000)))
+def test_any_line_decodes_or_is_a_named_trace_error(raw):
+    try:
+        _decode_line(raw)
+    except TraceError as err:
+        assert err.reason in ("non_utf8", "malformed_json", "json_too_deep", "json_number_too_long") and err.field == "<line>"
+
+
+@PROPERTY
+@given(text=st.text(max_size=200) | st.builds(lambda body: f"<tool_call>{body}</tool_call>", JSON.map(json.dumps) | st.text(max_size=50)))
+def test_any_assistant_text_parses_or_is_a_named_trace_error(text):
+    try:
+        rest, calls = parse_tool_call_text(text, "messages[1].content")
+    except TraceError as err:
+        assert err.reason in ("invalid_tool_call", "invalid_tool_arguments")
+        return
+    assert all(isinstance(c["function"]["arguments"], dict) and c["function"]["name"] for c in calls)
+    assert "<tool_call>" not in rest or calls == []
+
+
+@PROPERTY
+@given(name=st.text(min_size=1, max_size=20), arguments=st.dictionaries(st.text(max_size=8), EQUAL_JSON, max_size=4))
+def test_a_well_formed_tool_call_round_trips(name, arguments):
+    rest, calls = parse_tool_call_text(f"thinking\n<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>", "m")
+    assert rest == "thinking" and calls == [{"type": "function", "function": {"name": name, "arguments": arguments}}]

@@ -103,3 +103,42 @@ def test_a_source_that_changes_is_cropped_again(tmp_path):
     second = json.loads(backend.answer("crop_optical_or_sar_image", call)[0])["cropped_path"]
     assert second != first
     assert np.array_equal(np.asarray(Image.open(tmp_path / second)), inverted[3:9, 4:12])
+
+
+################
+# Property tests of the AOI validator (issue 28)
+################
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+NUMBER = st.integers() | st.integers(min_value=10**300, max_value=10**400) | st.floats(allow_nan=True, allow_infinity=True) | st.booleans()
+ANY_AOI = st.lists(NUMBER | st.text(max_size=5) | st.none(), max_size=6) | NUMBER | st.text(max_size=5) | st.none()
+
+
+@settings(max_examples=300, deadline=None)
+@given(aoi=ANY_AOI, width=st.integers(1, 5000), height=st.integers(1, 5000))
+def test_any_aoi_is_a_box_inside_the_image_or_bad_arguments(aoi, width, height):
+    from eogym_sft.environment.backends.crop import crop_box, parse_aoi
+    from eogym_sft.environment.results import ToolCallError
+
+    try:
+        valid = parse_aoi(aoi)
+    except ToolCallError as err:
+        assert err.code == "bad_arguments" and len(err.message) < 300
+        return
+    x0, y0, x1, y1 = crop_box(valid, width, height)
+    assert 0 <= x0 < x1 <= width and 0 <= y0 < y1 <= height
+
+
+@settings(max_examples=200, deadline=None)
+@given(edges=st.lists(st.floats(0, 1), min_size=4, max_size=4), width=st.integers(1, 5000), height=st.integers(1, 5000))
+def test_every_normalised_aoi_is_accepted(edges, width, height):
+    from eogym_sft.environment.backends.crop import crop_box, parse_aoi
+
+    x0, x1 = sorted(edges[:2])
+    y0, y1 = sorted(edges[2:])
+    if x0 == x1 or y0 == y1:
+        return
+    box = crop_box(parse_aoi([x0, y0, x1, y1]), width, height)
+    assert 0 <= box[0] < box[2] <= width and 0 <= box[1] < box[3] <= height
