@@ -202,7 +202,7 @@ class StepProbe:
 COMPONENTS = ("vision_tower", "attention", "base_matmul", "lora_matmul", "lm_head_and_loss", "optimizer", "other_kernels")
 VISION_RANGE = "eogym::vision_tower"
 HEAD_RANGE = "eogym::lm_head"
-TEXT_RANGE = "eogym::language_model"  # the decoder layers' forward, for bench/idle_gaps.py (no component of its own)
+TEXT_RANGE = "eogym::language_model"  # the decoder layers' forward, named in the trace (no component of its own)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_forward_kernel", "_backward_kernel")
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa")
@@ -341,7 +341,7 @@ class ProfileLastStep:
         self.step, self.start_after = step, max(0, grad_accum - micro_batches)
         self.prof, self._step, self._done = None, -1, 0
         self.window_s = None
-        self.trace = trace  # a gzipped Chrome trace of the window, for bench/idle_gaps.py
+        self.trace = trace  # a gzipped Chrome trace of the window (Perfetto, chrome://tracing)
 
     def on_step_begin(self, *a, **k):
         self._step += 1

@@ -426,7 +426,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--profile", default="", help="comma-separated arms to profile for one extra step (component breakdown)")
     parser.add_argument("--trace", default=None, help="with --profile: the profiled window's Chrome trace, gzipped, to "
-                        "this path (ARM in it replaced by the arm's name); bench/idle_gaps.py reads it")
+                        "this path (ARM in it replaced by the arm's name); open it in Perfetto")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .config import SampleConfig
 from .guards import refuse_nonempty_output, user_errors
+from .quiet import quiet_deepspeed_probe
 
 
 def add_sample_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,10 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
+    for path in args.input:  # refused before the heavy imports below
+        if not Path(path).is_file():
+            raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
+    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft prepare")
     from .data.datasets import prepare_dataset
     from .data.prepare import PrepConfig
     from .models.processor import load_processor
@@ -55,10 +60,6 @@ def run_prepare(args: argparse.Namespace) -> dict:
         **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict,
         max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
     )
-    for path in args.input:
-        if not Path(path).is_file():
-            raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
-    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft prepare")
     processor = load_processor(args.model, cfg.max_pixels, cfg.min_pixels)
     stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
@@ -189,13 +190,30 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces")
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (its first word that is not an option), if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Every subcommand is listed, but only the chosen one's flags are built: some ``add_*_args`` import
+    torch, and ``eogym-sft --help`` or a refused command should not wait for it."""
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: EOGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen = chosen_command(argv)
     for name, (add_args, _, help_text) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter)
+        if name == chosen:
+            add_args(command_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    quiet_deepspeed_probe()
+    args = build_parser(argv).parse_args(argv)
     with user_errors(f"eogym-sft {args.command}", args.debug):
         COMMANDS[args.command][1](args)
 

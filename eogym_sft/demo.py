@@ -129,7 +129,8 @@ def demo_summary(report: dict, output: Path, adapter: str) -> str:
             f"adapter:  {adapter}  (eogym_run.json beside it: config, versions, data hash)",
             f"report:   {output / 'validation.json'}",
             f"manifest: {output / 'prepared' / 'manifest.jsonl'}  (every input line: kept, split or dropped, and why)",
-            "next:     eogym-sft evaluate --model "
+            "next:     the recipe's own script on this sample, on CPU: docs/training.md, 'A first run on CPU'",
+            "          on a GPU, score turn by turn (generates 512 tokens a turn: slow on a CPU): eogym-sft evaluate --model "
             f"{output / 'small-qwen3-vl'} --adapter {adapter} --data {SAMPLE_JSONL} --data-root {SAMPLE_DIR} --output {output / 'evaluation'}",
             "          or train the real thing: see README.md, 'Train EO-Gym-4B'",
         ]

@@ -21,6 +21,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from trl import ModelConfig, SFTConfig, TrlParser  # noqa: E402
 
 from eogym_sft.config import EOGymScriptArguments  # noqa: E402
+from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
 from eogym_sft.training.sft import train  # noqa: E402
 
 
@@ -32,4 +33,5 @@ def parse_args(argv: list[str]):
 
 
 if __name__ == "__main__":
+    quiet_deepspeed_probe()
     train(*parse_args(sys.argv[1:]))

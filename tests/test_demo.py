@@ -42,8 +42,8 @@ def test_demo_summary_names_both_arms_and_where_everything_is(tmp_path):
     text = demo_summary({"samples": 6, "models": scores}, tmp_path, str(tmp_path / "adapter"))
     lines = text.splitlines()
     assert "token accuracy  base 0.0200  ->  adapter 0.3100" in text and "Held-out traces (never trained on): 6 samples" in text
-    assert [line.split(":")[0] for line in lines[-5:-1]] == ["adapter", "report", "manifest", "next"]
-    assert "README.md" in lines[-1]
+    assert [line.split(":")[0] for line in lines[-6:-2]] == ["adapter", "report", "manifest", "next"]
+    assert "A first run on CPU" in lines[-3] and "on a GPU" in lines[-2] and "README.md" in lines[-1]
     assert f"--adapter {tmp_path / 'adapter'}" in text and str(Path(tmp_path) / "prepared" / "manifest.jsonl") in text
 
 

@@ -11,18 +11,14 @@ Finding the boundaries needs a host sync. :func:`add_sample_boundaries` does it 
 the decoder layers, so that a regionally compiled layer (attention kernel included) is one graph; for
 ``eogym_varlen_cudnn``, whose per-sample loop runs on the host, it hands them over there.
 
-``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. cuDNN's dense kernel ran causal attention
-of two 6,000-token samples at Qwen3-VL-4B's heads forward + backward in 4.11 ms, flash's varlen in 7.21 ms
-(H200, ``bench/attention_probe.py``, 2026-11-30). :func:`per_sample_op` calls that kernel once per sample,
-each run at its length rounded up to a multiple of 128 tokens: 1.56x flash's varlen on samples of 3,500 and
-8,500 tokens, and (before the samples were read in place, at 1.44x) +9.7% tokens/s for a whole training step
-(H200, 2026-12-01; docs/benchmarks.md). cuDNN's ragged (packed)
-kernel would take the rows as they are, but it is not used: torch routes to it only from 2.14, and the H200
-image's torch 2.11 lacks that release's backward fix (pytorch#186142; there its gradients came out wrong), so
-no GPU here could check a path through it.
-Right-padding a micro-batch's samples to its longest into one dense batch instead (the path until 2026-12-01)
-costs the pad rows' causal work: a sample of ``l`` tokens padded to ``L`` adds ``(L**2 - l**2) / 2`` scores;
-on 3,500 + 8,500 tokens it was slower than flash (attention_probe, 2026-12-01).
+``eogym_varlen_cudnn`` is the same attention by cuDNN's kernels. :func:`per_sample_op` calls cuDNN's dense
+kernel once per sample, each run at its length rounded up to a multiple of 128 tokens; it is faster than
+flash's varlen kernel, per call and per training step (docs/benchmarks.md, "Attention"). cuDNN's ragged
+(packed) kernel would take the rows as they are, but it is not used: torch routes to it only from 2.14, whose
+backward fix (pytorch#186142) no GPU here has been able to check. Right-padding a micro-batch's samples to
+its longest into one dense batch instead costs the pad rows' causal work: a sample of ``l`` tokens padded to
+``L`` adds ``(L**2 - l**2) / 2`` scores, and on unequal lengths it was slower than flash (docs/benchmarks.md,
+"Levers tried").
 
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
@@ -82,7 +78,7 @@ def _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag: bool):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (~50 ms, H200)
+LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (docs/benchmarks.md)
 
 
 def _sample_kernels(device_type: str):
@@ -190,9 +186,9 @@ def per_sample_op():
     """Causal attention of the packed samples, one fused dense kernel call per sample, as one custom op with its
     own backward (defined on first use, not at import).
 
-    The kernel is cuDNN's dense one on CUDA: sample by sample, 1.56x flash's varlen (module docstring).
-    cuDNN builds an execution plan for each new shape, about 50 ms on an H200 (``bench/attention_probe.py``,
-    2026-12-01), longer than the attention itself, and nearly every sample has a length of its own; so each
+    The kernel is cuDNN's dense one on CUDA, sample by sample (module docstring). cuDNN builds an execution
+    plan for each new shape, which takes longer than the attention itself (docs/benchmarks.md, "Levers
+    tried"), and nearly every sample has a length of its own; so each
     sample is run at a length rounded up to a multiple of ``LENGTH_BUCKET`` tokens, which bounds the shapes (and
     plans) of a run to ``max_length / LENGTH_BUCKET``, at the cost of at most 127 rows a sample. The extra rows are
     the packed rows that follow the sample, read in place (:func:`_window`); only a sample too close to the end of
@@ -269,8 +265,7 @@ def reference_op():
     opaque node: its per-sample loop reads the boundaries on the host, which would otherwise break the
     compiled layer's graph on CPU. So a compiled layer is one graph on both devices, and the CPU tests
     count the graphs that the GPU compiles. Eager code calls the reference itself: its backward
-    recomputes the forward, which autograd through SDPA does not (``eogym-sft demo`` on the 2-core
-    development box: 55.7 s with the op in eager code too, 45.6 s without, 2026-11-30).
+    recomputes the forward, which autograd through SDPA does not, so eager code through the op is slower.
     """
 
     @torch.library.custom_op("eogym::varlen_attention_reference", mutates_args=())

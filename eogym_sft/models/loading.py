@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,15 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     return model
 
 
+@contextmanager
+def peft_quietly():
+    """PEFT's ``PeftModel`` reads transformers' deprecated ``is_gradient_checkpointing`` (transformers >= 5.24
+    names it ``is_activation_checkpointing``): a FutureWarning on every adapter, about nothing our settings do."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def lora_target_regex(targets=LORA_TARGETS) -> str:
     """A PEFT ``target_modules`` regex that matches only the language model's projections."""
     return rf".*\.language_model\..*\.({'|'.join(targets)})"
@@ -57,7 +67,8 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=lora_target_regex(targets), task_type="CAUSAL_LM"
     )
-    peft_model = get_peft_model(model, config)
+    with peft_quietly():
+        peft_model = get_peft_model(model, config)
     check_trainable(peft_model)
     return peft_model
 
@@ -66,7 +77,8 @@ def continue_lora(model, adapter_dir: str):
     """Load a LoRA adapter (e.g. the SFT recipe's output) onto ``model`` to train it further."""
     from peft import PeftModel
 
-    peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    with peft_quietly():
+        peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
     check_trainable(peft_model)
     return peft_model
 
@@ -165,7 +177,8 @@ def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype):
     if adapters:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].peft_name)
+        with peft_quietly():
+            model = PeftModel.from_pretrained(model, adapters[0].adapter, adapter_name=adapters[0].peft_name)
         for arm in adapters[1:]:
             model.load_adapter(arm.adapter, adapter_name=arm.peft_name)
     return model.eval()

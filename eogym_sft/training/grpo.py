@@ -338,7 +338,7 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
     )
     if not training_args.use_vllm:
         # TRL suppresses only <|image_pad|>; a sampled <|video_pad|> or <|vision_start|> breaks the training
-        # forward's 3-D positions (seen on an H200 with random weights), so every vision token is suppressed.
+        # forward's 3-D positions (seen with random weights), so every vision token is suppressed.
         kwargs = dict(training_args.generation_kwargs or {})
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
         training_args.generation_kwargs = kwargs

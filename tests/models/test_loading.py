@@ -354,3 +354,19 @@ def test_compiled_layers_do_not_recompile_between_training_and_evaluation(proces
             entries.append(len(_debug_get_cache_entry_list(type(layer).forward.__code__)))
     assert entries == [2, 2, 2]
     torch._dynamo.reset()
+
+
+def test_apply_lora_warns_about_nothing_we_set():
+    """PEFT reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping a model; ``apply_lora``
+    keeps that FutureWarning (about no setting of ours) out of every training run, and lets others through."""
+    import warnings
+
+    from eogym_sft.models.loading import peft_quietly
+    from eogym_sft.models.tiny import build_tiny_model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(build_tiny_model())
+        with peft_quietly():
+            warnings.warn("another FutureWarning", FutureWarning)
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == ["another FutureWarning"]
