@@ -85,16 +85,23 @@ def run_tiny(args: argparse.Namespace) -> None:
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> None:
+    from .evaluation.validate import ValidateConfig
+
     parser.add_argument("--model", required=True, help="base model: hub id or local folder")
-    parser.add_argument("--adapter", help="PEFT adapter folder (omit to score the base model alone)")
+    parser.add_argument("--adapter", nargs="+", action="extend", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
+    parser.add_argument("--no-base", action="store_true", help="do not score the base model (adapters off) as an arm")
     parser.add_argument("--data", required=True, help="prepared folder, or EO-Gym JSONL (prepared on the way in)")
     parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     parser.add_argument("--output", required=True, help="report.json to write")
-    parser.add_argument("--with-base", action="store_true", help="also score the base model, as a second column")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=ValidateConfig.batch_size, help="samples packed into one forward")
     add_sample_args(parser)
     parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
-    parser.add_argument("--dtype", default=None, help="model dtype (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"), help="auto = bf16 on GPU, fp32 on CPU")
+    parser.add_argument(
+        "--attn-implementation", default=None,
+        help="text attention: eogym_varlen_cudnn (default on CUDA, the recipe's), eogym_varlen (default elsewhere) or sdpa (padded batches)",
+    )
     parser.add_argument("--allow-other-base", action="store_true", help="use an adapter trained on a base of another name (the same weights renamed)")
     parser.add_argument(
         "--held-out-fraction", type=float, default=None,
@@ -107,13 +114,16 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
 def run_validate(args: argparse.Namespace) -> dict:
     from .evaluation.validate import ValidateConfig, validate
 
-    return validate(
-        ValidateConfig(
-            **sample_settings(args), model=args.model, adapter=args.adapter, data=args.data, data_root=args.data_root,
-            output=args.output, with_base=args.with_base, batch_size=args.batch_size, num_proc=args.num_proc, dtype=args.dtype,
-            allow_other_base=args.allow_other_base, overwrite=args.overwrite, held_out_fraction=args.held_out_fraction, seed=args.seed,
+    try:
+        cfg = ValidateConfig(
+            **sample_settings(args), model=args.model, adapters=args.adapter, include_base=not args.no_base, data=args.data,
+            data_root=args.data_root, output=args.output, batch_size=args.batch_size, num_proc=args.num_proc, device=args.device,
+            dtype=args.dtype, attn_implementation=args.attn_implementation, allow_other_base=args.allow_other_base,
+            overwrite=args.overwrite, held_out_fraction=args.held_out_fraction, seed=args.seed,
         )
-    )
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft validate: {err}") from None
+    return validate(cfg)
 
 
 def add_evaluate_args(parser: argparse.ArgumentParser) -> None:

@@ -100,11 +100,10 @@ def run_demo(
     report = validate(
         ValidateConfig(
             model=str(model_dir),
-            adapter=adapter,
+            adapters=[f"adapter={adapter}"],
             data=str(output / "prepared"),
             data_root=str(SAMPLE_DIR),
             output=str(output / "validation.json"),
-            with_base=True,
             batch_size=4,
             max_pixels=max_pixels,
             held_out_fraction=EVAL_FRACTION,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,10 +20,10 @@ from ..data.datasets import read_rows
 from ..data.images import ImageError, image_size, resolve_image_path
 from ..data.traces import TraceError
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
-from ..guards import refuse_nonempty_output
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
 from ..models.generation import Sampling, SlotDecoder
+from . import ranks
 from .episodes import (
     LoopConfig,
     canonical_prompt,
@@ -30,7 +31,9 @@ from .episodes import (
     question_messages,
     run_episodes,
 )
+from .policy_server import PolicyServer, policy_servers, run_policy_episodes
 from .report import format_rollout_report, summarize_rollouts
+from .resume import EpisodeLog, episode_file, merge_episodes, open_run, order_key, read_episodes, resume_key
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
 
 
@@ -51,6 +54,10 @@ class RolloutConfig(ArmsConfig):
     judge_model: str = DEFAULT_JUDGE_MODEL
     judge_retries: int = 3
     judge_timeout: float = 60.0  # seconds for judging one answer, retries included
+    policies: list[PolicyServer] = field(default_factory=list)  # arms behind chat-completions servers
+
+    def has_arms(self) -> bool:
+        return super().has_arms() or bool(self.policies)
 
     def __post_init__(self):
         super().__post_init__()
@@ -141,67 +148,76 @@ def default_env_factory(cfg: RolloutConfig):
     return factory
 
 
-def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict:
-    """Run every arm over every usable row ``cfg.samples`` times; write the outputs; return the summary."""
+def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict | None:
+    """Run every arm over every usable row ``cfg.samples`` times; write the outputs; return the summary
+    (``None`` on ranks other than 0 of a multi-process run).
+
+    Episodes already in ``cfg.output`` from an interrupted run of the same settings are kept and not
+    run again (:mod:`eogym_sft.evaluation.resume`). Under ``torchrun`` or ``accelerate launch``
+    (``RANK``/``WORLD_SIZE`` set) each rank runs every ``WORLD_SIZE``-th row and rank 0 merges.
+    """
     import torch
     from tqdm.auto import tqdm
 
-    from ..models.loading import (
-        load_inference_model,
-        parse_arms,
-        resolve_device,
-        use_arm,
-    )
+    from ..models.loading import parse_arms, resolve_device
     from ..models.processor import load_processor
 
     out = Path(cfg.output)
-    refuse_nonempty_output(out, cfg.overwrite, "eogym-sft rollout")
+    group = ranks.join()
+    local_arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base) if cfg.include_base or cfg.adapters else []
+    names = [a.name for a in local_arms] + [p.name for p in cfg.policies]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique, got {names}: name adapters NAME=DIR and policies --policy-model NAME=MODEL")
+    key = resume_key(cfg)
+    ranks.agree(group, lambda: open_run(out, key, cfg.overwrite, "eogym-sft rollout"))
+    earlier = read_episodes(out)
     judge = make_judge(cfg)
-    arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    device, dtype = resolve_device(ranks.local_device(cfg.device, group), cfg.dtype)
     env_factory = env_factory or default_env_factory(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     rows, failures = read_questions(cfg)
-    model = load_inference_model(cfg.model, arms, device, dtype)
-    out.mkdir(parents=True, exist_ok=True)
+    mine = rows[group.rank :: group.world]
+    todo = {name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier] for name in names}
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     loop = LoopConfig(cfg.max_turns, cfg.max_new_tokens, cfg.tool_images, cfg.seed)
     graphs = cfg.cuda_graphs and device.type == "cuda" and not cfg.compile
-    decoder = SlotDecoder(model, min(cfg.slots, max(1, len(rows) * cfg.samples)), cfg.max_length, cfg.compile, cuda_graphs=graphs)
-    records, timing = [], {}
-    bar = tqdm(total=len(rows) * cfg.samples * len(arms), unit="episode", desc="rollout", disable=not progress)
-    with open(out / "episodes.jsonl", "w") as fh:
-        for arm in arms:
-            bar.set_description(f"rollout {arm.name}")
-            done: list[dict] = []
-            episodes = (start_episode(row, source, arm.name, k, env_factory) for source, row in rows for k in range(cfg.samples))
-            with use_arm(model, arm):
-                stats = run_episodes(decoder, processor, episodes, sampling, loop, cfg.data_root, lambda ep: done.append(ep.record()), bar)
-            decoder.reset()  # the next arm's weights make these caches and graphs stale
-            score_episodes(done, judge)
-            for r in done:
-                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-            fh.flush()
-            records += done
-            minutes = stats["seconds"] / 60
-            timing[arm.name] = {
-                **stats,
-                "episodes_per_min": len(done) / minutes if minutes else None,
-                "new_tokens_per_s": stats["new_tokens"] / stats["seconds"] if stats["seconds"] else None,
-            }
+    local = _LocalArms(cfg, local_arms, device, dtype, graphs, max(len(v) for v in todo.values()) if todo else 1)
+    timing = {}
+    bar = tqdm(total=sum(map(len, todo.values())), unit="episode", desc="rollout", disable=not progress)
+    with EpisodeLog(out / episode_file(group)) as log, Scorer(judge, log) as scorer:
+        for name in names:
+            if not todo[name]:
+                continue
+            bar.set_description(f"rollout {name}")
+            episodes = (start_episode(row, source, name, k, env_factory) for source, row, k in todo[name])
+            policy = next((p for p in cfg.policies if p.name == name), None)
+            if policy is not None:
+                stats = run_policy_episodes(policy, processor, episodes, sampling, loop, cfg.data_root, scorer.add, bar)
+            else:
+                stats = local.run(name, processor, episodes, sampling, loop, scorer.add, bar)
+            timing[name] = {**stats, "episodes": len(todo[name])}
     bar.close()
-    settings = recorded_settings(cfg, arms, device, dtype)
+    timing = ranks.gather_timing(group, timing)
+    if group.rank != 0:
+        ranks.leave(group)
+        return None
+    records = merge_episodes(out, order_key(names, rows))
+    ranks.leave(group)
+    settings = recorded_settings(cfg, local_arms, device, dtype)
     settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
-    settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
+    settings["world_size"] = group.world
     counts = {
         "rows_in": len(rows) + len(failures),
         "rows_failed": len(failures),
         "questions": len(rows),
         "episodes": len(records),
+        "episodes_resumed": sum(1 for r in records if (r["arm"], r["source_id"], r["sample"]) in earlier),
         "episode_errors": sum(r["stop_reason"] == "error" for r in records),
+        "policy_errors": sum(str(r["error"] or "").startswith("PolicyError") for r in records),
         "judge_failed": sum(bool(r["judge_error"]) for r in records),
     }
-    summary = summarize_rollouts(records, [a.name for a in arms], cfg.ks, settings, counts, timing)
+    summary = summarize_rollouts(records, names, cfg.ks, settings, counts, timing)
     with open(out / "skipped.jsonl", "w") as fh:
         for item in failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]:
             fh.write(json.dumps(item, ensure_ascii=False) + "\n")
@@ -210,6 +226,57 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     (out / "report.txt").write_text(report + "\n")
     print(report)
     return summary
+
+
+class _LocalArms:
+    """The base model and adapters of one process, loaded at the first local arm that has work."""
+
+    def __init__(self, cfg: RolloutConfig, arms: list, device, dtype, graphs: bool, most_episodes: int):
+        self.cfg, self.arms, self.device, self.dtype, self.graphs = cfg, arms, device, dtype, graphs
+        self.slots = min(cfg.slots, max(1, most_episodes))
+        self.model = self.decoder = None
+
+    def run(self, name: str, processor, episodes, sampling, loop, on_done, bar) -> dict:
+        from ..models.loading import load_inference_model, use_arm
+
+        if self.model is None:
+            self.model = load_inference_model(self.cfg.model, self.arms, self.device, self.dtype)
+            self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_length, self.cfg.compile, cuda_graphs=self.graphs)
+        arm = next(a for a in self.arms if a.name == name)
+        with use_arm(self.model, arm):
+            stats = run_episodes(self.decoder, processor, episodes, sampling, loop, self.cfg.data_root, on_done, bar)
+        self.decoder.reset()  # the next arm's weights make these caches and graphs stale
+        return stats
+
+
+class Scorer:
+    """Scores each finished episode (rule, then the judge in worker threads) and appends it to the log;
+    a judge's failure is recorded in the episode, a failure to write ends the run."""
+
+    def __init__(self, judge, log, workers: int = 8):
+        self.judge, self.log = judge, log
+        self.pool = ThreadPoolExecutor(max_workers=workers) if judge is not None else None
+        self.futures = []
+
+    def add(self, episode) -> None:
+        record = episode.record()
+        if self.pool is None:
+            self._score(record)
+        else:
+            self.futures.append(self.pool.submit(self._score, record))
+
+    def _score(self, record: dict) -> None:
+        score_episodes([record], self.judge)
+        self.log.write(record)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            for future in self.futures:
+                future.result()  # a write that failed raises here
 
 
 def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
@@ -251,6 +318,12 @@ def add_rollout_args(parser) -> None:
     add("--judge-model", default=RolloutConfig.judge_model, help="model name sent to --judge-url")
     add("--judge-retries", type=int, default=RolloutConfig.judge_retries, help="retries of a failed judge request before it is counted")
     add("--judge-timeout", type=float, default=RolloutConfig.judge_timeout, help="seconds for judging one answer, retries included")
+    add("--policy-url", action="append", default=[], metavar="URL",
+        help="an OpenAI-compatible chat-completions endpoint as one more arm (repeat for several; docs/evaluation.md)")
+    add("--policy-model", action="append", default=[], metavar="[ARM=]MODEL", help="the model name sent to the i-th --policy-url")
+    add("--policy-config", action="append", default=[], metavar="JSON",
+        help="settings of the policy servers as a JSON object or file: api_key_env, concurrency, deadline_s, retries, "
+             "max_response_bytes, tool_images_as, max_tokens_field, body (one for all, or one per --policy-url)")
 
 
 def run_rollout(args) -> dict:
@@ -261,7 +334,8 @@ def run_rollout(args) -> dict:
             tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
             max_length=args.max_length, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
             judge_model=args.judge_model, judge_retries=args.judge_retries, judge_timeout=args.judge_timeout,
+            policies=policy_servers(args.policy_url, args.policy_model, args.policy_config),
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         raise SystemExit(f"eogym-sft rollout: {err}") from None
     return rollout(cfg, progress=not args.no_progress, env_factory=None)

@@ -42,12 +42,17 @@ class ArmsConfig(SampleConfig):
         ToolImageRule.parse(self.tool_images)  # raises ValueError on a bad spec
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
-        if not self.include_base and not self.adapters:
+        if not self.has_arms():
             raise ValueError("nothing to run: no base arm and no adapters")
         if min(self.samples, self.max_new_tokens) < 1:
             raise ValueError("samples and max_new_tokens must be at least 1")
         if self.samples > 1 and self.temperature <= 0:
             raise ValueError(f"--samples {self.samples} needs --temperature > 0 (greedy outputs would all be equal)")
+
+
+    def has_arms(self) -> bool:
+        """Whether any arm is asked for (a subclass with arms of another kind widens this)."""
+        return self.include_base or bool(self.adapters)
 
 
 def recorded_settings(cfg: ArmsConfig, arms: list, device, dtype) -> dict:

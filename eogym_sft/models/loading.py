@@ -167,12 +167,16 @@ def resolve_device(device: str = "auto", dtype: str = "auto"):
     return resolved, torch.bfloat16 if resolved.type == "cuda" else torch.float32
 
 
-def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype):
+def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype, attn_implementation: str | None = None):
     """The base model, loaded once in eval mode, with every adapter of ``arms`` attached by peft
-    (switch with :func:`use_arm`)."""
+    (switch with :func:`use_arm`). ``attn_implementation`` (e.g. ``eogym_varlen``) loads it as
+    :func:`load_base_model` does, for whole-sequence scoring without a KV cache."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
+    if attn_implementation is None:
+        model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
+    else:
+        model = load_base_model(name_or_path, dtype, attn_implementation).to(device)
     adapters = [a for a in arms if a.adapter]
     if adapters:
         from peft import PeftModel

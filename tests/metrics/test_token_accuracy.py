@@ -296,14 +296,6 @@ def test_score_dataset_matches_full_logits(processor, biased_model):
     assert sum(report[g]["tokens"] for g in report if g.startswith("EO_task/")) == report["overall"]["tokens"]
 
 
-def test_score_dataset_refuses_a_padding_free_collator(processor, biased_model):
-    from eogym_sft.evaluation.validate import score_dataset
-    from eogym_sft.training.collator import EOGymCollator
-
-    with pytest.raises(ValueError, match="padded collator"):
-        score_dataset(biased_model, EOGymCollator(processor, padding_free=True), _examples())
-
-
 def test_score_dataset_leaves_out_a_sample_whose_image_fails(processor, biased_model):
     from eogym_sft.evaluation.validate import score_dataset
     from eogym_sft.training.collator import EOGymCollator

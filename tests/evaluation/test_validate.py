@@ -1,0 +1,103 @@
+"""``validate`` on the training fast path: packed batches through the variable-length attention give
+the padded SDPA path's numbers; arms by ``--adapter NAME=DIR`` and ``--no-base`` as in evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import chat_example, lean_towards_im_end, sharpen
+from PIL import Image
+
+from eogym_sft.evaluation.validate import sample_spans, score_dataset
+from eogym_sft.training.collator import EOGymCollator
+
+PIXELS = {"min_pixels": 1024, "max_pixels": 4096}
+
+
+@pytest.fixture(scope="module")
+def arms_dir(tmp_path_factory, processor):
+    """A sharpened tiny Qwen3-VL folder and one LoRA adapter with random (non-zero) weights on it."""
+    from peft import LoraConfig, get_peft_model
+
+    from eogym_sft.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("validate_models")
+    sharpen(build_tiny_model(seed=3), seed=3).save_pretrained(root / "base")
+    processor.save_pretrained(root / "base")
+    model = sharpen(build_tiny_model(seed=3), seed=3)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(model, lora).save_pretrained(root / "lora")
+    return root
+
+
+def _examples():
+    red, blue = Image.new("RGB", (64, 32), "red"), Image.new("RGB", (48, 48), "blue")
+    return [
+        chat_example("How many ships?", "I see boats.\nFinal Answer: 3", [red], EO_task="Counting", question_type="count"),
+        chat_example("Is it flooded?", "Final Answer: yes", (), EO_task="Change"),
+        chat_example("Which land cover?", '<tool_call>\n{"name": "crop", "arguments": {}}\n</tool_call>', [blue, red], EO_task="Counting"),
+        chat_example("Which land cover dominates the scene?", "Forest.\nFinal Answer: forest", (), EO_task="Counting", question_type="classify"),
+        chat_example("Any roads?", "Final Answer: no", [blue], EO_task="Change", question_type="count"),
+    ]
+
+
+def test_packed_varlen_scores_equal_the_padded_sdpa_path(arms_dir, processor):
+    from eogym_sft.models.loading import load_base_model
+
+    sdpa = lean_towards_im_end(load_base_model(str(arms_dir / "base"), "float32", "sdpa")).eval()
+    varlen = lean_towards_im_end(load_base_model(str(arms_dir / "base"), "float32", "eogym_varlen")).eval()
+    examples = _examples()
+    want = score_dataset(sdpa, EOGymCollator(processor, **PIXELS), examples, batch_size=2, progress=False)
+    got = score_dataset(varlen, EOGymCollator(processor, **PIXELS, padding_free=True), examples, batch_size=3, progress=False)
+    assert list(got) == list(want)
+    assert {"token_class/tool_call", "token_class/final_answer", "EO_task/Change", "question_type/unknown"} <= set(want)
+    assert 0 < want["overall"]["token_accuracy"] < 1
+    for group, w in want.items():
+        assert (got[group]["tokens"], got[group]["token_accuracy"]) == (w["tokens"], w["token_accuracy"]), group
+        assert got[group]["loss"] == pytest.approx(w["loss"], rel=1e-5), group
+    # a sample whose image fails leaves its packed batch, named, and the figures as they were
+    broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
+    skipped = []
+    collator = EOGymCollator(processor, **PIXELS, padding_free=True, skip_bad_images=True)
+    again = score_dataset(varlen, collator, [broken, *examples], batch_size=3, progress=False, skipped=skipped)
+    assert [(r["sample_id"], r["reason"]) for r in skipped] == [("gone-1#w0", "missing_image")]
+    assert {g: (v["tokens"], v["token_accuracy"]) for g, v in again.items()} == {g: (v["tokens"], v["token_accuracy"]) for g, v in got.items()}
+
+
+def test_sample_spans_of_a_packed_batch(processor):
+    examples = _examples()[:3]
+    packed = EOGymCollator(processor, **PIXELS, padding_free=True)(examples)
+    lengths = [EOGymCollator(processor, **PIXELS)([ex])["input_ids"].shape[1] for ex in examples]
+    starts = [0, lengths[0], lengths[0] + lengths[1]]
+    assert sample_spans(packed, 3, packed=True) == [[(s, s + n) for s, n in zip(starts, lengths)]]
+    with pytest.raises(ValueError, match="shows 3 position restarts"):
+        sample_spans(packed, 2, packed=True)
+
+
+def test_validate_arms_by_flags_on_either_path(arms_dir, data_root, row_factory, tmp_path, capsys):
+    from eogym_sft.cli import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row_factory(row_id=f"r{i}")) + "\n" for i in range(3)))
+    common = ["--model", str(arms_dir / "base"), "--data", str(data), "--data-root", str(data_root), "--batch-size", "2"]
+    main(["validate", *common, "--adapter", f"one={arms_dir / 'lora'}", "--output", str(tmp_path / "fast.json")])
+    fast = json.loads((tmp_path / "fast.json").read_text())
+    assert list(fast["models"]) == ["base", "one"] and fast["adapters"] == {"one": str(arms_dir / "lora")}
+    assert fast["attn_implementation"] == "eogym_varlen" and fast["samples"] == 3
+    base, one = fast["models"]["base"]["overall"], fast["models"]["one"]["overall"]
+    assert base["tokens"] == one["tokens"] > 0 and base["loss"] != one["loss"]  # the adapter is switched in
+    assert fast["timing"]["one"]["tokens"] > one["tokens"] and fast["timing"]["one"]["tokens_per_s"] > 0
+    main(["validate", *common, "--adapter", f"one={arms_dir / 'lora'}", "--no-base", "--attn-implementation", "sdpa",
+          "--output", str(tmp_path / "padded.json")])
+    padded = json.loads((tmp_path / "padded.json").read_text())
+    assert list(padded["models"]) == ["one"]
+    for group, w in padded["models"]["one"].items():
+        got = fast["models"]["one"][group]
+        assert (got["tokens"], got["token_accuracy"]) == (w["tokens"], w["token_accuracy"]), group
+        assert got["loss"] == pytest.approx(w["loss"], rel=1e-5), group
+    assert "token accuracy (one)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="nothing to score"):
+        main(["validate", *common, "--no-base", "--output", str(tmp_path / "none.json")])
