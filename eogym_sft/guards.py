@@ -35,6 +35,37 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError)
 
 
+class ModelUnreachable(FileNotFoundError):
+    """A ``--model`` that is no local folder and cannot be fetched: offline, or the hub does not answer."""
+
+
+def check_model_source(name: str, connect_timeout_s: float = 3.0) -> None:
+    """Fail at once, with the hint that offline the model must be a local folder, when ``name`` is neither a
+    folder nor in the hub cache and the hub is off (``HF_HUB_OFFLINE``) or unreachable; otherwise the hub
+    client retries for minutes before it says so."""
+    import socket
+    import urllib.parse
+
+    if Path(name).exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return
+    except ValueError:  # not even shaped like a hub id
+        raise ModelUnreachable(f"--model {name}: no such folder, and not a hub id (org/name)") from None
+    hint = "offline, --model must be a local folder (a downloaded snapshot, or one written by `eogym-sft tiny-model`)"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelUnreachable(f"--model {name}: no such folder and not in the hub cache, and HF_HUB_OFFLINE is set: {hint}")
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=connect_timeout_s).close()
+    except OSError as err:
+        raise ModelUnreachable(f"--model {name}: no such folder, and {endpoint.hostname} cannot be reached ({err}): {hint}") from None
+
+
 @contextlib.contextmanager
 def user_errors(command: str, debug: bool = False):
     """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1.

@@ -76,7 +76,7 @@ def test_every_writing_command_refuses_a_non_empty_output(tmp_path):
         "validate": ["validate", "--model", "m", "--data", str(used), "--output", str(report)],
     }
     for name, argv in commands.items():
-        with pytest.raises(FileExistsError, match=rf"eogym-sft {name}: .* exists and is not empty: .*--overwrite"):
+        with pytest.raises(SystemExit, match=rf"^eogym-sft {name}: .* exists and is not empty: .*--overwrite"):
             main(argv)
     assert (used / "keep.txt").read_text() == "an earlier run" and report.read_text() == "{}"
 
@@ -87,5 +87,24 @@ def test_validate_refuses_an_adapter_of_another_base(tmp_path):
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-VL-8B-Instruct"}))
     argv = ["validate", "--model", "Qwen/Qwen3-VL-4B-Instruct", "--adapter", str(tmp_path / "adapter"), "--data", "d", "--output", str(tmp_path / "r.json")]
-    with pytest.raises(ValueError, match=r"trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model is 'Qwen/Qwen3-VL-4B-Instruct'"):
+    with pytest.raises(SystemExit, match=r"trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model is 'Qwen/Qwen3-VL-4B-Instruct'"):
         main(argv)
+
+
+def test_a_hub_id_offline_fails_at_once_with_the_hint(tmp_path, monkeypatch):
+    import time
+
+    from eogym_sft.cli import main
+
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    argv = ["prepare", "--input", str(tmp_path / "rows.jsonl"), "--model", "someorg/not-a-cached-model", "--output", str(tmp_path / "out")]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match=r"^eogym-sft prepare: --model someorg/not-a-cached-model: .*HF_HUB_OFFLINE is set: "
+                       r"offline, --model must be a local folder"):
+        main(argv)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: as a machine with no network
+    with pytest.raises(SystemExit, match=r"127\.0\.0\.1 cannot be reached .*offline, --model must be a local folder"):
+        main(argv)
+    assert time.monotonic() - start < 10  # not the hub client's minutes of retries

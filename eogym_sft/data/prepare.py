@@ -27,6 +27,7 @@ UTF8_BOM = b"\xef\xbb\xbf"
 # EO-Gym rows have tens of messages and tens of kilobytes; these leave wide room.
 MAX_ROW_BYTES = 4 << 20
 MAX_MESSAGES = 256
+DROP_SHARE = 0.5  # more than this share of rows dropped for one reason stops a command (--allow-drops goes on)
 
 
 @dataclass
@@ -39,7 +40,7 @@ class PrepConfig(SampleConfig):
     strict: bool = False
     max_row_bytes: int = MAX_ROW_BYTES  # a longer line is dropped as row_too_large before it is parsed
     max_messages: int = MAX_MESSAGES  # a row with more messages is dropped as too_many_messages before it is rendered
-    max_drop_share: float = 0.5  # more rows than this share dropped for one reason stops the run (1.0: never)
+    max_drop_share: float = DROP_SHARE  # more rows than this share dropped for one reason stops the run (1.0: never)
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,24 +91,32 @@ LIKELY_CAUSE = {
 }
 
 
-def check_drop_share(results: list[LineResult], max_share: float, allow_flag: str = "--allow-drops") -> None:
-    """Refuse a run that dropped more than ``max_share`` of its rows for one reason, naming the reason, two
-    examples and the likely cause; a run that silently loses most of its data is never what was meant."""
-    rows = [r for r in results if r.reason != "blank_line"]
-    if not rows or max_share >= 1:
+def check_reason_share(problems: list[dict], total: int, max_share: float, what: str = "rows", allow_flag: str = "--allow-drops") -> None:
+    """Refuse a run that lost more than ``max_share`` of its ``total`` rows (or turns) for one reason, naming
+    the reason, two examples and the likely cause: a run that silently loses most of its data is never what was
+    meant. ``problems`` are dicts with ``reason``, ``source`` (``file:line``), ``field`` and ``detail``."""
+    blank = sum(p["reason"] == "blank_line" for p in problems)  # a trailing empty line is not a lost row
+    total -= blank
+    if total <= 0 or max_share >= 1:
         return
-    by_reason: dict[str, list[LineResult]] = {}
-    for r in rows:
-        if r.status == "dropped":
-            by_reason.setdefault(r.reason, []).append(r)
-    for reason, dropped in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
-        if len(dropped) > max_share * len(rows):
-            examples = "; ".join(f"{r.file}:{r.line} {r.field}: {r.detail}" for r in dropped[:2])
+    by_reason: dict[str, list[dict]] = {}
+    for p in problems:
+        if p["reason"] != "blank_line":
+            by_reason.setdefault(p["reason"], []).append(p)
+    for reason, lost in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        if len(lost) > max_share * total:
+            examples = "; ".join(f"{p['source']} {p['field']}: {p['detail']}" for p in lost[:2])
             cause = LIKELY_CAUSE.get(reason, "the inputs do not fit these settings")
             raise TooManyDropped(
-                f"{len(dropped)} of {len(rows)} rows dropped as {reason} (e.g. {examples}); likely cause: {cause}. "
+                f"{len(lost)} of {total} {what} dropped as {reason} (e.g. {examples}); likely cause: {cause}. "
                 f"Pass {allow_flag} to go on anyway"
             )
+
+
+def check_drop_share(results: list[LineResult], max_share: float, allow_flag: str = "--allow-drops") -> None:
+    """:func:`check_reason_share` over data prep's lines (blank lines aside)."""
+    dropped = [{"reason": r.reason, "source": f"{r.file}:{r.line}", "field": r.field, "detail": r.detail} for r in results if r.status == "dropped"]
+    check_reason_share(dropped, len(results), max_share, "rows", allow_flag)
 
 
 def image_factor(processor) -> int:

@@ -165,7 +165,8 @@ class EOGymEnvironment:
                 path = resolve_image_path(rel, self.data_root)
                 checked_image_size(path)  # what data prep requires of an image: the whole file decodes
             except ImageError as err:
-                raise ToolCallError("bad_image", f"the result names image {short(rel, 120)}, which cannot be shown ({err.reason})") from None
+                message = f"the result names image {short(rel, 120)}, which cannot be shown ({err.reason})"
+                raise ToolCallError("bad_image", message) from None
             out.append(str(path))
         return out
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import SampleConfig
 from ..data.datasets import read_rows
+from ..data.prepare import DROP_SHARE, check_reason_share
 from ..data.encoding import render
 from ..data.images import ImageCache, ImageError, image_size, resolve_image_path
 from ..data.prepare import image_factor, image_token_count, resized_hw
@@ -396,6 +397,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     traces, failures = read_traces(cfg)
     prompts, skipped = plan_turns(processor, traces, cfg)
+    share = 1.0 if cfg.allow_drops else DROP_SHARE
+    check_reason_share(failures, len(traces) + len(failures), share)
+    check_reason_share(skipped, len(prompts) + len(skipped), share, "turns")
     model = load_model(cfg, arms)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.jsonl").write_text("")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.datasets import read_rows
+from ..data.prepare import DROP_SHARE, check_reason_share
 from ..data.images import ImageError, image_size, resolve_image_path
 from ..data.traces import TraceError
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
@@ -176,6 +177,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     env_factory = env_factory or default_env_factory(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     rows, failures = read_questions(cfg)
+    check_reason_share(failures, len(rows) + len(failures), 1.0 if cfg.allow_drops else DROP_SHARE)
     mine = rows[group.rank :: group.world]
     todo = {name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier] for name in names}
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)

@@ -36,6 +36,7 @@ class ArmsConfig(SampleConfig):
     device: str = "auto"
     dtype: str = "auto"
     overwrite: bool = False
+    allow_drops: bool = False  # go on when more than half of the rows (or turns) are dropped for one reason
 
     def __post_init__(self):
         super().__post_init__()
@@ -81,6 +82,7 @@ def shared_settings(args, command: str) -> dict:
         "max_pixels": args.max_pixels, "min_pixels": args.min_pixels, "tool_images": args.tool_images, "judge": args.judge,
         "samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "max_new_tokens": args.max_new_tokens, "seed": args.seed, "device": args.device, "dtype": args.dtype, "overwrite": args.overwrite,
+        "allow_drops": args.allow_drops,
     }
 
 
@@ -107,3 +109,4 @@ def add_shared_args(parser, verb: str) -> None:
     add("--dtype", default="auto", choices=DTYPES, help="auto = bf16 on GPU, fp32 on CPU")
     add("--overwrite", action="store_true", help="write into a non-empty --output (files of an earlier run are replaced)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add("--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)")

@@ -6,6 +6,7 @@ import hashlib
 import json
 
 from ..config import ImageConfig
+from ..guards import check_model_source
 
 
 def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pixels, min_pixels: int = ImageConfig.min_pixels):
@@ -16,6 +17,7 @@ def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pi
     """
     from transformers import AutoProcessor
 
+    check_model_source(model_name_or_path)  # offline, a hub id fails now with a hint, not after minutes of retries
     processor = AutoProcessor.from_pretrained(model_name_or_path)
     processor.image_processor.size = {"longest_edge": max_pixels, "shortest_edge": min_pixels}
     return processor

@@ -2,8 +2,9 @@
 
 Every checkpoint gets ``eogym_checkpoint.json`` once all of it is on disk (written atomically): the run's
 resolved config and data hash (its *identity*). A checkpoint without it, or with it or ``trainer_state.json``
-damaged, was cut short (killed while saving) and is never resumed from: ``last`` passes over it. Resuming compares identities and names every setting that differs; settings that
-change only where things are written or how often (:data:`FREE_ON_RESUME`) may differ.
+damaged, was cut short (killed while saving) and is never resumed from: ``last`` passes over it.
+Resuming compares identities and names every setting that differs; settings that change only where
+things are written or how often (:data:`FREE_ON_RESUME`) may differ.
 """
 
 from __future__ import annotations

@@ -475,7 +475,6 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from eogym_sft.data.prepare import _decode_line  # noqa: E402
-from eogym_sft.data.traces import parse_tool_call_text  # noqa: E402
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -603,9 +603,20 @@ def test_evaluate_refuses_another_base_and_a_non_empty_output(data, models, tmp_
     config = json.loads((other / "adapter_config.json").read_text())
     (other / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path="Qwen/Qwen3-VL-8B-Instruct")))
     argv = ["evaluate", "--model", str(models / "base"), "--data", str(path), "--data-root", str(root), "--no-progress"]
-    with pytest.raises(ValueError, match=rf"other was trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model is '{models / 'base'}'"):
+    with pytest.raises(SystemExit, match=rf"other was trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model is '{models / 'base'}'"):
         main([*argv, "--adapter", str(other), "--output", str(tmp_path / "eval")])
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("an earlier run")
-    with pytest.raises(FileExistsError, match="used exists and is not empty"):
+    with pytest.raises(SystemExit, match="used exists and is not empty"):
         main([*argv, "--output", str(tmp_path / "used")])
+
+
+def test_evaluate_with_a_wrong_data_root_stops_with_the_likely_cause(tmp_path, row_factory, tiny_model_dir):
+    from eogym_sft.cli import main
+
+    data = tmp_path / "test.jsonl"
+    data.write_text("\n".join(json.dumps(row_factory(row_id=f"t{k}")) for k in range(2)) + "\n")
+    argv = ["evaluate", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(tmp_path), "--output", str(tmp_path / "out"), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"^eogym-sft evaluate: 6 of 6 turns dropped as missing_image .*likely cause: the images are not under --data-root"):
+        main(argv)
+    assert not (tmp_path / "out" / "summary.json").exists()

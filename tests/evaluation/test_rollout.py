@@ -211,7 +211,7 @@ def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, 
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert skipped[0]["reason"] == "malformed_json" and skipped[0]["source"].endswith(":3")
     assert "pass@2" in capsys.readouterr().out
-    with pytest.raises(FileExistsError):
+    with pytest.raises(SystemExit, match="exists and is not empty"):  # one line, no traceback
         main(["rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out), "--no-progress"])
 
 
@@ -247,3 +247,14 @@ def test_cuda_graphs_flag():
     base = ["--model", "m", "--data", "d.jsonl", "--output", "o"]
     assert parser.parse_args(base).cuda_graphs is True
     assert parser.parse_args([*base, "--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_rollout_with_a_wrong_data_root_stops_with_the_likely_cause(tmp_path, row_factory, tiny_model_dir):
+    from eogym_sft.cli import main
+
+    data = tmp_path / "test.jsonl"
+    data.write_text("\n".join(json.dumps(row_factory(row_id=f"q{k}")) for k in range(3)) + "\n\n")
+    argv = ["rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(tmp_path), "--output", str(tmp_path / "out"), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"^eogym-sft rollout: 3 of 3 rows dropped as missing_image .*likely cause: the images are not under --data-root"):
+        main(argv)
+    assert not (tmp_path / "out").exists()
