@@ -233,12 +233,11 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
             ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
             if len(ids) + cfg.max_new_tokens >= decoder.max_len:
                 return ep.stop_with("context_full")
-            before = decoder.tokens[s]
             logits = decoder.prefill(s, ids, images)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
             return False
-        stats["prefill_tokens"] += len(ids) - _common_prefix(before, ids)
+        stats["prefill_tokens"] += decoder.last_prefill_tokens
         turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
         return True
 
@@ -311,13 +310,3 @@ def _prefetched(items, work, pool, depth: int):
         first, future = ahead.popleft()
         future.exception()
         yield first
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
