@@ -128,16 +128,17 @@ class Episode:
         self.turns += 1
         body = strip_end_markers(text)
         parsed = parse_output(text)
-        if truncated:  # cut off mid-message: kept as text, whatever it holds
-            self.row["messages"].append({"role": "assistant", "content": body})
+        generated = _before_end_marker(text)
+        if truncated:  # cut off mid-message: kept as text, marked so that prep never trains it as a whole turn
+            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated, "truncated": True})
             return self.stop_with("max_new_tokens")
         if parsed.errors:
-            self.row["messages"].append({"role": "assistant", "content": body})
+            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated})
             self.tool_errors += len(parsed.errors)
             self._count_error("invalid_call", len(parsed.errors))
             return self.stop_with("invalid_call")
         calls = [c for c in parsed.calls if c is not None]
-        message = {"role": "assistant", "content": parsed.content if calls else body}
+        message = {"role": "assistant", "content": parsed.content if calls else body, "generated": generated}
         if calls:
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
@@ -188,6 +189,14 @@ class Episode:
             "final_answer": self.final_answer,
             "images_seen": self.images_seen,
         }
+
+
+def _before_end_marker(text: str) -> str:
+    """The turn's text as generated, without the one end-of-turn marker that closed it."""
+    for marker in END_MARKERS:
+        if text.endswith(marker):
+            return text[: -len(marker)]
+    return text
 
 
 def new_episode(row: dict, source: str, arm: str, sample: int, env) -> Episode:
