@@ -19,6 +19,8 @@
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
+#   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
+#                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -213,5 +215,45 @@ grpo)
   # 8 episodes a step (one question x 8 generations) of 256 tokens: the run in docs/benchmarks.md
   CUDA_VISIBLE_DEVICES=0 timeout 420 python bench/grpo_step.py --model $model --rows 16 --steps 2 --warmup 1 --num-generations 8 --batch 8 \
     --grad-accum 1 --max-completion-length 256 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "grpo: exit $?"
+  ;;
+closed_loop_1gpu)
+  make_model; make_data 48
+  python -m pytest -q -p no:cacheprovider -m gpu tests/models/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
+  [ -f /tmp/cl_adapters/b/adapter_config.json ] || python -c "
+from eogym_sft.models.loading import apply_lora, load_base_model
+import torch
+model = apply_lora(load_base_model('$model', 'bfloat16'))
+for name, seed in (('a', 1), ('b', 2)):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if 'lora_B' in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained('/tmp/cl_adapters/' + name)
+print('adapters a, b written')"
+  for graphs in --cuda-graphs --no-cuda-graphs; do
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python -m eogym_sft.cli rollout --model $model --adapter a=/tmp/cl_adapters/a b=/tmp/cl_adapters/b \
+      --data $data/train.jsonl --data-root $data/data --tools crop,replay --samples 1 --temperature 0 --max-turns 3 \
+      --max-new-tokens 128 --limit 24 --overwrite $graphs --output $OUT/cl$graphs > $OUT/cl$graphs.log 2>&1 || { echo "rollout $graphs: exit $?"; tail -5 $OUT/cl$graphs.log; }
+  done
+  python - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def episodes(flag):
+    path = out / f"cl{flag}" / "episodes.jsonl"
+    return {r["id"]: [m.get("generated", m.get("content")) for m in r["messages"] if m["role"] == "assistant"] for r in map(json.loads, path.open())} if path.is_file() else {}
+graphed, eager = episodes("--cuda-graphs"), episodes("--no-cuda-graphs")
+for arm in ("base", "a", "b"):
+    ids = sorted(k for k in eager if k.split(":")[-2] == arm)
+    same = sum(graphed.get(k) == eager[k] for k in ids)
+    print(f"closed_loop {arm}: {same} of {len(ids)} episodes equal with and without CUDA graphs")
+for flag in ("--cuda-graphs", "--no-cuda-graphs"):
+    summary = out / f"cl{flag}" / "summary.json"
+    arms = json.loads(summary.read_text())["arms"] if summary.is_file() else {}
+    print(f"closed_loop {flag} timing:", {a: v["timing"] for a, v in arms.items()} or "missing")
+PY
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python bench/rollout_throughput.py --model $model --episodes 32 --concurrency 16 --turns 2 \
+    --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
   ;;
 esac

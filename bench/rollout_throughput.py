@@ -34,6 +34,10 @@ Arms:
   on a GPU as shipped;
 * ``slots-MODE`` (with ``--compile MODE``): the same with the decode step under ``torch.compile``.
 
+With ``--adapter DIR`` every slot arm runs twice on one decoder, the base then the adapter (``-base``,
+``-adapter`` arm names), the decoder reset between them as ``eogym-sft rollout`` does between its arms: the
+second arm recaptures its CUDA graphs, which is where an adapter arm used to crash.
+
 Figures: generated tokens/s, episodes/min and peak GPU memory per arm, over the arm's wall time
 (model loading, data generation and a short warm-up excluded); ``speedup`` is each arm's episodes/min
 over the batched arm's.
@@ -47,6 +51,7 @@ import json
 import re
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -261,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
     parser.add_argument("--data", default=None, help="EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
     parser.add_argument("--data-root", default=".", help="data root of --data")
+    parser.add_argument("--adapter", default=None, help="LoRA adapter folder: each slot arm runs the base, then this adapter")
     parser.add_argument("--arms", default="serial,batched,slots", help="comma-separated subset of serial,batched,slots")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -271,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from eogym_sft.models.loading import load_inference_model, resolve_device
+    from eogym_sft.models.loading import load_inference_model, parse_arms, resolve_device, use_arm
     from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"only {len(selected)} of {len(rows)} rows have {args.min_prompt_tokens}-{args.max_prompt_tokens} prompt tokens: raise --rows")
         selected = selected[: args.episodes]
         t0 = time.perf_counter()
-        model = load_inference_model(args.model, [], device, dtype)
+        slot_arms = parse_arms([f"adapter={args.adapter}"], args.model) if args.adapter else []
+        model = load_inference_model(args.model, slot_arms, device, dtype)
         print(f"model loaded in {time.perf_counter() - t0:.1f}s, {dtype} on {device}; {len(selected)} episodes, "
               f"prompts {min(n for _, n in selected)}-{max(n for _, n in selected)} tokens", flush=True)
         arms = args.arms.split(",")
@@ -314,8 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as err:  # a compile failure must not lose the arms already timed
                 runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
                 continue
-            eps = make_episodes(selected, args.turns, name)
-            run_arm(runs, name, lambda e, d=decoder: run_slots(d, processor, e, data_root, args.new_tokens), eps, device)
+            for arm in slot_arms or [None]:
+                arm_name = f"{name}-{arm.name}" if arm else name
+                eps = make_episodes(selected, args.turns, arm_name)
+                with use_arm(model, arm) if arm else nullcontext():
+                    run_arm(runs, arm_name, lambda e, d=decoder: run_slots(d, processor, e, data_root, args.new_tokens), eps, device)
+                decoder.reset()  # the next arm's adapter makes the caches and graphs stale
             del decoder  # the lambda went with run_arm: nothing else holds this arm's decoder
         base = next((r for r in runs if r["arm"].startswith("batched") and "error" not in r), None)
         for r in runs:

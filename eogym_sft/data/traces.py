@@ -226,6 +226,18 @@ def _assistant_message(msg: dict, where: str) -> dict:
     return out
 
 
+def _generated_message(generated, message: dict, where: str) -> dict:
+    """An assistant turn as the model wrote it (``generated``: its text before ``<|im_end|>``, tool calls in
+    their own spacing), checked against the turn's parsed ``content``/``tool_calls``. Rendered verbatim, the
+    turn's trained tokens are the generated ones, not the chat template's re-rendering of the calls."""
+    if not isinstance(generated, str):
+        raise TraceError("bad_field_type", f"{where}.generated", "generated must be a string")
+    _, calls = parse_tool_call_text(generated, f"{where}.generated")
+    if calls != message.get("tool_calls", []):
+        raise TraceError("generated_mismatch", f"{where}.generated", "its <tool_call> blocks differ from the turn's tool_calls")
+    return {"role": "assistant", "content": generated}
+
+
 def _messages(raw_messages, rule: ToolImageRule) -> tuple[list[dict], list[dict]]:
     """Canonical messages whose image parts still carry a path (None = next row image), and the call
     each tool turn answers."""
@@ -240,8 +252,12 @@ def _messages(raw_messages, rule: ToolImageRule) -> tuple[list[dict], list[dict]
         if role not in ROLES:
             raise TraceError("unknown_role", f"{where}.role", f"role {role!r} is not one of {', '.join(ROLES)}")
         if role == "assistant":
+            if msg.get("truncated") is True:
+                break  # a turn cut at its token limit is never trained, nor is anything after it
             out.append(_assistant_message(msg, where))
             pending = [c["function"] for c in out[-1].get("tool_calls", [])]
+            if "generated" in msg:
+                out[-1] = _generated_message(msg["generated"], out[-1], where)
             raw_ids = [c.get("id") if isinstance(c, dict) else None for c in msg.get("tool_calls") or []]
             by_id = {cid: call for cid, call in zip(raw_ids, pending) if isinstance(cid, str)}
             continue

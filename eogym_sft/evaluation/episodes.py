@@ -128,16 +128,17 @@ class Episode:
         self.turns += 1
         body = strip_end_markers(text)
         parsed = parse_output(text)
-        if truncated:  # cut off mid-message: kept as text, whatever it holds
-            self.row["messages"].append({"role": "assistant", "content": body})
+        generated = _before_end_marker(text)
+        if truncated:  # cut off mid-message: kept as text, marked so that prep never trains it as a whole turn
+            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated, "truncated": True})
             return self.stop_with("max_new_tokens")
         if parsed.errors:
-            self.row["messages"].append({"role": "assistant", "content": body})
+            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated})
             self.tool_errors += len(parsed.errors)
             self._count_error("invalid_call", len(parsed.errors))
             return self.stop_with("invalid_call")
         calls = [c for c in parsed.calls if c is not None]
-        message = {"role": "assistant", "content": parsed.content if calls else body}
+        message = {"role": "assistant", "content": parsed.content if calls else body, "generated": generated}
         if calls:
             message["tool_calls"] = [
                 {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
@@ -190,6 +191,14 @@ class Episode:
         }
 
 
+def _before_end_marker(text: str) -> str:
+    """The turn's text as generated, without the one end-of-turn marker that closed it."""
+    for marker in END_MARKERS:
+        if text.endswith(marker):
+            return text[: -len(marker)]
+    return text
+
+
 def new_episode(row: dict, source: str, arm: str, sample: int, env) -> Episode:
     """An episode starting from ``row``'s question (any gold trajectory after it is left out)."""
     start = {k: v for k, v in row.items() if k != "messages"}
@@ -233,12 +242,11 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
             ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
             if len(ids) + cfg.max_new_tokens >= decoder.max_len:
                 return ep.stop_with("context_full")
-            before = decoder.tokens[s]
             logits = decoder.prefill(s, ids, images)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
             return False
-        stats["prefill_tokens"] += len(ids) - _common_prefix(before, ids)
+        stats["prefill_tokens"] += decoder.last_prefill_tokens
         turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
         return True
 
@@ -311,13 +319,3 @@ def _prefetched(items, work, pool, depth: int):
         first, future = ahead.popleft()
         future.exception()
         yield first
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-

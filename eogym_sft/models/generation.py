@@ -68,6 +68,20 @@ def expand_image_pads(ids: list[int], images: list[ImageInput], image_token_id: 
     return out
 
 
+def image_starts(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:
+    """Where each image's ``<|image_pad|>`` run begins in ``ids`` (pads already expanded)."""
+    starts, i = [], 0
+    while len(starts) < len(images) and i < len(ids):
+        if ids[i] == image_token_id:
+            starts.append(i)
+            i += images[len(starts) - 1].tokens
+        else:
+            i += 1
+    if len(starts) != len(images):
+        raise ValueError(f"the text holds {len(starts)} images' pads but {len(images)} images were given")
+    return starts
+
+
 def rope_positions(ids: list[int], images: list[ImageInput], image_token_id: int, merge: int = 2) -> torch.Tensor:
     """Qwen3-VL's 3-D rotary positions ``(3, len(ids))`` for one sequence (``get_rope_index``'s rule):
     text advances all three by one per token; an image's tokens take ``(start, start + row, start + col)``
@@ -140,6 +154,8 @@ class SlotDecoder:
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.tokens: list[list[int]] = [[] for _ in range(slots)]  # what each slot's cache holds
+        self.images: list[list[ImageInput]] = [[] for _ in range(slots)]  # the images among those tokens
+        self.last_prefill_tokens = 0
         self.next_pos = [0] * slots  # rotary position of each slot's next token
         self.attn_bucket = attn_bucket
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
@@ -168,6 +184,7 @@ class SlotDecoder:
 
     def release(self, slot: int) -> None:
         self.tokens[slot] = []
+        self.images[slot] = []
         self.next_pos[slot] = 0
 
     def reset(self) -> None:
@@ -176,7 +193,7 @@ class SlotDecoder:
         for slot in range(self.slots):
             self.release(slot)
         if isinstance(self._step, GraphedStep):
-            self._step.graphs.clear()
+            self._step.clear()
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
@@ -184,7 +201,10 @@ class SlotDecoder:
         conversation in order) and return the logits ``(vocab,)`` for the token after them.
 
         Only the tokens past the longest prefix that the slot already holds are computed; a prefix never
-        ends inside an image, and at least the last token is always recomputed for its logits."""
+        ends inside an image, and at least the last token is always recomputed for its logits. Every
+        ``<|image_pad|>`` has the same id, so the prefix also ends at the first image that is not the very
+        :class:`ImageInput` object the slot holds there (the episode's picture cache hands out one object
+        per image: same object, same pixels); ``last_prefill_tokens`` is what this call computed."""
         if len(ids) >= self.max_len:
             raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
         held = self.tokens[slot]
@@ -194,17 +214,25 @@ class SlotDecoder:
             start += 1
         while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
             start -= 1  # never split an image: its tokens are encoded together
-        positions = rope_positions(ids, images, self.image_token_id, self.merge)
-        visual_before = sum(1 for t in ids[:start] if t == self.image_token_id)
-        counted, image_index = 0, 0  # the first image at or after `start`
-        while image_index < len(images) and counted < visual_before:
-            counted += images[image_index].tokens
+        starts = image_starts(ids, images, self.image_token_id)
+        image_index = 0  # the first image at or after `start`
+        while image_index < len(images) and starts[image_index] < start:
+            if not self._holds_image(slot, image_index, images[image_index]):
+                start = starts[image_index]  # same token ids, another image: recompute from here
+                break
             image_index += 1
+        positions = rope_positions(ids, images, self.image_token_id, self.merge)
         chunk = ids[start:]
         logits = self._forward_chunk(slot, start, chunk, positions[:, start:], images[image_index:])
         self.tokens[slot] = list(ids)
+        self.images[slot] = list(images)  # held so that an object's identity stands for its pixels
         self.next_pos[slot] = int(positions.max()) + 1
+        self.last_prefill_tokens = len(chunk)
         return logits
+
+    def _holds_image(self, slot: int, index: int, image: ImageInput) -> bool:
+        held = self.images[slot]
+        return index < len(held) and held[index] is image
 
     def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
         ids = torch.tensor(chunk, device=self.device)
@@ -316,7 +344,11 @@ class GraphedStep:
 
     The four ``(slots,)`` inputs are copied into fixed buffers that the graphs read; the returned logits are
     the graph's own output tensor, overwritten by the next replay (callers index it, which copies). All
-    graphs share one memory pool: they never run at the same time."""
+    graphs share one memory pool: they never run at the same time.
+
+    :meth:`clear` drops the graphs *and* their pool. Capturing into a pool whose graphs were all freed trips
+    the CUDA caching allocator (``use_count > 0 INTERNAL ASSERT FAILED``: the freed pool's count is 0
+    but its id is still known), which is how an adapter arm after the base arm crashed."""
 
     def __init__(self, step, slots: int, device):
         self.step = step
@@ -346,6 +378,11 @@ class GraphedStep:
             logits = self.step(*self.inputs, span)
         self.pool = graph.pool()
         return graph, logits
+
+    def clear(self) -> None:
+        """Forget every graph and the pool they shared; the next call captures into a fresh pool."""
+        self.graphs.clear()
+        self.pool = None
 
 
 @dataclass

@@ -82,6 +82,10 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
     judge_timeout: float = field(default=60.0, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
     judge_retries: int = field(default=3, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
+    progress_seconds: float = field(
+        default=30.0,
+        metadata={"help": "log generation progress (tokens, tokens/s) at most this often while episodes are generated"},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -92,6 +96,8 @@ class GRPOScriptArguments(ImageConfig, OutputDirConfig):
             raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
         if self.judge and self.judge_url:
             raise ValueError("give judge or judge_url, not both")
+        if self.progress_seconds <= 0:
+            raise ValueError(f"progress_seconds must be > 0, got {self.progress_seconds}")
 
     def load_judge(self):
         """The answer judge these settings name, or None for the normalised match."""
@@ -308,6 +314,156 @@ def check_chat_template(processor) -> None:
 
 
 ################
+# What TRL's generation hands back, settled
+################
+
+
+@dataclass
+class Completions:
+    """The per-episode lists TRL's ``GRPOTrainer._generate`` returns that :func:`settle_completions` edits."""
+
+    completion_ids: list[list[int]]
+    tool_mask: list[list[int]] | None
+    logprobs: list[list[float]] | None
+    completions: list[list[dict]]
+    images: list | None
+    tool_images: list[list]
+
+
+def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
+    """True when TRL dropped the episode's last tool results because they did not fit ``max_completion_length``:
+    the episode then ends on a turn whose tool calls have no results, before its tool-round limit."""
+    if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("tool_calls"):
+        return False
+    answered_rounds = sum(
+        1 for a, b in zip(messages, messages[1:]) if a.get("role") == "assistant" and b.get("role") == "tool"
+    )
+    return answered_rounds < max_tool_iterations
+
+
+def settle_completions(
+    out: Completions, eos_ids, pad_id: int, image_token_id: int, mask_truncated: bool, max_tool_iterations: int
+) -> list[int]:
+    """Make TRL's generation output safe to train on; returns the indices of the episodes now truncated.
+
+    * An episode cut because a tool result no longer fit ends on ``<|im_end|>`` (TRL rolls the results back):
+      its end-of-turn tokens are dropped so it counts as truncated (left out of the loss, scored as unanswered).
+    * With ``mask_truncated`` a truncated episode's completion is masked from attention, and Qwen3-VL's
+      ``get_rope_index`` then skips its image tokens but not their grids: its tool images are dropped and its
+      ``<|image_pad|>`` tokens become padding (the masked tokens are never attended to nor trained).
+    * An episode without images is ``[]``, not ``None``: the processor refuses ``None`` in a mixed batch.
+    """
+    stops = set(eos_ids) | {pad_id}
+    for i, messages in enumerate(out.completions):
+        if cut_for_length(messages, max_tool_iterations):
+            while out.completion_ids[i] and out.completion_ids[i][-1] in stops:
+                _drop_last_token(out, i)
+    truncated = [i for i, ids in enumerate(out.completion_ids) if not ids or ids[-1] not in stops]
+    if out.images is not None:
+        out.images = [list(imgs or []) for imgs in out.images]
+    if mask_truncated:
+        for i in truncated:
+            produced = len(out.tool_images[i]) if i < len(out.tool_images) else 0
+            if produced:
+                out.tool_images[i] = []
+                out.images[i] = out.images[i][: len(out.images[i]) - produced]
+                out.completion_ids[i] = [pad_id if t == image_token_id else t for t in out.completion_ids[i]]
+    if out.images is not None and not any(out.images):
+        out.images = None
+    return truncated
+
+
+def _drop_last_token(out: Completions, i: int) -> None:
+    out.completion_ids[i] = out.completion_ids[i][:-1]
+    if out.tool_mask is not None:
+        out.tool_mask[i] = out.tool_mask[i][:-1]
+    if out.logprobs is not None:
+        out.logprobs[i] = out.logprobs[i][:-1]
+
+
+class GenerationProgress:
+    """Logs, while TRL generates a batch of episodes, the batch rows decoded so far and their rate (a forward
+    hook on the LM head: each generation forward yields one token per row), at most every ``seconds``; a 4B
+    step's generation can take minutes, and without this nothing shows that the run is alive."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def start(self, model, episodes: int):
+        import time
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.t0 = self.last = time.perf_counter()
+        self.rows = self.forwards = 0
+        logger.info("GRPO: generating %d episodes", episodes)
+        return base.lm_head.register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        import time
+
+        self.rows += output.shape[0]
+        self.forwards += 1
+        now = time.perf_counter()
+        if now - self.last >= self.seconds:
+            self.last = now
+            logger.info(
+                "GRPO: generating: %d forwards, %d tokens (batch rows) in %.0f s, %.1f tokens/s",
+                self.forwards, self.rows, now - self.t0, self.rows / (now - self.t0),
+            )
+
+    def finish(self, episodes: int, tokens: int) -> None:
+        import time
+
+        seconds = time.perf_counter() - self.t0
+        logger.info(
+            "GRPO: generated %d episodes, %d completion tokens in %.1f s (%.1f tokens/s)",
+            episodes, tokens, seconds, tokens / max(seconds, 1e-9),
+        )
+
+
+def grpo_trainer_class():
+    """``GRPOTrainer`` with its generation output settled (:func:`settle_completions`) and its progress logged.
+
+    Overrides TRL's private ``_generate`` (no public hook sees its output before the loss batch is built);
+    ``tests/training/test_grpo.py`` pins its return layout through CPU steps on mixed and truncated batches."""
+    from trl import GRPOTrainer
+
+    class EOGymGRPOTrainer(GRPOTrainer):
+        progress: GenerationProgress | None = None
+
+        def _generate(self, prompts):
+            hook = self.progress.start(self.accelerator.unwrap_model(self.model), len(prompts)) if self.progress else None
+            try:
+                result = super()._generate(prompts)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
+            out = Completions(completion_ids, tool_mask, logprobs, completions, images, list(tool_images))
+            tokenizer = self.processing_class.tokenizer
+            truncated = settle_completions(
+                out, self.eos_token_ids, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                self.mask_truncated_completions, self.max_tool_calling_iterations,
+            )
+            mode = "train" if self.model.training else "eval"
+            clipped = self._metrics[mode].get("completions/clipped_ratio")
+            if clipped:  # TRL measured it before the cut episodes were marked
+                import torch
+
+                flags = torch.tensor([i in truncated for i in range(len(completion_ids))], device=self.accelerator.device)
+                clipped[-1] = self.accelerator.gather(flags).float().mean().item()
+            if self.progress:
+                lengths = [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
+                self.progress.finish(len(prompts), sum(lengths))
+            return (
+                prompt_ids, out.completion_ids, out.tool_mask, out.completions, out.logprobs, extra_fields, out.images,
+                out.tool_images,
+            )
+
+    return EOGymGRPOTrainer
+
+
+################
 # The trainer
 ################
 
@@ -317,8 +473,6 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
 
     ``model`` is the LoRA-wrapped policy; ``judge`` an optional ``judge(question, prediction, reference)``.
     """
-    from trl import GRPOTrainer
-
     from ..models.generation import vision_token_ids
     from .rewards import EpisodeReward
 
@@ -342,7 +496,7 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
         kwargs = dict(training_args.generation_kwargs or {})
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
         training_args.generation_kwargs = kwargs
-    trainer = GRPOTrainer(
+    trainer = grpo_trainer_class()(
         model=model,
         reward_funcs=[reward],
         args=training_args,
@@ -351,6 +505,7 @@ def build_trainer(model, processor, data: EpisodeData, script_args: GRPOScriptAr
         environment_factory={name: env_class for name in data.schemas},
     )
     show_row_tools(trainer, data.schemas)
+    trainer.progress = GenerationProgress(script_args.progress_seconds)
     return trainer
 
 

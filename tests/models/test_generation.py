@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from eogym_sft.models.generation import (
+    GraphedStep,
     Sampling,
     SlotDecoder,
     expand_image_pads,
@@ -129,12 +130,57 @@ def test_cuda_graphs_need_a_cuda_model_and_exclude_compile(model):
         SlotDecoder(model, slots=2, max_len=128, compile="default", cuda_graphs=True)
 
 
+def test_a_refilled_slot_does_not_keep_the_previous_image(model, processor):
+    """Two images of one size give the same token ids: the slot must recompute from the image, and its
+    logits equal a fresh decoder's (before the fix they differed and the argmax changed)."""
+    pictures = [Image.effect_noise((64, 48), 60).convert("RGB"), Image.effect_noise((64, 48), 90).convert("RGB")]
+    first, other = [image_input(processor, p) for p in pictures]
+    ids = expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [first], IMAGE_TOKEN_ID)
+    assert ids == expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [other], IMAGE_TOKEN_ID)
+    refilled = SlotDecoder(model, slots=1, max_len=256, attn_bucket=64)
+    stale = refilled.prefill(0, ids, [first])
+    logits = refilled.prefill(0, ids, [other])
+    image_at = ids.index(IMAGE_TOKEN_ID)
+    assert refilled.last_prefill_tokens == len(ids) - image_at  # the text before the image is reused
+    fresh = SlotDecoder(model, slots=1, max_len=256, attn_bucket=64).prefill(0, ids, [other])
+    torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+    assert (stale - fresh).abs().max() > 0.1  # the images differ enough for a stale cache to show
+    expected, _ = _reference_logits(model, processor, _conversation(processor, 1), pictures[1:])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # the very same image object is reused: only the last token is recomputed
+    refilled.prefill(0, ids, [other])
+    assert refilled.last_prefill_tokens == 1
+
+
+def test_a_refilled_slot_recomputes_from_the_first_image_that_differs(model, processor):
+    pictures = _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    first, second = _two_turns(processor, images)
+    swapped = image_input(processor, Image.effect_noise((40, 72), 30).convert("RGB"))  # the tool image, same size
+    decoder = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64)
+    decoder.prefill(0, second, images)
+    logits = decoder.prefill(0, second, [images[0], swapped])
+    second_image_at = len(second) - second[::-1].index(IMAGE_TOKEN_ID) - swapped.tokens
+    assert decoder.last_prefill_tokens == len(second) - second_image_at
+    fresh = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64).prefill(0, second, [images[0], swapped])
+    torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_clearing_graphs_drops_their_pool():
+    """Capturing into the pool of freed graphs trips the CUDA allocator's use_count assert: an arm switch
+    (reset) must start a fresh pool."""
+    step = GraphedStep(lambda *args: None, slots=2, device="cpu")
+    step.graphs[64], step.pool = ("graph", "logits"), (0, 1)
+    step.clear()
+    assert step.graphs == {} and step.pool is None
+
+
 def test_reset_empties_every_slot(model):
     decoder = SlotDecoder(model, slots=2, max_len=128, attn_bucket=64)
     decoder.prefill(0, [1, 2, 3], [])
     decoder.prefill(1, [4, 5], [])
     decoder.reset()
-    assert decoder.tokens == [[], []] and decoder.next_pos == [0, 0]
+    assert decoder.tokens == [[], []] and decoder.next_pos == [0, 0] and decoder.images == [[], []]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -161,4 +207,50 @@ def test_cuda_graphs_replay_the_eager_step_exactly(processor):
     for index in range(len(model.model.language_model.layers)):
         torch.testing.assert_close(graphed.keys[index][[0, 2]], eager.keys[index][[0, 2]], atol=1e-5, rtol=1e-5)
     graphed.reset()
-    assert graphed._step.graphs == {} and graphed.tokens == [[], [], []]
+    assert graphed._step.graphs == {} and graphed._step.pool is None and graphed.tokens == [[], [], []]
+
+
+def _greedy(decoder, ids, images, steps: int) -> list[int]:
+    token = int(decoder.prefill(0, ids, images).argmax())
+    out = [token]
+    for _ in range(steps):
+        _, logits = decoder.decode({0: token})
+        token = int(logits[0].argmax())
+        out.append(token)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_across_the_base_and_two_adapters_equal_eager(processor):
+    """The rollout's arm loop: base, then two adapters, the decoder reset between arms. Capturing the second
+    arm's graphs crashed (use_count > 0 assert); each arm's greedy tokens must equal the eager step's."""
+    from peft import LoraConfig, get_peft_model
+
+    from eogym_sft.models.loading import Arm, use_arm
+
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    config["text_config"]["initializer_range"] = 1.0
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(build_tiny_model(0, config), lora, adapter_name="a")
+    model.add_adapter("b", lora)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model = model.eval().cuda()
+    pictures = _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    _, second = _two_turns(processor, images)
+    arms = [Arm("base", None, None), Arm("a", "unused", "a"), Arm("b", "unused", "b")]
+    runs = {}
+    for graphs in (False, True):
+        decoder = SlotDecoder(model, slots=2, max_len=512, attn_bucket=64, cuda_graphs=graphs)
+        for arm in arms:
+            with use_arm(model, arm):
+                runs[graphs, arm.name] = _greedy(decoder, second, images, steps=90)
+            decoder.reset()
+    for arm in arms:
+        assert runs[True, arm.name] == runs[False, arm.name]
+    assert runs[False, "a"] != runs[False, "base"] and runs[False, "b"] != runs[False, "a"]  # the adapters act

@@ -18,19 +18,23 @@ from eogym_sft.models.loading import apply_lora, load_base_model
 from eogym_sft.models.processor import load_processor
 from eogym_sft.training.collator import EOGymCollator
 from eogym_sft.training.grpo import (
+    Completions,
     EpisodeData,
     GRPOScriptArguments,
     build_trainer,
     check_chat_template,
+    cut_for_length,
     environment_class,
     load_episodes,
     prompt_trace,
+    settle_completions,
     show_row_tools,
     tools_key,
 )
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096  # small images keep the CPU steps short
 PAD = 151643
+IM_PAD = 151655  # <|image_pad|>
 
 
 def write_jsonl(path, rows) -> str:
@@ -192,3 +196,108 @@ def test_episode_data_refuses_an_empty_file(tmp_path, data_root):
     with pytest.raises(ValueError, match="no usable rows"):
         load_episodes(write_jsonl(tmp_path / "rows.jsonl", ["{bad"]), data_root)
     assert EpisodeData([], {}).stats()["episodes"] == 0
+
+
+# ---------------------------------------------------------------- generation output settled before the loss
+
+
+def _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool: int):
+    """One GRPO step over a question with an image and the same question without one (EO-Gym's multispectral
+    rows have none), two episodes each: a crop then the answer, or the right answer at once.
+    ``room_after_tool`` is what ``max_completion_length`` leaves after the crop's tool result
+    (negative: the result itself no longer fits)."""
+    data_root = tmp_path / "data"
+    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32)]:
+        save_image(data_root, rel, width, height)
+    with_image = make_row(n_steps=1)
+    without = json.loads(json.dumps(with_image))
+    without.update(id="no_image", images=[])
+    without["messages"][1]["content"] = "How many ships are in the harbour?"
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    collator = EOGymCollator(processor, data_root=str(data_root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    trace = normalize_row(with_image)
+    sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
+    labels = sft["labels"][0].tolist()
+    starts = [i for i in range(len(labels)) if labels[i] != -100 and labels[i - 1] == -100]
+    before_answer = starts[1] - starts[0]  # the crop turn and its tool result, as TRL lays them out
+    right = processor.tokenizer("Final Answer: 3", add_special_tokens=False)["input_ids"] + [IM_END]
+    header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [right]], header)
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
+    model.generate = _with_logits_processor(model.generate, policy)
+    data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [with_image, without]), data_root)
+    script_args = GRPOScriptArguments(
+        dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS,
+        min_pixels=MIN_PIXELS, progress_seconds=1e-9,
+    )
+    from trl import GRPOConfig
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2, max_steps=1,
+        max_completion_length=before_answer + room_after_tool, learning_rate=1e-2, beta=0.0, scale_rewards="group",
+        mask_truncated_completions=True, use_cpu=True, bf16=False, report_to="none", logging_steps=1,
+        save_strategy="no", seed=0, generation_kwargs={"do_sample": False},
+    )
+    trainer = build_trainer(model, processor, data, script_args, args)
+    trainer.train()
+    return trainer.state.log_history[0]
+
+
+def test_a_mixed_batch_with_truncated_crops_trains(tmp_path, tiny_model_dir, caplog):
+    """Images in one question and none in the other (crashed: ``NoneType`` in the processor), and the crop
+    episodes cut 3 tokens after their crop (crashed: a shape mismatch in ``get_rope_index``). The cut
+    episodes are left out of the loss and score 0; the right answers score 1."""
+    with caplog.at_level("INFO", logger="eogym_sft.training.grpo"):
+        logs = _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool=3)
+    assert logs["episode/truncated"] == 0.5 and logs["completions/clipped_ratio"] == 0.5
+    assert logs["reward/score"] == 0.5 and logs["episode/tool_calls"] == 0.5
+    assert logs["grad_norm"] > 0
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GRPO: generat")]
+    assert progress[0] == "GRPO: generating 4 episodes"
+    assert any(" tokens (batch rows) in " in line for line in progress)  # the rate while it generates
+    assert progress[-1].startswith("GRPO: generated 4 episodes, ") and progress[-1].endswith("tokens/s)")
+
+
+def test_an_episode_whose_tool_result_no_longer_fits_counts_as_truncated(tmp_path, tiny_model_dir):
+    """TRL drops a tool result that does not fit and ends the episode on the call's <|im_end|>: that
+    episode was cut, and like every cut episode it is left out of the loss."""
+    logs = _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool=-1)
+    assert logs["episode/truncated"] == 0.5 and logs["completions/clipped_ratio"] == 0.5
+    assert logs["reward/score"] == 0.5
+
+
+def _completions(messages, ids, tool_images, images):
+    return Completions(
+        [list(i) for i in ids], [[1] * len(i) for i in ids], None, messages, images, tool_images,
+    )
+
+
+def test_settle_completions_marks_cut_episodes_and_strips_masked_images():
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}]}
+    tool = {"role": "tool", "content": "ok"}
+    answer = {"role": "assistant", "content": "Final Answer: 3"}
+    messages = [[call], [call, tool, call], [call, tool, answer], [call, tool, {"role": "assistant", "content": "I see"}]]
+    ids = [[5, IM_END], [5, 7, 5, IM_END], [5, 7, 8, IM_END], [5, 7, IM_PAD, IM_PAD, 9]]
+    out = _completions(messages, ids, [[], ["crop"], ["crop"], ["crop1", "crop2"]], [None, ["scene"], None, ["scene", "crop1", "crop2"]])
+    truncated = settle_completions(out, eos_ids=[IM_END], pad_id=PAD, image_token_id=IM_PAD, mask_truncated=True, max_tool_iterations=1)
+    # 0: its only tool result was dropped (cut); 1: the tool-round limit (1 round) ended it, not the length
+    assert truncated == [0, 3]
+    assert out.completion_ids == [[5], [5, 7, 5, IM_END], [5, 7, 8, IM_END], [5, 7, PAD, PAD, 9]]
+    assert out.tool_mask[0] == [1]
+    assert out.images == [[], ["scene"], [], ["scene"]] and out.tool_images[3] == []
+    assert out.tool_images[1] == ["crop"]  # an episode that ended properly keeps its images
+    unmasked = _completions(messages[3:], ids[3:], [["crop1", "crop2"]], [["scene", "crop1", "crop2"]])
+    settle_completions(unmasked, [IM_END], PAD, IM_PAD, mask_truncated=False, max_tool_iterations=2)
+    assert unmasked.images == [["scene", "crop1", "crop2"]] and unmasked.completion_ids == ids[3:]
+    none = _completions([[answer]], [[8, IM_END]], [[]], [None])
+    settle_completions(none, [IM_END], PAD, IM_PAD, mask_truncated=True, max_tool_iterations=2)
+    assert none.images is None  # no image anywhere: TRL's text-only path
+
+
+def test_cut_for_length_needs_a_pending_call_before_the_round_limit():
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "crop"}}]}
+    tool = {"role": "tool", "content": "ok"}
+    assert cut_for_length([call], max_tool_iterations=1)
+    assert not cut_for_length([call, tool, call], max_tool_iterations=1)
+    assert not cut_for_length([call, tool, {"role": "assistant", "content": "Final Answer: 1"}], max_tool_iterations=3)
+    assert not cut_for_length([], max_tool_iterations=3)
