@@ -172,6 +172,7 @@ class AgentDemoConfig:
     max_new_tokens: int = 64  # per turn: a call is about 45 tokens, an answer 5
     max_turns: int = 3
     model_config: dict | None = None  # the architecture (default: the demo's 128-wide tiny Qwen3-VL)
+    device: str = "cpu"  # "cpu" for the demo; "cuda" for the GPU stage (training and rollouts)
     embedding_std: float = 0.4  # of the tied embeddings: room for confident logits (save_agent_model)
 
     def __post_init__(self):
@@ -189,6 +190,7 @@ def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root
     script.prepared_dir = str(output / "prepared")
     training.output_dir, training.eval_strategy, training.save_strategy = str(output / "adapter"), "no", "no"
     training.logging_steps = max(1, steps // 6)
+    training.use_cpu = cfg.device == "cpu"
     return script, training, model
 
 
@@ -210,7 +212,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.max_new_tokens * cfg.max_turns,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
-        use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="steps",
+        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
     )
     model = ModelConfig(
@@ -231,7 +233,7 @@ def _rollout(cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path,
             model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
             include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
             max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_length=1024, seed=cfg.seed,
-            max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device="cpu", dtype="float32",
+            max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
         ),
         progress=False,
     )
