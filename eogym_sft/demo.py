@@ -10,7 +10,6 @@ next. Everything it needs ships with the package.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,10 +181,10 @@ class AgentDemoConfig:
             raise ValueError("grpo_steps and rft_steps must be >= 0")
 
 
-def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int):
+def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False):
     """The SFT demo's configs pointed at the task's JSONL: every row trained on (the held-out questions
     are a separate file), no evaluation pass, one save at the end."""
-    script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, False, cfg.max_pixels, cfg.min_pixels)
+    script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, overwrite, cfg.max_pixels, cfg.min_pixels)
     script.dataset_path, script.data_root, script.eval_fraction = str(dataset), str(data_root), 0.0
     script.prepared_dir = str(output / "prepared")
     training.output_dir, training.eval_strategy, training.save_strategy = str(output / "adapter"), "no", "no"
@@ -194,7 +193,7 @@ def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root
     return script, training, model
 
 
-def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path):
+def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path, overwrite: bool = False):
     """The GRPO recipe's settings (its reward, group-scaled advantages, no KL) shrunk to a CPU run from the
     SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step."""
     from trl import GRPOConfig, ModelConfig
@@ -204,7 +203,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
 
     script = GRPOScriptArguments(
         dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop",
-        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(
@@ -222,7 +221,10 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
     return script, training, model
 
 
-def _rollout(cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path, samples: int, base: bool):
+def _rollout(
+    cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path, samples: int, base: bool,
+    overwrite: bool = False,
+):
     """Closed-loop episodes of the arms on ``data`` with the ``crop`` backend (real tool execution). One
     slot per episode of an arm, so that no slot is refilled within an arm."""
     from .evaluation.rollout import RolloutConfig, rollout
@@ -234,6 +236,7 @@ def _rollout(cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path,
             include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
             max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_length=1024, seed=cfg.seed,
             max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
+            overwrite=overwrite,
         ),
         progress=False,
     )
@@ -247,21 +250,21 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     the log-sum-exp of 151,936 random ones, so no token gets above about half the probability and sampled
     episodes (GRPO samples at temperature 1) fall apart within a few tokens; at 0.4 the margin is ample.
     """
-    from .models.tiny import DEMO_QWEN3_VL_CONFIG, build_offline_processor, build_tiny_model
+    import torch
+
+    from .models.tiny import (
+        DEMO_QWEN3_VL_CONFIG,
+        build_offline_processor,
+        build_tiny_model,
+    )
 
     model = build_tiny_model(cfg.seed, cfg.model_config or DEMO_QWEN3_VL_CONFIG)
     embeddings = model.get_input_embeddings().weight
-    with torch_no_grad():
+    with torch.no_grad():
         embeddings.mul_(cfg.embedding_std / embeddings.std())
     model.save_pretrained(output)
     build_offline_processor().save_pretrained(output)
     return output
-
-
-def torch_no_grad():
-    import torch
-
-    return torch.no_grad()
 
 
 def grpo_rewards(grpo_dir: str | Path) -> list[float]:
@@ -284,8 +287,6 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     cfg = cfg or AgentDemoConfig()
     output = Path(output)
     refuse_nonempty_output(output, overwrite, "eogym-sft demo --agent")
-    if overwrite and output.exists():
-        shutil.rmtree(output)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -302,32 +303,32 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     model_dir = save_agent_model(output / "small-qwen3-vl", cfg)
     lap("task and model")
 
-    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps))
+    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite))
     lap("sft")
 
     arms = [f"sft={sft}"]
     rewards: list[float] = []
     if cfg.grpo_steps:
-        grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo"))
+        grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo", overwrite))
         rewards = grpo_rewards(grpo_dir)
         arms.append(f"grpo={grpo_dir}")
         lap("grpo")
 
     rft_info = None
     if cfg.rft_steps:
-        sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, base=False)
+        sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, False, overwrite)
         rft_data = output / "rft_sampling" / "correct.jsonl"
         kept = filter_episodes(output / "rft_sampling" / "episodes.jsonl", rft_data, "correct", arm="sft")["kept"]
         if not kept:
             raise RuntimeError("rejection sampling kept no episode: the SFT adapter answered no training question right")
         union = output / "rft_sampling" / "train_plus_correct.jsonl"
         union.write_text(train_rows.read_text() + rft_data.read_text())
-        rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps))
+        rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
         arms.append(f"rft={rft}")
         rft_info = {"episodes_sampled": sampled["counts"]["episodes"], "episodes_kept": kept, "rows_trained": cfg.train_rows + kept}
         lap("rejection sampling")
 
-    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, base=True)
+    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, True, overwrite)
     lap("held-out rollouts")
     report = agent_report(summary, rewards, rft_info, seconds, cfg)
     (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")

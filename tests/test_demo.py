@@ -91,7 +91,7 @@ def test_agent_sft_trains_on_every_training_row_and_never_on_held_out(tmp_path):
     cfg = AgentDemoConfig(train_rows=3, held_out_rows=2)
     train = write_task(tmp_path / "task", cfg.train_rows, cfg.seed, start=0, name="train.jsonl")
     held = write_task(tmp_path / "task", cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl")
-    ids = lambda p: {line.split('"id": "')[1].split('"')[0] for line in p.read_text().splitlines()}  # noqa: E731
+    ids = lambda p: {line.split('"id": "')[1].split('"')[0] for line in p.read_text().splitlines()}
     assert len(ids(train)) == 3 and len(ids(held)) == 2 and not ids(train) & ids(held)
     script, training, _ = _sft_configs(cfg, tmp_path / "model", train, tmp_path / "task", tmp_path / "sft", 7)
     assert script.dataset_path == str(train) and script.eval_fraction == 0.0

@@ -13,7 +13,15 @@ from PIL import Image
 from eogym_sft.cli import main
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.environment.env import EOGymEnvironment
-from eogym_sft.environment.tasks import COLOURS, QUADRANTS, SCENE_PX, checkerboard, read_colour, task_spec, write_task
+from eogym_sft.environment.tasks import (
+    COLOURS,
+    QUADRANTS,
+    SCENE_PX,
+    checkerboard,
+    read_colour,
+    task_spec,
+    write_task,
+)
 
 DEMO_CAP = SCENE_PX * SCENE_PX // 4
 
