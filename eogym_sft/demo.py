@@ -319,13 +319,15 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, False, overwrite)
         rft_data = output / "rft_sampling" / "correct.jsonl"
         kept = filter_episodes(output / "rft_sampling" / "episodes.jsonl", rft_data, "correct", arm="sft")["kept"]
-        if not kept:
-            raise RuntimeError("rejection sampling kept no episode: the SFT adapter answered no training question right")
-        union = output / "rft_sampling" / "train_plus_correct.jsonl"
-        union.write_text(train_rows.read_text() + rft_data.read_text())
-        rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
-        arms.append(f"rft={rft}")
-        rft_info = {"episodes_sampled": sampled["counts"]["episodes"], "episodes_kept": kept, "rows_trained": cfg.train_rows + kept}
+        rft_info = {"episodes_sampled": sampled["counts"]["episodes"], "episodes_kept": kept, "rows_trained": None}
+        if kept:
+            union = output / "rft_sampling" / "train_plus_correct.jsonl"
+            union.write_text(train_rows.read_text() + rft_data.read_text())
+            rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
+            arms.append(f"rft={rft}")
+            rft_info["rows_trained"] = cfg.train_rows + kept
+        else:  # nothing to train on: the arm is left out of the table, and the report says why
+            print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm", flush=True)
         lap("rejection sampling")
 
     summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, True, overwrite)
@@ -376,7 +378,8 @@ def format_agent_report(report: dict, output: Path) -> str:
         lines.append("  GRPO training reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
     if report["rejection_sampling"]:
         r = report["rejection_sampling"]
-        lines.append(f"  rejection sampling: kept {r['episodes_kept']} correct of {r['episodes_sampled']} SFT episodes on training questions")
+        lines.append(f"  rejection sampling: kept {r['episodes_kept']} correct of {r['episodes_sampled']} SFT episodes on training questions"
+                     + ("" if r["episodes_kept"] else " (nothing to train on: no rft arm)"))
     lines.append("  seconds: " + ", ".join(f"{s} {v}" for s, v in report["seconds"].items()))
     lines.append(f"report: {output / 'agent_report.json'}   episodes: {output / 'rollout' / 'episodes.jsonl'}")
     return "\n".join(lines)
