@@ -21,6 +21,7 @@
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
+#   bash bench/h200_session.sh agent_1gpu   # the agent demo's loop (SFT -> GRPO -> rejection sampling -> held-out rollouts) larger, 1 GPU (limited to 540 s)
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -255,5 +256,16 @@ for flag in ("--cuda-graphs", "--no-cuda-graphs"):
 PY
   CUDA_VISIBLE_DEVICES=0 timeout 200 python bench/rollout_throughput.py --model $model --episodes 32 --concurrency 16 --turns 2 \
     --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
+  ;;
+agent_1gpu)
+  # (after setup) the agent loop of `eogym-sft demo --agent` at a larger scale on 1 GPU: 384 training and 128 held-out
+  # colour_grid questions, longer SFT/GRPO/RFT; agent_report.json holds Pass@1 per arm, the paired deltas,
+  # GRPO's reward per step and each stage's seconds. Expected well under 9 min (not yet measured).
+  CUDA_VISIBLE_DEVICES=0 timeout 540 python -c "
+from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+run_agent_demo('/tmp/agent_gpu', overwrite=True, cfg=AgentDemoConfig(device='cuda', train_rows=384, held_out_rows=128,
+    sft_steps=300, grpo_steps=20, grpo_questions_per_step=2, num_generations=8, rft_steps=300))" > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
+  cp /tmp/agent_gpu/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
+  grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
   ;;
 esac

@@ -156,13 +156,53 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (of 2 samples)")
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="high, so a few steps move a small random model")
+    parser.add_argument(
+        "--agent", action="store_true",
+        help="the agent demo instead: SFT -> closed-loop rollouts -> GRPO -> rejection sampling on a task only the crop tool solves (docs/agent.md)",
+    )
     add_overwrite_arg(parser)
 
 
 def run_demo(args: argparse.Namespace) -> dict:
+    from .demo import run_agent_demo
     from .demo import run_demo as run
 
+    if args.agent:
+        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite)
     return run(args.output, args.steps, args.learning_rate, args.overwrite)
+
+
+def add_make_task_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, help="data root to write: tasks.jsonl, EO_GYM_DATA/ (scenes) and image_cache/ (gold crops)")
+    parser.add_argument("--rows", type=int, required=True, help="questions to write")
+    parser.add_argument("--seed", type=int, default=0, help="which questions: the same seed writes the same rows")
+    parser.add_argument("--start", type=int, default=0, help="index of the first question (disjoint ranges give disjoint splits)")
+    parser.add_argument("--name", default="tasks.jsonl", help="file name of the JSONL under --output")
+    add_overwrite_arg(parser)
+
+
+def run_make_task(args: argparse.Namespace) -> None:
+    from .environment.tasks import write_task
+
+    if (Path(args.output) / args.name).exists() and not args.overwrite:
+        raise SystemExit(f"eogym-sft make-task: {Path(args.output) / args.name} exists: pick another --name or pass --overwrite")
+    try:
+        path = write_task(args.output, args.rows, args.seed, args.start, args.name)
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft make-task: {err}") from None
+    print(f"wrote {args.rows} colour_grid questions to {path} (data root {args.output})")
+
+
+def add_episodes_args(parser: argparse.ArgumentParser) -> None:
+    from .evaluation.episodes_filter import add_episodes_args as add
+
+    add(parser)
+
+
+def run_episodes(args: argparse.Namespace) -> dict:
+    from .evaluation.episodes_filter import run_episodes_filter
+
+    return run_episodes_filter(args)
 
 
 def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
@@ -197,6 +237,8 @@ COMMANDS = {
     "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
     "tool-call": (add_tool_call_args, run_tool_call, "run one EO-Gym tool call by hand and print its result as JSON"),
     "rollout": (add_rollout_args, run_rollout, "closed-loop episodes (tools executed) of a base model and LoRA adapters; Pass@k"),
+    "make-task": (add_make_task_args, run_make_task, "write colour_grid questions: a task only the crop tool solves (docs/agent.md)"),
+    "episodes": (add_episodes_args, run_episodes, "keep the rollout episodes a rejection-sampling round trains on (correct|incorrect|all)"),
 }
 
 

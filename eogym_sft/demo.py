@@ -9,6 +9,9 @@ next. Everything it needs ships with the package.
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SAMPLE_DIR = Path(__file__).resolve().with_name("sample")  # the bundled sample: data root and JSONL
@@ -19,9 +22,13 @@ EVAL_FRACTION = 0.15  # share of the sample's traces held out: trained on never,
 MAX_PIXELS = 200704  # 196 visual tokens an image: a CPU run in minutes (the recipe's cap is 1,003,520)
 STEPS = 16  # optimizer steps of 2 samples: held-out accuracy clearly above the base's, in under 2 minutes
 LEARNING_RATE = 1e-2  # high, so that a few steps move a small random model
+SCENE_CAP = 128 * 128  # the agent demo's pixel cap: a quarter of the colour_grid scene's pixels
 
 
-def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False, max_pixels: int = MAX_PIXELS):
+def demo_configs(
+    model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False, max_pixels: int = MAX_PIXELS,
+    min_pixels: int | None = None,
+):
     """The recipe's ``(script, training, model)`` configs shrunk to a CPU smoke run: the published LoRA and
     the speed path (packed batches, variable-length attention, token-balanced micro-batches), few steps."""
     from trl import ModelConfig, SFTConfig
@@ -36,6 +43,7 @@ def demo_configs(model_dir: Path, output: Path, steps: int, learning_rate: float
         eval_fraction=EVAL_FRACTION,
         prep_num_proc=1,
         max_pixels=max_pixels,
+        **({} if min_pixels is None else {"min_pixels": min_pixels}),
         samples_per_step=2,
         overwrite_output_dir=overwrite,
     )
@@ -134,3 +142,244 @@ def demo_summary(report: dict, output: Path, adapter: str) -> str:
             "          or train the real thing: see README.md, 'Train EO-Gym-4B'",
         ]
     )
+
+
+# ---------------------------------------------------------------- the agent demo (eogym-sft demo --agent)
+
+
+@dataclass
+class AgentDemoConfig:
+    """Settings of ``eogym-sft demo --agent``: a task only the crop tool solves, and the loop SFT ->
+    closed-loop rollouts -> GRPO -> rejection sampling on it (docs/agent.md). The defaults are the
+    CPU demo's; ``bench/h200_session.sh agent_1gpu`` runs the same loop larger."""
+
+    train_rows: int = 96  # questions trained on (SFT gold traces, GRPO prompts, rejection-sampling prompts)
+    held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
+    seed: int = 0
+    max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
+    min_pixels: int = 4096
+    sft_steps: int = 60
+    sft_learning_rate: float = 5e-3
+    grpo_steps: int = 8
+    grpo_learning_rate: float = 1e-3
+    num_generations: int = 4  # GRPO's group: episodes per question
+    grpo_questions_per_step: int = 2
+    rft_steps: int = 60
+    samples: int = 4  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
+    rft_samples: int = 2  # episodes per training question for rejection sampling
+    temperature: float = 0.7  # rollouts' sampling temperature (GRPO samples at 1.0, as the recipe does)
+    max_new_tokens: int = 64  # per turn: a call is about 45 tokens, an answer 5
+    max_turns: int = 3
+    model_config: dict | None = None  # the architecture (default: the demo's 128-wide tiny Qwen3-VL)
+    device: str = "cpu"  # "cpu" for the demo; "cuda" for the GPU stage (training and rollouts)
+    embedding_std: float = 0.4  # of the tied embeddings: room for confident logits (save_agent_model)
+
+    def __post_init__(self):
+        if min(self.train_rows, self.held_out_rows, self.sft_steps, self.samples, self.rft_samples) < 1:
+            raise ValueError("train_rows, held_out_rows, sft_steps, samples and rft_samples must be at least 1")
+        if self.grpo_steps < 0 or self.rft_steps < 0:
+            raise ValueError("grpo_steps and rft_steps must be >= 0")
+
+
+def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False):
+    """The SFT demo's configs pointed at the task's JSONL: every row trained on (the held-out questions
+    are a separate file), no evaluation pass, one save at the end."""
+    script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, overwrite, cfg.max_pixels, cfg.min_pixels)
+    script.dataset_path, script.data_root, script.eval_fraction = str(dataset), str(data_root), 0.0
+    script.prepared_dir = str(output / "prepared")
+    training.output_dir, training.eval_strategy, training.save_strategy = str(output / "adapter"), "no", "no"
+    training.logging_steps = max(1, steps // 6)
+    training.use_cpu = cfg.device == "cpu"
+    return script, training, model
+
+
+def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path, overwrite: bool = False):
+    """The GRPO recipe's settings (its reward, group-scaled advantages, no KL) shrunk to a CPU run from the
+    SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step."""
+    from trl import GRPOConfig, ModelConfig
+
+    from .models.loading import LORA_TARGETS
+    from .training.grpo import GRPOScriptArguments
+
+    script = GRPOScriptArguments(
+        dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop",
+        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
+    )
+    batch = cfg.num_generations * cfg.grpo_questions_per_step
+    training = GRPOConfig(
+        output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate, lr_scheduler_type="constant",
+        num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.max_new_tokens * cfg.max_turns,
+        max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
+        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="steps",
+        save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
+    )
+    model = ModelConfig(
+        model_name_or_path=str(model_dir), dtype="float32", attn_implementation="sdpa", use_peft=True,
+        lora_r=16, lora_alpha=32, lora_dropout=0.05, lora_target_modules=list(LORA_TARGETS),
+    )
+    return script, training, model
+
+
+def _rollout(
+    cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path, samples: int, base: bool,
+    overwrite: bool = False,
+):
+    """Closed-loop episodes of the arms on ``data`` with the ``crop`` backend (real tool execution). One
+    slot per episode of an arm, so that no slot is refilled within an arm."""
+    from .evaluation.rollout import RolloutConfig, rollout
+
+    rows = sum(1 for line in data.read_text().splitlines() if line.strip())
+    return rollout(
+        RolloutConfig(
+            model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
+            include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_length=1024, seed=cfg.seed,
+            max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
+            overwrite=overwrite,
+        ),
+        progress=False,
+    )
+
+
+def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
+    """The demo's tiny Qwen3-VL with its (tied) token embeddings drawn at ``cfg.embedding_std``.
+
+    Why: LoRA trains the decoder layers only, so a token's logit is the final-normed hidden state (norm
+    about sqrt(width)) against a fixed embedding row. At the SFT demo's 0.1 the aligned logit cannot clear
+    the log-sum-exp of 151,936 random ones, so no token gets above about half the probability and sampled
+    episodes (GRPO samples at temperature 1) fall apart within a few tokens; at 0.4 the margin is ample.
+    """
+    import torch
+
+    from .models.tiny import (
+        DEMO_QWEN3_VL_CONFIG,
+        build_offline_processor,
+        build_tiny_model,
+    )
+
+    model = build_tiny_model(cfg.seed, cfg.model_config or DEMO_QWEN3_VL_CONFIG)
+    embeddings = model.get_input_embeddings().weight
+    with torch.no_grad():
+        embeddings.mul_(cfg.embedding_std / embeddings.std())
+    model.save_pretrained(output)
+    build_offline_processor().save_pretrained(output)
+    return output
+
+
+def grpo_rewards(grpo_dir: str | Path) -> list[float]:
+    """The mean training reward of each GRPO step, from the last checkpoint's ``trainer_state.json``."""
+    states = sorted(Path(grpo_dir).glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+    if not states:
+        raise FileNotFoundError(f"no checkpoint-*/trainer_state.json under {grpo_dir}: the GRPO run saved no state")
+    history = json.loads(states[-1].read_text())["log_history"]
+    return [h["reward"] for h in history if "reward" in h]
+
+
+def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
+    """The agent loop on the ``colour_grid`` task; prints the table and writes ``agent_report.json``."""
+    from .environment.tasks import write_task
+    from .evaluation.episodes_filter import filter_episodes
+    from .guards import refuse_nonempty_output
+    from .training import grpo
+    from .training.sft import train
+
+    cfg = cfg or AgentDemoConfig()
+    output = Path(output)
+    refuse_nonempty_output(output, overwrite, "eogym-sft demo --agent")
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[stage] = round(now - clock, 1)
+        clock = now
+        print(f"[agent demo] {stage} done in {seconds[stage]:.1f} s", flush=True)
+
+    root = output / "task"
+    train_rows = write_task(root, cfg.train_rows, cfg.seed, start=0, name="train.jsonl")
+    held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl")
+    model_dir = save_agent_model(output / "small-qwen3-vl", cfg)
+    lap("task and model")
+
+    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite))
+    lap("sft")
+
+    arms = [f"sft={sft}"]
+    rewards: list[float] = []
+    if cfg.grpo_steps:
+        grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo", overwrite))
+        rewards = grpo_rewards(grpo_dir)
+        arms.append(f"grpo={grpo_dir}")
+        lap("grpo")
+
+    rft_info = None
+    if cfg.rft_steps:
+        sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, False, overwrite)
+        rft_data = output / "rft_sampling" / "correct.jsonl"
+        kept = filter_episodes(output / "rft_sampling" / "episodes.jsonl", rft_data, "correct", arm="sft")["kept"]
+        rft_info = {"episodes_sampled": sampled["counts"]["episodes"], "episodes_kept": kept, "rows_trained": None}
+        if kept:
+            union = output / "rft_sampling" / "train_plus_correct.jsonl"
+            union.write_text(train_rows.read_text() + rft_data.read_text())
+            rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
+            arms.append(f"rft={rft}")
+            rft_info["rows_trained"] = cfg.train_rows + kept
+        else:  # nothing to train on: the arm is left out of the table, and the report says why
+            print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm", flush=True)
+        lap("rejection sampling")
+
+    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, True, overwrite)
+    lap("held-out rollouts")
+    report = agent_report(summary, rewards, rft_info, seconds, cfg)
+    (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_agent_report(report, output))
+    return report
+
+
+ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes", "stop_reasons")
+
+
+def agent_report(summary: dict, rewards: list[float], rft: dict | None, seconds: dict, cfg: AgentDemoConfig) -> dict:
+    """``agent_report.json``: per arm the rollout report's overall figures, the paired deltas over
+    held-out questions, GRPO's reward per step, the rejection-sampling counts and each stage's seconds."""
+    k = cfg.samples
+    arms = {}
+    for name, entry in summary["arms"].items():
+        overall = entry["overall"]
+        arms[name] = {f: overall.get(f) for f in ARM_FIELDS} | {f"pass@{k}": overall.get(f"pass@{k}")}
+    return {
+        "arms": arms,
+        "paired": summary["paired"],
+        "grpo_reward_per_step": rewards,
+        "rejection_sampling": rft,
+        "seconds": seconds | {"total": round(sum(seconds.values()), 1)},
+        "settings": asdict(cfg),
+    }
+
+
+def format_agent_report(report: dict, output: Path) -> str:
+    """The table (arm, Pass@1, Pass@k, mean score, tool_any, calls/episode) and paired deltas with 95% CIs."""
+    k = report["settings"]["samples"]
+    lines = ["", f"agent demo: held-out questions, {k} episodes each (never trained on)",
+             f"  {'arm':<6}{'Pass@1':>8}{f'Pass@{k}':>8}{'score':>8}{'tool_any':>10}{'calls/ep':>10}"]
+    for name, a in report["arms"].items():
+        cells = [a["pass@1"], a[f"pass@{k}"], a["mean_score"], a["tool_any"], a["calls_per_episode"]]
+        lines.append(f"  {name:<6}" + "".join(f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}" for v, w in zip(cells, (8, 8, 8, 10, 10))))
+    lines.append("  paired over questions (B - A, 95% CI):")
+    for p in report["paired"]:
+        if p["metric"] in ("pass@1", "tool_any"):
+            ci = p.get("ci95_normal_approx")
+            ci_text = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "(n < 2)"
+            lines.append(f"    {p['b']:>4} - {p['a']:<4} {p['metric']:<8} {p['delta']:+.3f} {ci_text}  n={p['n']}")
+    rewards = report["grpo_reward_per_step"]
+    if rewards:
+        lines.append("  GRPO training reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
+    if report["rejection_sampling"]:
+        r = report["rejection_sampling"]
+        lines.append(f"  rejection sampling: kept {r['episodes_kept']} correct of {r['episodes_sampled']} SFT episodes on training questions"
+                     + ("" if r["episodes_kept"] else " (nothing to train on: no rft arm)"))
+    lines.append("  seconds: " + ", ".join(f"{s} {v}" for s, v in report["seconds"].items()))
+    lines.append(f"report: {output / 'agent_report.json'}   episodes: {output / 'rollout' / 'episodes.jsonl'}")
+    return "\n".join(lines)

@@ -64,3 +64,70 @@ def test_the_demo_learns_what_it_holds_out(tmp_path):
     adapter, base = report["models"]["adapter"]["overall"], report["models"]["base"]["overall"]
     assert adapter["token_accuracy"] > base["token_accuracy"] + 0.05
     assert adapter["loss"] < base["loss"] - 1.0
+
+
+# ---------------------------------------------------------------- eogym-sft demo --agent
+
+
+def test_agent_model_embeddings_are_drawn_wider(tmp_path):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from eogym_sft.demo import AgentDemoConfig, save_agent_model
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
+
+    path = save_agent_model(tmp_path / "m", AgentDemoConfig(model_config=TINY_QWEN3_VL_CONFIG, embedding_std=0.4))
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    weight = model.get_input_embeddings().weight
+    assert abs(float(weight.detach().std()) - 0.4) < 1e-3
+    assert torch.equal(model.get_output_embeddings().weight, weight)  # tied: the head is the same rows
+    assert (path / "chat_template.jinja").is_file() or (path / "processor_config.json").is_file()
+
+
+def test_agent_sft_trains_on_every_training_row_and_never_on_held_out(tmp_path):
+    from eogym_sft.demo import AgentDemoConfig, _sft_configs
+    from eogym_sft.environment.tasks import write_task
+
+    cfg = AgentDemoConfig(train_rows=3, held_out_rows=2)
+    train = write_task(tmp_path / "task", cfg.train_rows, cfg.seed, start=0, name="train.jsonl")
+    held = write_task(tmp_path / "task", cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl")
+    ids = lambda p: {line.split('"id": "')[1].split('"')[0] for line in p.read_text().splitlines()}
+    assert len(ids(train)) == 3 and len(ids(held)) == 2 and not ids(train) & ids(held)
+    script, training, _ = _sft_configs(cfg, tmp_path / "model", train, tmp_path / "task", tmp_path / "sft", 7)
+    assert script.dataset_path == str(train) and script.eval_fraction == 0.0
+    assert (script.max_pixels, script.min_pixels) == (128 * 128, 4096) and training.max_steps == 7 and training.use_cpu
+
+
+def test_grpo_rewards_come_from_the_last_checkpoint(tmp_path):
+    import json
+
+    from eogym_sft.demo import grpo_rewards
+
+    for step, rewards in ((2, [0.1, 0.2]), (10, [0.1, 0.2, 0.3])):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        history = [{"reward": r, "step": i + 1} for i, r in enumerate(rewards)] + [{"train_runtime": 1.0}]
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert grpo_rewards(tmp_path) == [0.1, 0.2, 0.3]
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        grpo_rewards(tmp_path / "checkpoint-2")
+
+
+def test_agent_report_and_table(tmp_path):
+    from eogym_sft.demo import AgentDemoConfig, agent_report, format_agent_report
+
+    def overall(p1, tool):
+        return {"pass@1": p1, "pass@2": min(1.0, 2 * p1), "mean_score": p1, "tool_any": tool, "calls_per_episode": tool,
+                "answered": 1.0, "questions": 4, "episodes": 8, "stop_reasons": {"final_answer": 8}}
+
+    summary = {
+        "arms": {"base": {"overall": overall(0.0, 0.0)}, "sft": {"overall": overall(0.75, 1.0)}},
+        "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95_normal_approx": [0.3, 1.2]}],
+    }
+    report = agent_report(summary, [0.2, 0.5], {"episodes_sampled": 8, "episodes_kept": 5, "rows_trained": 9}, {"sft": 1.5, "grpo": 2.0},
+                          AgentDemoConfig(samples=2))
+    assert report["arms"]["sft"]["pass@1"] == 0.75 and report["arms"]["base"]["tool_any"] == 0.0
+    assert report["arms"]["sft"]["episodes"] == 8 and report["seconds"]["total"] == 3.5
+    text = format_agent_report(report, tmp_path)
+    assert "  sft      0.750   1.000   0.750     1.000     1.000" in text
+    assert "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
+    assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text

@@ -1,0 +1,59 @@
+"""The rejection-sampling filter on rollout episodes: which episodes each rule keeps, bad lines named and
+counted, and the command's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eogym_sft.cli import main
+from eogym_sft.evaluation.episodes_filter import filter_episodes, keeps
+
+
+def episode(i, correct, stop="final_answer", arm="sft"):
+    return {"id": f"q{i}:{arm}:0", "arm": arm, "messages": [{"role": "user", "content": "q"}], "stop_reason": stop, "correct": correct}
+
+
+EPISODES = [
+    episode(0, True),
+    episode(1, False),
+    episode(2, None),  # unscored
+    episode(3, True, stop="max_turns"),  # right answer field but no final answer of its own: not kept as correct
+    episode(4, False, stop="error"),
+    episode(5, True, arm="base"),
+]
+
+
+@pytest.mark.parametrize(
+    "rule, kept", [("correct", ["q0:sft:0", "q5:base:0"]), ("incorrect", ["q1:sft:0"]), ("all", ["q0:sft:0", "q1:sft:0", "q2:sft:0", "q3:sft:0", "q5:base:0"])]
+)
+def test_each_rule_keeps_what_the_docs_say(tmp_path, rule, kept):
+    src, dst = tmp_path / "episodes.jsonl", tmp_path / "kept.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in EPISODES))
+    stats = filter_episodes(src, dst, rule)
+    assert [json.loads(line)["id"] for line in dst.read_text().splitlines()] == kept
+    assert (stats["read"], stats["kept"], stats["skipped"]) == (6, len(kept), 0)
+
+
+def test_arm_and_bad_lines(tmp_path):
+    src, dst = tmp_path / "episodes.jsonl", tmp_path / "kept.jsonl"
+    src.write_text(json.dumps(EPISODES[0]) + "\n{not json\n" + json.dumps({"id": "x"}) + "\n\n" + json.dumps(EPISODES[5]) + "\n")
+    stats = filter_episodes(src, dst, "correct", arm="sft")
+    assert stats["kept"] == 1 and stats["skipped"] == 2
+    assert stats["skipped_lines"][0].startswith(f"{src}:2: ") and stats["skipped_lines"][1].startswith(f"{src}:3: not a rollout episode")
+    with pytest.raises(ValueError, match="unknown filter"):
+        keeps(EPISODES[0], "best")
+
+
+def test_the_command(tmp_path, capsys):
+    src, dst = tmp_path / "episodes.jsonl", tmp_path / "kept.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in EPISODES))
+    main(["episodes", "--filter", "incorrect", "--input", str(src), "--output", str(dst)])
+    assert "kept 1 of 6 episodes (incorrect)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="exists"):
+        main(["episodes", "--input", str(src), "--output", str(dst)])
+    with pytest.raises(SystemExit, match="no episode passed --filter correct"):
+        main(["episodes", "--input", str(src), "--output", str(tmp_path / "none.jsonl"), "--arm", "rft"])
+    with pytest.raises(SystemExit, match="no such input file"):
+        main(["episodes", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")])
