@@ -58,13 +58,31 @@ def batches(tmp_path_factory, tiny_model_dir):
             seed=0, generation_kwargs={"do_sample": False},
         )
         policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
-        trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy])
+        modes = ModeRecorder(model)
+        trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy, modes])
         model.train()
         example = trainer.train_dataset[0]
         with torch.no_grad():
             out[engine] = {"batch": trainer._generate_and_score_completions([example, example]), "trainer": trainer}
+        out[engine]["modes"], out[engine]["mode_after"] = modes.seen, model.training
     out["model"], out["processor"] = model, processor
     return out
+
+
+class ModeRecorder:
+    """A logits processor that changes nothing and records whether the model was in train mode."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, set()
+
+    def __call__(self, input_ids, scores):
+        self.seen.add(self.model.training)
+        return scores
+
+
+def test_slots_generate_in_eval_mode_and_train_after(batches):
+    assert batches["slots"]["modes"] == {False}  # LoRA dropout off while sampling
+    assert batches["slots"]["mode_after"] is True
 
 
 def test_both_engines_hand_the_loss_the_same_batch(batches):
@@ -179,3 +197,57 @@ def test_cuda_graphs_replay_weights_updated_in_place(tiny_model_dir):
             if "lora_B" in name:
                 param.add_(0.05)
     torch.testing.assert_close(step(graphed), step(eager), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gold_episode(tmp_path_factory):
+    """The tiny row's gold trajectory (a crop call, its result with the crop, the answer) as an ended episode."""
+    from eogym_sft.evaluation.episodes import new_episode
+
+    root = tmp_path_factory.mktemp("episode_data")
+    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32)]:
+        save_image(root, rel, width, height)
+    row = make_row(n_steps=1)
+    episode = new_episode(row, "rows.jsonl:1", "policy", 0, env=None)
+    episode.row["messages"] = [dict(m) for m in row["messages"]]
+    episode.stop = "final_answer"
+    return episode, root
+
+
+def _sample(episode, root, processor, max_completion_length=4096):
+    from eogym_sft.evaluation.episodes import picture_cache
+    from eogym_sft.training.grpo_slots import episode_sample
+
+    return episode_sample(episode, processor, root, "produced", picture_cache(processor), max_completion_length)
+
+
+def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny_model_dir):
+    episode, root = gold_episode
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    sample = _sample(episode, root, processor)
+    collator = EOGymCollator(processor, data_root=str(root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    trace = normalize_row(episode.row)
+    sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
+    ids, labels = sft["input_ids"][0].tolist(), sft["labels"][0].tolist()
+    assert sample.prompt_ids + sample.completion_ids == ids[:-1]  # SFT keeps the newline after the last <|im_end|>
+    assert sample.tool_mask == [int(t != -100) for t in labels[len(sample.prompt_ids) : -1]]
+    assert sample.completion_ids[-1] == IM_END and not sample.truncated and len(sample.images) == 2
+
+    image_pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    crop_start = sample.completion_ids.index(image_pad)
+    assert sample.completion_ids[crop_start + 1] == image_pad  # the crop is more than one token
+    cut = _sample(episode, root, processor, max_completion_length=crop_start + 1)  # inside the crop's tokens
+    assert cut.completion_ids == sample.completion_ids[:crop_start] and cut.tool_mask == sample.tool_mask[:crop_start]
+    assert cut.truncated and len(cut.images) == 1  # the crop is dropped whole, with its pixels
+
+
+def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir):
+    episode, root = gold_episode
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    episode.stop = "max_new_tokens"
+    try:
+        sample = _sample(episode, root, processor)
+    finally:
+        episode.stop = "final_answer"
+    full = _sample(episode, root, processor)
+    assert sample.truncated and sample.completion_ids == full.completion_ids[:-1]
