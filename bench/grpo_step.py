@@ -316,13 +316,15 @@ def _mean(xs):
 
 def format_table(result: dict) -> str:
     lines = [f"{'arm':8} {'step s':>8} {'gen':>6} {'tools':>6} {'score':>6} {'fwd+bwd':>8} {'optim':>6} {'gen tok/s':>10} {'peak GiB':>9}"]
+    def share(r, k):
+        return f"{100 * r[k]:.0f}%" if r.get(k) is not None else "-"
+
     for r in result["arms"]:
-        share = lambda k: f"{100 * r[k]:.0f}%" if r.get(k) is not None else "-"  # noqa: E731
         peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else "-"
         tps = f"{r['generated_tokens_per_s']:.0f}" if r.get("generated_tokens_per_s") else "-"
         lines.append(
-            f"{r['arm']:8} {r['step_s']:8.2f} {share('generation_share'):>6} {share('tools_share'):>6} {share('scoring_share'):>6} "
-            f"{share('forward_backward_share'):>8} {share('optimizer_share'):>6} {tps:>10} {peak:>9}"
+            f"{r['arm']:8} {r['step_s']:8.2f} {share(r, 'generation_share'):>6} {share(r, 'tools_share'):>6} {share(r, 'scoring_share'):>6} "
+            f"{share(r, 'forward_backward_share'):>8} {share(r, 'optimizer_share'):>6} {tps:>10} {peak:>9}"
         )
     if "speedup_slots_vs_trl" in result:
         lines.append(f"slots vs trl: {result['speedup_slots_vs_trl']:.2f}x per step")
@@ -346,7 +348,7 @@ def main(argv=None) -> dict:
     arms = [run_arm(args, arm, model, lora_start, data, root, workdir) for arm in args.arms.split(",")]
     by_arm = {r["arm"]: r for r in arms}
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": {m.__name__: m.__version__ for m in map(__import__, ("torch", "transformers", "trl", "peft"))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},

@@ -326,9 +326,8 @@ def build_trainer(
     from transformers import LogitsProcessorList
     from trl import GRPOTrainer
 
-    from .grpo_slots import SlotGRPOTrainer
-
     from ..models.generation import vision_token_ids
+    from .grpo_slots import SlotGRPOTrainer
     from .rewards import EpisodeReward
 
     check_chat_template(processor)

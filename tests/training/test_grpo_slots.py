@@ -177,6 +177,7 @@ def _images_in(ids: list[int], image_pad: int) -> int:
     return sum(1 for i, t in enumerate(ids) if t == image_pad and (i == 0 or ids[i - 1] != image_pad))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_weights_updated_in_place(tiny_model_dir):
     """The decoder is kept across steps with its graphs: an optimizer step updates the LoRA weights in place,
