@@ -31,8 +31,8 @@ import torch
 from trl import GRPOTrainer
 
 from ..data.encoding import encode_conversation, render
-from ..data.images import load_rgb, resolve_image_path
-from ..data.traces import normalize_row
+from ..data.images import ImageError, load_rgb, resolve_image_path
+from ..data.traces import TraceError, normalize_row
 from ..evaluation.episodes import LoopConfig, canonical_prompt, new_episode, picture_cache, run_episodes
 from ..models.generation import Sampling, SlotDecoder
 from .rollout_config import kv_bytes_per_token, slots_for
@@ -296,7 +296,7 @@ class SlotGRPOTrainer(GRPOTrainer):
             max_turns=10**9 if turns is None else turns + 1,
             max_new_tokens=min(ra.rollout_turn_tokens, self.max_completion_length),
             tool_images=ra.tool_images,
-            seed=self.args.seed + self.state.global_step,
+            seed=(self.args.seed + self.state.global_step) * self.accelerator.num_processes + self.accelerator.process_index,
         )
         model = self.accelerator.unwrap_model(self.model)
         with eval_mode(model):
@@ -304,8 +304,10 @@ class SlotGRPOTrainer(GRPOTrainer):
             self.sampling.decoder, self.sampling.processors = decoder, self.logits_processors
             self.sampling.pad_id = self._tokenizer.pad_token_id
             stats = run_episodes(decoder, self.processing_class, episodes, self.sampling, cfg, ra.data_root, lambda ep: None)
+        self.sampling.decoder = None
+        slots = decoder.slots
         if not ra.rollout_keep_cache:
-            self._decoder = None
+            self._decoder = decoder = None  # the loss forward may use the cache's memory now
         start = time.perf_counter()
         pictures = picture_cache(self.processing_class)
         samples = []
@@ -314,7 +316,7 @@ class SlotGRPOTrainer(GRPOTrainer):
                 if ep.stop == "error":
                     raise ValueError(ep.error)
                 samples.append(episode_sample(ep, self.processing_class, ra.data_root, ra.tool_images, pictures, self.max_completion_length))
-            except Exception as err:  # one episode that cannot be encoded trains on nothing; the run goes on
+            except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
                 logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
                 samples.append(failed_sample(self.processing_class))
         for env, ep in zip(self.environments, episodes):  # the reward reads these counts
@@ -327,7 +329,7 @@ class SlotGRPOTrainer(GRPOTrainer):
         metrics["rollout/seconds"].append(stats["seconds"])
         metrics["rollout/encode_seconds"].append(time.perf_counter() - start)
         metrics["rollout/new_tokens_per_s"].append(stats["new_tokens"] / max(stats["seconds"], 1e-9))
-        metrics["rollout/slots"].append(float(decoder.slots))
+        metrics["rollout/slots"].append(float(slots))
         metrics["rollout/failed"].append(sum(s.failed for s in samples) / len(samples))
         self._log_lengths(samples, [ep.calls for ep in episodes], [env.tool_errors for env in self.environments], device, mode)
         return (
