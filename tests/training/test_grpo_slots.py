@@ -252,3 +252,18 @@ def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir):
         episode.stop = "final_answer"
     full = _sample(episode, root, processor)
     assert sample.truncated and sample.completion_ids == full.completion_ids[:-1]
+
+
+def test_an_episode_that_fails_trains_on_nothing_and_is_counted(batches):
+    """A row image gone missing mid-run: that episode is named, counted and masked; the other trains."""
+    trainer = batches["slots"]["trainer"]
+    good = trainer.train_dataset[0]
+    row = json.loads(good["row"])
+    broken = {**good, "row": json.dumps({**row, "images": ["EO_GYM_DATA/gone.jpg"]})}
+    batches["model"].train()
+    with torch.no_grad():
+        batch = trainer._generate_and_score_completions([good, broken])
+    assert int((batch["tool_mask"][1] * batch["completion_mask"][1]).sum()) == 0  # the loss mask TRL uses
+    assert int((batch["tool_mask"][0] * batch["completion_mask"][0]).sum()) > 0
+    assert batch["num_images"] == [2, 0]
+    assert trainer._metrics["train"]["rollout/failed"][-1] == 0.5
