@@ -32,3 +32,16 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
     assert slots["rollout_slots"] == 2.0
     assert result["speedup_slots_vs_trl"] == trl["step_s"] / slots["step_s"]
     assert "slots vs trl" in format_table(result)
+
+
+def test_the_recipe_arm_is_the_yamls_defaults_for_one_step(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from grpo_step import arm_settings, parse_args
+
+    args = parse_args(["--model", "unused"])
+    script, training, _ = arm_settings(args, "recipe", "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
+    assert training.max_steps == 1 and script.rollout_engine == "slots"
+    assert (training.per_device_train_batch_size, training.gradient_accumulation_steps, training.num_generations) == (8, 2, 8)
+    assert (training.max_completion_length, script.rollout_turn_tokens, script.rollout_cache_gib) == (6144, 1024, 40.0)
+    _, forced, _ = arm_settings(args, "trl", "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
+    assert forced.max_tool_calling_iterations == args.calls + 1 and forced.max_steps == args.warmup + args.steps

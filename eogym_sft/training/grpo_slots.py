@@ -49,18 +49,19 @@ class TrackedDecoder:
     def __init__(self, decoder: SlotDecoder):
         self.decoder = decoder
         self.rows: list[int] = []
+        self.refilled: set[int] = set()  # slots whose sequence was replaced (not extended) since the last call
 
     def __getattr__(self, name):
         return getattr(self.decoder, name)
 
     def prefill(self, slot, ids, images):
         logits = self.decoder.prefill(slot, ids, images)
-        self.rows = [slot]
+        self.rows, self.refilled = [slot], {slot}
         return logits
 
     def decode(self, next_tokens):
         order, logits = self.decoder.decode(next_tokens)
-        self.rows = list(order)
+        self.rows, self.refilled = list(order), set()
         return order, logits
 
 
@@ -75,16 +76,27 @@ class ProcessedSampling(Sampling):
     processors: list = field(default_factory=list)
     decoder: TrackedDecoder | None = None
     pad_id: int = 0
+    _held: dict = field(default_factory=dict, repr=False)  # slot -> its sequence as a tensor, extended step by step
+
+    def _sequence(self, slot: int) -> torch.Tensor:
+        # Python lists of thousands of ids are slow to convert every step: a decode step only appends one.
+        seq, held = self.decoder.tokens[slot], self._held.get(slot)
+        if held is None or slot in self.decoder.refilled or len(held) > len(seq):
+            held = torch.tensor(seq, dtype=torch.long)
+        elif len(held) < len(seq):
+            held = torch.cat([held, torch.tensor(seq[len(held) :], dtype=torch.long)])
+        self._held[slot] = held
+        return held
 
     def pick(self, logits, generated, stop_ids, generator=None, banned_ids=()):
         if self.processors:
             rows = self.decoder.rows
-            seqs = {s: self.decoder.tokens[s] for s in rows}
+            seqs = {s: self._sequence(s) for s in rows}
             width = max(len(seq) for seq in seqs.values())
             ids = torch.full((self.decoder.slots, width), self.pad_id, dtype=torch.long)
             for s in range(self.decoder.slots):  # an idle slot repeats the first busy one: every row is a real sequence
                 seq = seqs.get(s, seqs[rows[0]])
-                ids[s, width - len(seq) :] = torch.tensor(seq)
+                ids[s, width - len(seq) :] = seq
             scores = logits.new_zeros((self.decoder.slots, logits.shape[-1]))
             scores[rows] = logits
             ids = ids.to(logits.device)
@@ -301,7 +313,7 @@ class SlotGRPOTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         with eval_mode(model):
             decoder = TrackedDecoder(self.decoder(len(episodes)))
-            self.sampling.decoder, self.sampling.processors = decoder, self.logits_processors
+            self.sampling.decoder, self.sampling.processors, self.sampling._held = decoder, self.logits_processors, {}
             self.sampling.pad_id = self._tokenizer.pad_token_id
             stats = run_episodes(decoder, self.processing_class, episodes, self.sampling, cfg, ra.data_root, lambda ep: None)
         self.sampling.decoder = None
