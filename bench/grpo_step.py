@@ -1,43 +1,61 @@
-"""GRPO step time: the recipe's trainer (``recipes/eo_gym_4b_grpo.yaml``) for a few optimizer steps, with
-the time per step, the share of it spent in ``generate``, and peak GPU memory.
+"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop (``trl``) and the
+slot decoder (``slots``), on the same model, data and forced episodes; optionally the recipe as it is
+(``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
 
 Commands (from the repository root)::
 
-    # CPU smoke run on the tiny model
-    eogym-sft tiny-model --output /tmp/tiny && PYTHONPATH=. python bench/grpo_step.py --model /tmp/tiny --rows 4 \
-        --steps 1 --warmup 0 --num-generations 2 --batch 2 --grad-accum 1 --max-completion-length 16 --max-pixels 16384
+    # CPU smoke run on the tiny model (what tests/test_bench_grpo.py runs)
+    eogym-sft tiny-model --output /tmp/tiny && PYTHONPATH=. python bench/grpo_step.py --model /tmp/tiny \
+        --questions 1 --generations 2 --images 1 --image-px 64 --calls 1 --call-tokens 72 --steps 1 --warmup 0
 
-    # the Qwen3-VL-4B architecture with random weights on one GPU (bench/h200_session.sh grpo)
-    PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --rows 16 --steps 2 --warmup 1 --num-generations 8 \
-        --batch 8 --grad-accum 1 --max-completion-length 256 --workdir /tmp/grpo_bench --json grpo_1gpu.json
+    # the seed's scale on one GPU, 4B architecture with random weights (bench/h200_session.sh grpo)
+    PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --questions 2 --generations 8 \
+        --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 2 --warmup 1 --arms trl,slots,recipe --json grpo.json
 
-What it does: (a) writes the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (or takes ``--data``);
-(b) reads the recipe's YAML with the flags here as overrides; (c) loads the model, adds a new LoRA
-adapter as the recipe does, and builds the trainer with :func:`eogym_sft.training.grpo.build_trainer`; (d) runs
-``--warmup`` + ``--steps`` optimizer steps and times each, and the ``generate`` calls inside it (the
-model's own ``generate``, wrapped), after a CUDA synchronize.
+The data: ``--questions`` questions a step (default the seed's 2, x ``--generations`` 8 episodes), each an
+EO-Gym row whose question shows ``--images`` row images of ``--image-px`` squared pixels (at the recipe's
+pixel cap a 1000 px image is about 980 visual tokens: 4-7 images give prompts of about 5-8k tokens) and
+offers the crop tool. The policy is forced (a logits processor, the same on both engines) to write
+``--calls`` turns of exactly ``--call-tokens`` tokens, each ending in a crop call of the row's first image
+(computed by the crop backend: a crop image comes back into the context), then a final answer: both arms
+do the same multi-turn work, which the JSON shows (tool calls and generated tokens per episode).
 
-Random weights rarely close a turn or write a tool call, so episodes are one turn of
-``--max-completion-length`` tokens: generation is at its longest and no tool runs. The JSON records the
-mean completion length and tool calls per episode next to the times, so the figures can be read right.
+Times per optimizer step, after a CUDA synchronize: ``generation`` (the rollout minus tool calls),
+``tools`` (the environment's calls), ``scoring`` (rewards, advantages, the batch for the loss),
+``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other``;
+generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
+import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-from eogym_sft.config import ImageConfig
-
 REPO = Path(__file__).resolve().parents[1]
+SYSTEM = "You are an expert remote-sensing analyst. Look at the images, crop where needed, then reply as: Final Answer: <answer>"
+CROP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "crop_optical_or_sar_image",
+        "description": "Crop an optical or SAR image by a normalized AOI [x0, y0, x1, y1] and return the crop.",
+        "parameters": {
+            "type": "object",
+            "properties": {"image_url": {"type": "string"}, "aoi": {"type": "array", "items": {"type": "number"}}},
+            "required": ["image_url", "aoi"],
+        },
+    },
+}
 
 
 def _sync():
@@ -45,62 +63,168 @@ def _sync():
         torch.cuda.synchronize()
 
 
-class StepClock(TrainerCallback):
-    """Wall time of each optimizer step and of the ``generate`` calls made during it."""
+################
+# Data and the forced policy
+################
+
+
+def image_counts(spec: str) -> tuple[int, int]:
+    low, _, high = spec.partition("-")
+    return int(low), int(high or low)
+
+
+def write_rows(folder: Path, questions: int, images: str, image_px: int, seed: int = 0) -> tuple[Path, Path]:
+    """``questions`` EO-Gym rows (question-only, with ``gt_answer``) and their images under ``folder/data``."""
+    import numpy as np
+    from PIL import Image
+
+    low, high = image_counts(images)
+    root = folder / "data"
+    (root / "EO_GYM_DATA" / "bench").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for k in range(high + questions):
+        rel = f"EO_GYM_DATA/bench/scene_{k}.png"
+        if not (root / rel).exists():  # smooth noise: compresses, still an image
+            small = rng.integers(0, 255, (max(image_px // 16, 2), max(image_px // 16, 2), 3), dtype=np.uint8)
+            Image.fromarray(small).resize((image_px, image_px), Image.BILINEAR).save(root / rel)
+        paths.append(rel)
+    path = folder / "rows.jsonl"
+    with open(path, "w") as f:
+        for q in range(questions):
+            n = low + q % (high - low + 1)
+            row_images = [paths[0]] + paths[1 + q : n + q]  # the first image is every row's: the forced crop names it
+            question = "<image>" * n + f"Question {q}: how many ships are in the harbour? Count them tile by tile."
+            f.write(json.dumps({
+                "id": f"bench_{q}", "images": row_images, "tools": [CROP_TOOL], "gt_answer": "3",
+                "EO_task": "Object Counting", "question_type": "object counting", "data_source": "bench",
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            }) + "\n")
+    return path, root
+
+
+class FixedEpisodes:
+    """A logits processor that makes any policy write ``calls`` turns of exactly ``call_tokens`` tokens, each
+    a filler text and one crop call of ``image_url`` closed by ``<|im_end|>``, then a final answer turn.
+
+    The turn is the number of ``<|im_start|>assistant\\n`` headers in a row, less the prompt's one; the
+    position is the distance from the last header. Tensor operations only (the rows stay on the device)."""
+
+    def __init__(self, tokenizer, image_url: str, calls: int, call_tokens: int):
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        call = json.dumps({"name": CROP_TOOL["function"]["name"], "arguments": {"image_url": image_url, "aoi": [0.25, 0.25, 0.75, 0.75]}})
+        call_ids = tokenizer(f"\n<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)["input_ids"] + [im_end]
+        answer_ids = tokenizer("\nFinal Answer: 3", add_special_tokens=False)["input_ids"] + [im_end]
+        filler = tokenizer(" step", add_special_tokens=False)["input_ids"]
+        if call_tokens < len(call_ids) + 1:
+            raise ValueError(f"--call-tokens must be at least {len(call_ids) + 1} (the crop call itself)")
+        turns = [filler * (call_tokens - len(call_ids)) + call_ids] * calls + [filler + answer_ids]
+        width = max(map(len, turns)) + 1
+        self.table = torch.full((len(turns), width), im_end, dtype=torch.long)
+        for k, turn in enumerate(turns):
+            self.table[k, : len(turn)] = torch.tensor(turn)
+        self.tokens_per_episode = sum(map(len, turns))
+
+    def __call__(self, input_ids, scores):
+        first, second, third = self.header
+        hits = (input_ids[:, :-2] == first) & (input_ids[:, 1:-1] == second) & (input_ids[:, 2:] == third)
+        turn = (hits.sum(1) - 1).clamp(0, self.table.shape[0] - 1)
+        where = torch.arange(hits.shape[1], device=input_ids.device)
+        last = torch.where(hits, where, torch.full_like(where, -1)).max(1).values
+        pos = (input_ids.shape[1] - (last + len(self.header))).clamp(0, self.table.shape[1] - 1)
+        table = self.table.to(input_ids.device)
+        forced = table[turn, pos]
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, forced[:, None], 0.0)
+
+
+################
+# Timing
+################
+
+
+class Phases(TrainerCallback):
+    """Seconds per optimizer step in each phase; methods of the trainer and environment are wrapped."""
 
     def __init__(self):
         self.steps: list[dict] = []
-        self.generate_s = 0.0
-        self._start = None
+        self.acc = defaultdict(float)
+        self._start = self._opt = None
+        self.tool_tokens = 0
 
-    def wrap(self, generate):
-        def timed_generate(*args, **kwargs):
+    def timed(self, name, fn):
+        def wrapper(*args, **kwargs):
             _sync()
             start = time.perf_counter()
-            out = generate(*args, **kwargs)
-            _sync()
-            self.generate_s += time.perf_counter() - start
-            return out
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync()
+                self.acc[name] += time.perf_counter() - start
 
-        return timed_generate
+        return wrapper
 
     def on_train_begin(self, args, state, control, **kwargs):
         _sync()
         self._start = time.perf_counter()
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        _sync()
+        self._opt = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        _sync()
+        self.acc["optimizer"] += time.perf_counter() - self._opt
+
     def on_step_end(self, args, state, control, **kwargs):
         _sync()
         now = time.perf_counter()
-        self.steps.append({"step_s": now - self._start, "generate_s": self.generate_s})
+        a = self.acc
+        step = {
+            "step_s": now - self._start,
+            "generation_s": a["rollout"] - a["tools"],
+            "tools_s": a["tools"],
+            "scoring_s": a["score"] - a["rollout"],
+            "forward_backward_s": a["train_step"] - a["score"],
+            "optimizer_s": a["optimizer"],
+        }
+        step["other_s"] = step["step_s"] - sum(v for k, v in step.items() if k != "step_s")
         if torch.cuda.is_available():
-            self.steps[-1]["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            self.steps[-1]["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-            torch.cuda.reset_peak_memory_stats()
-        print(f"step {state.global_step}: " + json.dumps(self.steps[-1]), flush=True)  # survives a time limit
-        self._start, self.generate_s = now, 0.0
+            step["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            step["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        self.steps.append(step)
+        print(f"step {state.global_step}: " + json.dumps({k: round(v, 3) for k, v in step.items()}), flush=True)
+        self._start, self.acc = now, defaultdict(float)
+
+
+################
+# Arms
+################
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--data", help="EO-Gym JSONL (default: the synthetic sample, --rows rows)")
-    p.add_argument("--data-root")
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
+    p.add_argument("--arms", default="trl,slots", help="comma-separated: trl, slots, recipe")
+    p.add_argument("--questions", type=int, default=2, help="questions per optimizer step")
+    p.add_argument("--generations", type=int, default=8, help="episodes per question")
+    p.add_argument("--images", default="4-7", help="row images per question: N or LOW-HIGH")
+    p.add_argument("--image-px", type=int, default=1000, help="side of each (square) row image")
+    p.add_argument("--calls", type=int, default=2, help="forced tool-call turns per episode (K)")
+    p.add_argument("--call-tokens", type=int, default=96, help="tokens of each tool-call turn (L)")
+    p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per arm")
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
-    p.add_argument("--grad-accum", type=int, default=2)
-    p.add_argument("--max-completion-length", type=int, default=1024)
-    p.add_argument("--max-pixels", type=int, default=ImageConfig.max_pixels)
-    p.add_argument("--gradient-checkpointing", choices=("true", "false"), default="true")
+    p.add_argument("--max-completion-length", type=int, default=6144)
+    p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--rollout-max-length", type=int, default=None, help="default: the recipe's")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
 
-def recipe_settings(args, data: str, data_root: str, output_dir: str):
-    """The recipe's YAML parsed with TrlParser, as ``recipes/eo_gym_4b_grpo.py`` does, plus these overrides."""
+def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
+    """The recipe's YAML through TrlParser, as ``recipes/eo_gym_4b_grpo.py`` reads it, plus this arm's overrides."""
     from trl import GRPOConfig, ModelConfig, TrlParser
 
     from eogym_sft.training.grpo import GRPOScriptArguments
@@ -108,67 +232,135 @@ def recipe_settings(args, data: str, data_root: str, output_dir: str):
     cpu = not torch.cuda.is_available()
     argv = [
         "--config", str(REPO / "recipes" / "eo_gym_4b_grpo.yaml"), "--model_name_or_path", args.model,
-        "--dataset_path", data, "--data_root", data_root, "--output_dir", output_dir,
-        "--max_steps", str(args.warmup + args.steps), "--num_generations", str(args.num_generations),
-        "--per_device_train_batch_size", str(args.batch), "--gradient_accumulation_steps", str(args.grad_accum),
-        "--max_completion_length", str(args.max_completion_length), "--max_pixels", str(args.max_pixels),
-        "--gradient_checkpointing", args.gradient_checkpointing, "--save_strategy", "no",
+        "--dataset_path", data, "--data_root", root, "--output_dir", output_dir, "--save_strategy", "no",
         "--use_cpu", str(cpu).lower(), "--bf16", str(not cpu).lower(), "--dtype", "float32" if cpu else "bfloat16",
+        "--report_to", "none",
     ]
+    if arm == "recipe":
+        argv += ["--max_steps", "1"]
+    else:
+        episodes = args.questions * args.generations
+        argv += [
+            "--rollout_engine", arm, "--max_steps", str(args.warmup + args.steps), "--num_generations", str(args.generations),
+            "--per_device_train_batch_size", str(min(8, episodes)), "--gradient_accumulation_steps", str(max(1, episodes // 8)),
+            "--max_completion_length", str(args.max_completion_length), "--max_tool_calling_iterations", str(args.calls + 1),
+        ]
+    if args.max_pixels:
+        argv += ["--max_pixels", str(args.max_pixels), "--min_pixels", str(min(args.max_pixels, 65536))]
+    if args.rollout_max_length:
+        argv += ["--rollout_max_length", str(args.rollout_max_length)]
     return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
+
+
+def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
+    from eogym_sft.environment.env import EOGymEnvironment
+    from eogym_sft.models.processor import load_processor
+    from eogym_sft.training.grpo import build_trainer, load_episodes
+
+    script, training, _ = arm_settings(args, arm, str(data), str(root), str(workdir / arm))
+    with torch.no_grad():  # every arm starts from the same adapter
+        for name, param in model.named_parameters():
+            if name in lora_start:
+                param.copy_(lora_start[name])
+    processor = load_processor(args.model, script.max_pixels, script.min_pixels)
+    episodes = load_episodes(data, root)
+    forced = [] if arm == "recipe" else [FixedEpisodes(processor.tokenizer, json.loads(episodes.records[0]["row"])["images"][0], args.calls, args.call_tokens)]
+    phases = Phases()
+    original_call = EOGymEnvironment.call
+    EOGymEnvironment.call = phases.timed("tools", original_call)
+    try:
+        trainer = build_trainer(model, processor, episodes, script, training, logits_processors=forced)
+        trainer._generate = phases.timed("rollout", trainer._generate)
+        trainer._generate_and_score_completions = phases.timed("score", trainer._generate_and_score_completions)
+        trainer.training_step = phases.timed("train_step", trainer.training_step)
+        trainer.add_callback(phases)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    finally:
+        EOGymEnvironment.call = original_call
+    warmup = 0 if arm == "recipe" else args.warmup
+    timed = phases.steps[warmup:]
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
+    episodes_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps
+    result = {
+        "arm": arm,
+        "episodes_per_step": episodes_per_step,
+        "steps": timed,
+        "tool_calls_per_episode": _mean([h.get("tools/call_frequency", 0.0) for h in logs]),
+        "generated_tokens_per_episode": _mean([h["completions/mean_length"] for h in logs]),
+        "clipped_ratio": _mean([h["completions/clipped_ratio"] for h in logs]),
+        "rollout_slots": _mean([h["rollout/slots"] for h in logs if "rollout/slots" in h]),
+    }
+    for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
+        result[key] = _mean([s[key] for s in timed])
+    for key in ("generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
+        result[key.replace("_s", "_share")] = result[key] / result["step_s"] if result["step_s"] else None
+    tokens = (result["generated_tokens_per_episode"] or 0) * episodes_per_step
+    result["generated_tokens_per_s"] = tokens / result["generation_s"] if result["generation_s"] else None
+    result["peak_allocated_gib"] = max((s.get("peak_allocated_gib", 0) for s in timed), default=None)
+    result["peak_reserved_gib"] = max((s.get("peak_reserved_gib", 0) for s in timed), default=None)
+    if forced:
+        result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'arm':8} {'step s':>8} {'gen':>6} {'tools':>6} {'score':>6} {'fwd+bwd':>8} {'optim':>6} {'gen tok/s':>10} {'peak GiB':>9}"]
+    def share(r, k):
+        return f"{100 * r[k]:.0f}%" if r.get(k) is not None else "-"
+
+    for r in result["arms"]:
+        peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else "-"
+        tps = f"{r['generated_tokens_per_s']:.0f}" if r.get("generated_tokens_per_s") else "-"
+        lines.append(
+            f"{r['arm']:8} {r['step_s']:8.2f} {share(r, 'generation_share'):>6} {share(r, 'tools_share'):>6} {share(r, 'scoring_share'):>6} "
+            f"{share(r, 'forward_backward_share'):>8} {share(r, 'optimizer_share'):>6} {tps:>10} {peak:>9}"
+        )
+    if "speedup_slots_vs_trl" in result:
+        lines.append(f"slots vs trl: {result['speedup_slots_vs_trl']:.2f}x per step")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_bench_"))
-    if args.data:
-        data, data_root = args.data, args.data_root
-    else:
-        sys.path.insert(0, str(REPO / "bench"))
-        from prep_throughput import generate_sample
-
-        data, data_root = (str(p) for p in generate_sample(workdir / "sample", rows=args.rows, seed=0))
+    data, root = write_rows(workdir, args.questions, args.images, args.image_px)
 
     from eogym_sft.models.loading import apply_lora, load_base_model
-    from eogym_sft.models.processor import load_processor
-    from eogym_sft.training.grpo import build_trainer, load_episodes
 
-    script, training, model_args = recipe_settings(args, data, data_root, str(workdir / "run"))
-    processor = load_processor(args.model, script.max_pixels, script.min_pixels)
-    episodes = load_episodes(data, data_root)
+    _, _, model_args = arm_settings(args, "trl", str(data), str(root), str(workdir / "unused"))
     model = load_base_model(args.model, model_args.dtype, model_args.attn_implementation)
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
     if torch.cuda.is_available():
         model.to("cuda")
-    clock = StepClock()
-    model.generate = clock.wrap(model.generate)
-    trainer = build_trainer(model, processor, episodes, script, training)
-    trainer.add_callback(clock)
-    trainer.train()
-
-    timed = clock.steps[args.warmup :]
-    logs = [h for h in trainer.state.log_history if "step_time" in h][args.warmup :]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    lora_start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    arms = [run_arm(args, arm, model, lora_start, data, root, workdir) for arm in args.arms.split(",")]
+    by_arm = {r["arm"]: r for r in arms}
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": {m.__name__: m.__version__ for m in map(__import__, ("torch", "transformers", "trl", "peft"))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
-        "episodes_per_step": args.batch * args.grad_accum,
-        "steps": timed,
-        "step_s": mean([s["step_s"] for s in timed]),
-        "generate_share": mean([s["generate_s"] / s["step_s"] for s in timed]),
-        "peak_allocated_gib": max((s["peak_allocated_gib"] for s in timed if "peak_allocated_gib" in s), default=None),
-        "peak_reserved_gib": max((s["peak_reserved_gib"] for s in timed if "peak_reserved_gib" in s), default=None),
-        "completion_tokens_per_episode": mean([h["completions/mean_length"] for h in logs]),
-        "tool_calls_per_episode": mean([h.get("tools/call_frequency", 0.0) for h in logs]),
-        "episodes_skipped": episodes.stats()["skipped"],
+        "arms": arms,
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=2))
+    if "trl" in by_arm and "slots" in by_arm and by_arm["slots"]["step_s"]:
+        result["speedup_slots_vs_trl"] = by_arm["trl"]["step_s"] / by_arm["slots"]["step_s"]
+    print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main() and 0)

@@ -18,7 +18,8 @@
 #   bash bench/h200_session.sh relaunch     # after relaunch_x2's set-up: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
-#   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
+#   bash bench/h200_session.sh grpo         # GRPO at the seed's scale: TRL's loop vs the slot decoder, then the recipe's
+#                                           # defaults for one step; phases, tok/s, peak memory, 1 GPU (bench limited to 480 s)
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # the agent demo's loop (SFT -> GRPO -> rejection sampling -> held-out rollouts) larger, 1 GPU (limited to 540 s)
@@ -212,10 +213,16 @@ rollout_bench_compile)
     --arms slots --compile reduce-overhead --workdir /tmp/rb --json $OUT/rollout_compile.json
   ;;
 grpo)
+  # issue 25: one step of the seed's scale (2 questions x 8 episodes, 4-7 images of 1000 px: 5-8k-token prompts,
+  # 2 forced crop turns of 96 tokens then an answer) on TRL's loop and on the slot decoder, then the recipe's own
+  # defaults for one step (random policy, unforced); the CUDA-graph test of the kept decoder first
+  [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   make_model
-  # 8 episodes a step (one question x 8 generations) of 256 tokens: the run in docs/benchmarks.md
-  CUDA_VISIBLE_DEVICES=0 timeout 420 python bench/grpo_step.py --model $model --rows 16 --steps 2 --warmup 1 --num-generations 8 --batch 8 \
-    --grad-accum 1 --max-completion-length 256 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "grpo: exit $?"
+  python -m pytest -q -p no:cacheprovider tests/training/test_grpo_slots.py -k cuda_graphs 2>&1 | tail -3 || echo "grpo GPU test failed"
+  CUDA_VISIBLE_DEVICES=0 timeout 480 python bench/grpo_step.py --model $model --arms trl,slots,recipe --questions 2 --generations 8 \
+    --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_bench \
+    --json $OUT/grpo_engines.json > $OUT/grpo_engines.log 2>&1 || echo "grpo: exit $?"
+  grep -E "^step |^arm|^trl|^slots|^recipe|Error|error" $OUT/grpo_engines.log | tail -30
   ;;
 closed_loop_1gpu)
   make_model; make_data 48

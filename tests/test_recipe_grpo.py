@@ -34,9 +34,12 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (script.action_cost_scale, script.max_cost_penalty, script.tool_call_cost) == (0.2, 0.2, 0.1)
     assert (script.max_pixels, script.tool_backends, script.sft_adapter, script.tool_images) == (1003520, "crop,replay", None, "produced")
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
+    assert (script.rollout_engine, script.rollout_max_length, script.rollout_cache_gib) == ("slots", 16384, 40.0)
+    assert (script.rollout_turn_tokens, script.rollout_keep_cache, script.rollout_cuda_graphs) == (1024, True, True)
 
 
-def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("engine", ["trl", "slots"])
+def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     root = tmp_path / "data"
     save_image(root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
     rows = tmp_path / "rows.jsonl"
@@ -51,7 +54,8 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir):
             "--output_dir", str(out), "--sft_adapter", str(sft), "--use_cpu", "true", "--bf16", "false",
             "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
             "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--max_pixels", "4096",
-            "--min_pixels", "1024", "--gradient_checkpointing", "false", "--save_strategy", "no",
+            "--min_pixels", "1024", "--gradient_checkpointing", "true", "--save_strategy", "no",
+            "--rollout_engine", engine, "--rollout_max_length", "2048",
         ]
     )
     assert recipe.train(*args) == str(out)
@@ -61,6 +65,7 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir):
     info = json.loads((out / "eogym_run.json").read_text())
     assert info["config"]["script"]["sft_adapter"] == str(sft)
     assert info["config"]["training"]["num_generations"] == 2
+    assert info["config"]["script"]["rollout_engine"] == engine
     assert info["data"]["samples"] == 1 and info["data"]["rows_dropped"] == 0
     assert info["processor"]["size"] == {"longest_edge": 4096, "shortest_edge": 1024}
 

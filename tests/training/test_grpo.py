@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import make_row, save_image
 from helpers import IM_END, ScriptedPolicy, perturb_lora_b, trained_spans
-from transformers import LogitsProcessorList
 
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.models.generation import vision_token_ids
@@ -89,10 +88,10 @@ def test_environment_class_runs_the_rows_tools_and_counts(data_root, row_factory
     assert (env.tool_calls, env.tool_errors) == (2, 1)
 
 
-@pytest.fixture(scope="module")
-def policy_run(tmp_path_factory, tiny_model_dir):
-    """One GRPO step on one row; the scripted policy writes the row's gold trajectory (a crop, the
-    right answer) in one episode of the group and a wrong one-turn answer in the other."""
+@pytest.fixture(scope="module", params=["trl", "slots"])
+def policy_run(request, tmp_path_factory, tiny_model_dir):
+    """One GRPO step on one row, on each rollout engine; the scripted policy writes the row's gold
+    trajectory (a crop, the right answer) in one episode of the group and a wrong one-turn answer in the other."""
     tmp_path = tmp_path_factory.mktemp("grpo")
     data_root = tmp_path / "data"
     for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
@@ -108,10 +107,10 @@ def policy_run(tmp_path_factory, tiny_model_dir):
 
     # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A.
     model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
-    model.generate = _with_logits_processor(model.generate, policy)
     data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [row]), data_root)
     script_args = GRPOScriptArguments(
-        dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS
+        dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS,
+        rollout_engine=request.param, rollout_max_length=4096,
     )
     from trl import GRPOConfig
 
@@ -121,17 +120,10 @@ def policy_run(tmp_path_factory, tiny_model_dir):
         use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0,
         generation_kwargs={"do_sample": False},  # the policy forces every token; skip sampling over 152k logits
     )
-    trainer = build_trainer(model, processor, data, script_args, args)
+    trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
     return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data}
-
-
-def _with_logits_processor(generate, processor):
-    def scripted_generate(*args, **kwargs):
-        return generate(*args, logits_processor=LogitsProcessorList([processor]), **kwargs)
-
-    return scripted_generate
 
 
 def test_the_episode_is_token_for_token_the_sft_sample(policy_run):
