@@ -240,7 +240,7 @@ for name, seed in (('a', 1), ('b', 2)):
     model.save_pretrained('/tmp/cl_adapters/' + name)
 print('adapters a, b written')"
   for graphs in --cuda-graphs --no-cuda-graphs; do
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python -m eogym_sft.cli rollout --model $model --adapter a=/tmp/cl_adapters/a b=/tmp/cl_adapters/b \
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python -m eogym_sft.cli rollout --model $model --adapter a=/tmp/cl_adapters/a b=/tmp/cl_adapters/b \
       --data $data/train.jsonl --data-root $data/data --tools crop,replay --samples 1 --temperature 0 --max-turns 3 \
       --max-new-tokens 128 --limit 24 --overwrite $graphs --output $OUT/cl$graphs > $OUT/cl$graphs.log 2>&1 || { echo "rollout $graphs: exit $?"; tail -5 $OUT/cl$graphs.log; }
   done
@@ -261,7 +261,7 @@ for flag in ("--cuda-graphs", "--no-cuda-graphs"):
     arms = json.loads(summary.read_text())["arms"] if summary.is_file() else {}
     print(f"closed_loop {flag} timing:", {a: v["timing"] for a, v in arms.items()} or "missing")
 PY
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python bench/rollout_throughput.py --model $model --episodes 32 --concurrency 16 --turns 2 \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/rollout_throughput.py --model $model --episodes 32 --concurrency 16 --turns 2 \
     --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
   ;;
 agent_1gpu)

@@ -277,7 +277,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from eogym_sft.models.loading import load_inference_model, parse_arms, resolve_device, use_arm
+    from eogym_sft.models.loading import (
+        load_inference_model,
+        parse_arms,
+        resolve_device,
+        use_arm,
+    )
     from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:

@@ -20,6 +20,7 @@ import json
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 from ..config import ImageConfig, OutputDirConfig
@@ -338,7 +339,7 @@ def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
     if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("tool_calls"):
         return False
     answered_rounds = sum(
-        1 for a, b in zip(messages, messages[1:]) if a.get("role") == "assistant" and b.get("role") == "tool"
+        1 for a, b in pairwise(messages) if a.get("role") == "assistant" and b.get("role") == "tool"
     )
     return answered_rounds < max_tool_iterations
 

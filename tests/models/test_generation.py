@@ -155,7 +155,7 @@ def test_a_refilled_slot_does_not_keep_the_previous_image(model, processor):
 def test_a_refilled_slot_recomputes_from_the_first_image_that_differs(model, processor):
     pictures = _pictures()
     images = [image_input(processor, p) for p in pictures]
-    first, second = _two_turns(processor, images)
+    _, second = _two_turns(processor, images)
     swapped = image_input(processor, Image.effect_noise((40, 72), 30).convert("RGB"))  # the tool image, same size
     decoder = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64)
     decoder.prefill(0, second, images)
