@@ -30,6 +30,7 @@
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
+#   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s, padded SDPA (old) against packed varlen (new), 1 GPU
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -356,5 +357,13 @@ grpo)
   # 8 episodes a step (one question x 8 generations) of 256 tokens: the run in docs/benchmarks.md
   CUDA_VISIBLE_DEVICES=0 timeout 420 python bench/grpo_step.py --model $model --rows 16 --steps 2 --warmup 1 --num-generations 8 --batch 8 \
     --grad-accum 1 --max-completion-length 256 --workdir /tmp/grpo_bench --json $OUT/grpo_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -40 || echo "grpo: exit $?"
+  ;;
+validate_1gpu)
+  # issue 26: validate's forward, the padded SDPA path it had against packed batches through eogym_varlen_cudnn,
+  # the same random rank-16 adapter, 100 generated rows.
+  # ~5-7 min with making the 4B model (estimate)
+  make_model
+  CUDA_VISIBLE_DEVICES=0 timeout $((470 - SECONDS)) python bench/validate_throughput.py --model $model --rows 100 --batch-size 8 \
+    --old-batch-size 4 --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -12 || echo "validate_throughput: exit $?"
   ;;
 esac
