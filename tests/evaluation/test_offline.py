@@ -609,3 +609,35 @@ def test_evaluate_refuses_another_base_and_a_non_empty_output(data, models, tmp_
     (tmp_path / "used" / "notes.txt").write_text("an earlier run")
     with pytest.raises(FileExistsError, match="used exists and is not empty"):
         main([*argv, "--output", str(tmp_path / "used")])
+
+
+def test_the_slot_decoder_gives_the_greedy_outputs_of_generate(data, models, processor):
+    """Greedy turns on the slot decoder (what evaluate runs) equal plain ``generate``'s, in the base arm
+    and an adapter arm, undecodable images included."""
+    from eogym_sft.evaluation.offline import (
+        Arm,
+        decode_turns,
+        generate_turns,
+        load_model,
+        plan_turns,
+        read_traces,
+        turn_decoder,
+        use_arm,
+    )
+
+    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=6, batch_size=2)
+    prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0]
+    arms = [Arm("base"), Arm("one", str(models / "lora1"), "arm0")]
+    model = load_model(cfg, arms)
+    decoder = turn_decoder(model, prompts, cfg)
+    assert decoder.slots == 2 and decoder.max_len == max(p.prompt_tokens for p in prompts) + 8
+    outputs = []
+    for arm in arms:
+        with use_arm(model, arm):
+            want = generate_turns(model, processor, prompts, cfg)
+            got = decode_turns(decoder, processor, prompts, cfg)
+        decoder.reset()
+        assert got == want, arm.name
+        outputs.append(got)
+    assert outputs[0] != outputs[1]  # the adapter is switched in
+    assert any("error" in g for g in outputs[0]) and any("outputs" in g for g in outputs[0])
