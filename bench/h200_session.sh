@@ -30,7 +30,8 @@
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
-#   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s, padded SDPA (old) against packed varlen (new), 1 GPU
+#   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s, padded SDPA (old) against packed varlen (new); evaluate's
+#                                           # greedy turns by generate and by the slot decoder; 1 GPU
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -365,5 +366,8 @@ validate_1gpu)
   make_model
   CUDA_VISIBLE_DEVICES=0 timeout $((470 - SECONDS)) python bench/validate_throughput.py --model $model --rows 100 --batch-size 8 \
     --old-batch-size 4 --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -12 || echo "validate_throughput: exit $?"
+  # with the time left: evaluate's greedy turns, batched generate against the slot decoder (base arm)
+  CUDA_VISIBLE_DEVICES=0 timeout $((570 - SECONDS)) python bench/eval_throughput.py --model $model --rows 8 --batch-size 16 \
+    --max-new-tokens 64 --no-lora-arm --json $OUT/eval_slots_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -8 || echo "eval_throughput: exit $?"
   ;;
 esac
