@@ -112,7 +112,13 @@ def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate"
     import torch
 
     from eogym_sft.data.images import ImageCache
-    from eogym_sft.evaluation.offline import decode_turns, generate_turns, score_turns, turn_decoder, use_arm
+    from eogym_sft.evaluation.offline import (
+        decode_turns,
+        generate_turns,
+        score_turns,
+        turn_decoder,
+        use_arm,
+    )
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

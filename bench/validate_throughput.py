@@ -143,7 +143,7 @@ def format_table(result: dict) -> str:
     ]
     for r in result["runs"]:
         peak = "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']}"
-        lines.append(f"{r['path']:<5}{r['attention']:>20}{str(r['packed']):>8}{r['batch_size']:>6}{r['tokens_per_s']:>11}{r['wall_s']:>9}{peak:>9}")
+        lines.append(f"{r['path']:<5}{r['attention']:>20}{r['packed']!s:>8}{r['batch_size']:>6}{r['tokens_per_s']:>11}{r['wall_s']:>9}{peak:>9}")
     a = result["agreement"]
     lines.append(f"new/old tokens/s {result['speedup']}x; loss {a['loss_old']:.6f} vs {a['loss_new']:.6f}, "
                  f"token accuracy {a['accuracy_old']:.4f} vs {a['accuracy_new']:.4f}")

@@ -24,7 +24,6 @@ import http.client
 import io
 import json
 import os
-import socket
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
@@ -176,7 +175,7 @@ def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
         raw = _read_capped(conn, response, deadline, server.max_response_bytes)
     except PolicyError:
         raise
-    except (socket.timeout, TimeoutError) as err:
+    except TimeoutError as err:
         raise PolicyError("timeout", f"no complete reply in time ({err})", retry=True) from None
     except (http.client.HTTPException, OSError) as err:  # refused, reset, cut short, malformed status line
         raise PolicyError("connection", f"{type(err).__name__}: {err}", retry=True) from None
@@ -197,7 +196,7 @@ def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise socket.timeout("the call's deadline passed")
+        raise TimeoutError("the call's deadline passed")
     return left
 
 

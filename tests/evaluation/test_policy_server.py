@@ -10,7 +10,15 @@ import json
 
 import pytest
 from PIL import Image
-from policy_servers import CROP_ARGS, SCENE, misbehaving, reply, scripted_policy, send, serve
+from policy_servers import (
+    CROP_ARGS,
+    SCENE,
+    misbehaving,
+    reply,
+    scripted_policy,
+    send,
+    serve,
+)
 
 from eogym_sft.evaluation.policy_server import (
     PolicyError,
