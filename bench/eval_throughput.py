@@ -17,7 +17,8 @@ steps); (b) loads the processor and plans every assistant turn as ``evaluate`` d
 loads the model once in the evaluation dtype (bf16 on GPU, fp32 on CPU) and, unless ``--no-lora-arm``, adds
 one random rank-16 LoRA adapter on q/k/v/o/gate/up/down (the EO-Gym-4B recipe) so that both the base
 arm (adapter disabled) and an adapter arm are timed; (d) runs one warm-up batch, then for each batch
-size and arm times :func:`generate_turns` + :func:`score_turns` over all planned turns. Turns/s is
+size, path (``generate``: batched ``generate``; ``slots``: the slot decoder ``evaluate`` runs for greedy
+turns) and arm times the generation + :func:`score_turns` over all planned turns. Turns/s is
 scored turns over that wall time: model loading, planning and the warm-up are excluded.
 
 Random weights never emit ``<|im_end|>``, so every turn generates exactly ``--max-new-tokens`` tokens:
@@ -104,24 +105,36 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_arm(model, processor, prompts, cfg, arm, device) -> dict:
-    """Generate and score every prompt with ``arm`` active; wall time, rates and peak memory."""
+def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate") -> dict:
+    """Generate and score every prompt with ``arm`` active, by ``path`` (``generate``: batched
+    ``model.generate``; ``slots``: the slot decoder evaluate runs for greedy turns, built inside the
+    timing, CUDA graphs captured too); wall time, rates and peak memory."""
     import torch
 
     from eogym_sft.data.images import ImageCache
-    from eogym_sft.evaluation.offline import generate_turns, score_turns, use_arm
+    from eogym_sft.evaluation.offline import (
+        decode_turns,
+        generate_turns,
+        score_turns,
+        turn_decoder,
+        use_arm,
+    )
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
     start = time.perf_counter()
     with use_arm(model, arm):
-        generations = generate_turns(model, processor, prompts, cfg, ImageCache())
+        if path == "slots":
+            generations = decode_turns(turn_decoder(model, prompts, cfg), processor, prompts, cfg)
+        else:
+            generations = generate_turns(model, processor, prompts, cfg, ImageCache())
     records = score_turns(arm.name, prompts, generations, cfg)
     _sync(device)
     wall = time.perf_counter() - start
     new_tokens = sum(sum(g["new_tokens"]) for g in generations)
     return {
+        "path": path,
         "arm": arm.name,
         "batch_size": cfg.batch_size,
         "turns": len(records),
@@ -147,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length)
     parser.add_argument("--no-lora-arm", action="store_true", help="time the base arm only")
+    parser.add_argument("--paths", nargs="+", default=["generate", "slots"], choices=("generate", "slots"),
+                        help="generation paths to time: batched generate, the slot decoder (evaluate's for greedy turns)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
@@ -210,9 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         runs = []
         for batch_size in args.batch_size:
             cfg.batch_size = batch_size
-            for arm in arms:
-                runs.append(time_arm(model, processor, prompts, cfg, arm, device))
-                print(json.dumps(runs[-1]), flush=True)
+            for path in args.paths:
+                for arm in arms:
+                    runs.append(time_arm(model, processor, prompts, cfg, arm, device, path))
+                    print(json.dumps(runs[-1]), flush=True)
 
         n_tokens = [p.prompt_tokens for p in prompts]
         result = {
@@ -246,7 +262,7 @@ def format_table(result: dict) -> str:
         f"max_new_tokens {result['max_new_tokens']}"
     )
     columns = [
-        ("batch", 5, "batch_size"), ("arm", 10, "arm"), ("turns/s", 9, "turns_per_s"), ("new tok/s", 10, "new_tokens_per_s"),
+        ("batch", 5, "batch_size"), ("path", 9, "path"), ("arm", 10, "arm"), ("turns/s", 9, "turns_per_s"), ("new tok/s", 10, "new_tokens_per_s"),
         ("new tok/turn", 12, "mean_new_tokens"), ("wall s", 8, "wall_s"), ("peak GiB", 9, "peak_gpu_mem_gib"),
     ]
     return runs_table(result, subtitle, columns)

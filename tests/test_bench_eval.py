@@ -21,9 +21,11 @@ def test_eval_bench_times_every_batch_size_and_arm(tiny_model_dir, tmp_path, dat
         "--batch-size", "1", "2", "--max-new-tokens", "2", "--json", str(out),
     ])
     assert json.loads(out.read_text()) == result
-    assert [(r["batch_size"], r["arm"]) for r in result["runs"]] == [(1, "base"), (1, "lora_r16"), (2, "base"), (2, "lora_r16")]
+    assert [(r["batch_size"], r["path"], r["arm"]) for r in result["runs"]] == [
+        (b, p, a) for b in (1, 2) for p in ("generate", "slots") for a in ("base", "lora_r16")
+    ]
     assert all(r["turns"] == result["turns"] and r["mean_new_tokens"] <= 2 for r in result["runs"])
     table = format_table(result).splitlines()
-    assert table[2] == "batch        arm   turns/s  new tok/s new tok/turn   wall s  peak GiB"
-    assert table[3].split() == ["1", "base", *(str(result["runs"][0][k]) for k in ("turns_per_s", "new_tokens_per_s", "mean_new_tokens", "wall_s")), "-"]
+    assert table[2] == "batch      path        arm   turns/s  new tok/s new tok/turn   wall s  peak GiB"
+    assert table[3].split() == ["1", "generate", "base", *(str(result["runs"][0][k]) for k in ("turns_per_s", "new_tokens_per_s", "mean_new_tokens", "wall_s")), "-"]
     assert capsys.readouterr().out.endswith(format_table(result) + f"\nwrote {out}\n")

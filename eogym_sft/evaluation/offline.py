@@ -291,6 +291,82 @@ def generate_turns(
     return results
 
 
+def greedy(cfg: EvalConfig) -> bool:
+    """Whether a run generates one greedy output per turn: the turns :func:`decode_turns` generates."""
+    return cfg.temperature <= 0 and cfg.samples == 1
+
+
+def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
+    """A :class:`~eogym_sft.models.generation.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
+    long enough for the longest prompt and its turn; its decode step replayed from CUDA graphs on a GPU."""
+    from ..models.generation import SlotDecoder
+
+    longest = max((p.prompt_tokens for p in prompts), default=1)
+    device = next(model.parameters()).device
+    return SlotDecoder(model, max(1, min(cfg.batch_size, len(prompts))), longest + cfg.max_new_tokens + 2, cuda_graphs=device.type == "cuda")
+
+
+def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig, bar=None) -> list[dict]:
+    """Greedy outputs for every prompt with the active arm on ``decoder`` (the same tokens as
+    :func:`generate_turns` gives; the test pins it): ``decoder.slots`` prompts at a time, a finished
+    turn's slot refilled at once, and the next turn of the same trace reusing the slot's cached prefix.
+    Returns what :func:`generate_turns` returns."""
+    from ..models.generation import Sampling, expand_image_pads
+    from .episodes import picture_cache
+
+    tokenizer = processor.tokenizer
+    stops = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pick, pictures = Sampling(), picture_cache(processor)
+    pending = iter(sorted(range(len(prompts)), key=lambda i: (prompts[i].trace_id, prompts[i].turn)))
+    results: list = [None] * len(prompts)
+    current: list = [None] * decoder.slots  # the prompt each slot is generating for, None when idle
+    cached: list = [None] * decoder.slots  # the trace whose prompt each slot's cache holds
+    turn: dict[int, list[int]] = {}
+
+    def begin(s: int) -> bool:
+        """Start the next decodable prompt in slot ``s``; False when none is left."""
+        for i in pending:
+            p = prompts[i]
+            try:
+                images = [pictures.get(path) for path in p.images]
+            except ImageError as err:
+                results[i] = {"error": _problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail)}
+                if bar is not None:
+                    bar.update(1)
+                continue
+            if cached[s] != p.trace_id:
+                decoder.release(s)  # another trace's cache is no prefix of this prompt, images included
+            ids = expand_image_pads(tokenizer(p.text, add_special_tokens=False)["input_ids"], images, pad)
+            current[s], cached[s] = i, p.trace_id
+            turn[s] = pick.pick(decoder.prefill(s, ids, images)[None], [0], stops)
+            return True
+        return False
+
+    def settle(s: int) -> None:
+        """Leave slot ``s`` mid-turn, or idle when no prompt is left."""
+        while current[s] is not None or begin(s):
+            tokens = turn[s]
+            if tokens[-1] not in stops and len(tokens) < cfg.max_new_tokens:
+                return
+            text = tokenizer.decode(tokens, skip_special_tokens=False)
+            results[current[s]] = {"outputs": [text], "finished": [tokens[-1] in stops], "new_tokens": [len(tokens)]}
+            if bar is not None:
+                bar.update(1)
+            del turn[s]
+            current[s] = None
+
+    for s in range(decoder.slots):
+        settle(s)
+    while turn:
+        order, logits = decoder.decode({s: tokens[-1] for s, tokens in turn.items()})
+        for s, tok in zip(order, pick.pick(logits, [len(turn[s]) for s in order], stops)):
+            turn[s].append(tok)
+        for s in list(order):
+            settle(s)
+    return results
+
+
 # ---------------------------------------------------------------- scoring and reports
 
 
@@ -363,13 +439,18 @@ def run_arms(
     """
     from tqdm.auto import tqdm
 
-    records, timing, images, failed = [], {}, ImageCache(), {}
+    records, timing, images, failed, decoder = [], {}, ImageCache(), {}, None
     bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
     for arm in arms:
         bar.set_postfix_str(arm.name)
         start = time.perf_counter()
         with use_arm(model, arm):
-            generations = generate_turns(model, processor, prompts, cfg, images, bar)
+            if greedy(cfg):
+                decoder = decoder or turn_decoder(model, prompts, cfg)
+                generations = decode_turns(decoder, processor, prompts, cfg, bar)
+                decoder.reset()  # the next arm's weights make these caches and graphs stale
+            else:
+                generations = generate_turns(model, processor, prompts, cfg, images, bar)
         seconds = time.perf_counter() - start
         mine = score_turns(arm.name, prompts, generations, cfg, judge)
         new_tokens = sum(sum(r["new_tokens"]) for r in mine)

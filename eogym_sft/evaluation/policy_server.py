@@ -25,6 +25,7 @@ import io
 import json
 import os
 import socket
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
@@ -166,6 +167,10 @@ def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
     parts = urlsplit(server.url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     conn = kind(parts.hostname, parts.port, timeout=_left(deadline))
+    # Socket timeouts bound each read, not the call: a server trickling its headers would outlive them.
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         path = parts.path or "/"
         conn.request("POST", f"{path}?{parts.query}" if parts.query else path, body=data, headers=server.headers())
@@ -174,13 +179,18 @@ def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
             target = urljoin(server.url, response.getheader("Location") or "")
             raise PolicyError("redirect", f"the server redirected ({response.status}) to {target}; redirects are not followed")
         raw = _read_capped(conn, response, deadline, server.max_response_bytes)
+        if time.monotonic() >= deadline:  # the watchdog may cut a reply so that it looks complete
+            raise PolicyError("timeout", "no complete reply before the call's deadline", retry=True)
     except PolicyError:
         raise
-    except (socket.timeout, TimeoutError) as err:
+    except TimeoutError as err:
         raise PolicyError("timeout", f"no complete reply in time ({err})", retry=True) from None
     except (http.client.HTTPException, OSError) as err:  # refused, reset, cut short, malformed status line
+        if time.monotonic() >= deadline:  # the watchdog cut it
+            raise PolicyError("timeout", "no complete reply before the call's deadline", retry=True) from None
         raise PolicyError("connection", f"{type(err).__name__}: {err}", retry=True) from None
     finally:
+        watchdog.cancel()
         conn.close()
     if response.status != 200:
         detail = raw[:300].decode("utf-8", errors="replace")
@@ -194,10 +204,20 @@ def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
     return payload
 
 
+def _cut(conn) -> None:
+    """End a call at its deadline: a blocked read returns at once."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+
+
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise socket.timeout("the call's deadline passed")
+        raise TimeoutError("the call's deadline passed")
     return left
 
 

@@ -1,11 +1,14 @@
 """``eogym-sft rollout``: closed-loop episodes of a base Qwen3-VL and LoRA adapters on EO-Gym questions,
 scored as the paper scores them (Pass@k of final answers against ``gt_answer``).
 
-For every arm (the base, then each adapter) and every row, ``samples`` episodes start from the row's
-system prompt, tools and question (any gold trajectory after it is ignored, so question-only rows work)
-and run in :mod:`eogym_sft.evaluation.episodes` on one :class:`~eogym_sft.models.generation.SlotDecoder`. Outputs in
-``--output``: ``episodes.jsonl`` (one EO-Gym row per episode, readable by ``eogym-sft prepare`` with the
-same ``--data-root``), ``skipped.jsonl``, ``summary.json`` and ``report.txt``.
+For every arm (the base, then each adapter, then each policy server) and every row, ``samples`` episodes
+start from the row's system prompt, tools and question (any gold trajectory after it is ignored, so
+question-only rows work). Local arms run in :mod:`eogym_sft.evaluation.episodes` on one
+:class:`~eogym_sft.models.generation.SlotDecoder`; policy arms against an OpenAI-compatible server
+(:mod:`eogym_sft.evaluation.policy_server`). Outputs in ``--output``: ``episodes.jsonl`` (one EO-Gym row
+per episode, readable by ``eogym-sft prepare`` with the same ``--data-root``; an append-only log a rerun
+continues, :mod:`eogym_sft.evaluation.resume`), ``run.json``, ``skipped.jsonl``, ``summary.json`` and
+``report.txt``. Under ``torchrun`` the rows are shared out over the ranks (:mod:`eogym_sft.evaluation.ranks`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from .episodes import (
 )
 from .policy_server import PolicyServer, policy_servers, run_policy_episodes
 from .report import format_rollout_report, summarize_rollouts
-from .resume import EpisodeLog, episode_file, merge_episodes, open_run, order_key, read_episodes, resume_key
+from .resume import (
+    EpisodeLog,
+    episode_file,
+    merge_episodes,
+    open_run,
+    order_key,
+    read_episodes,
+    resume_key,
+)
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
 
 

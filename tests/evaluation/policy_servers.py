@@ -66,7 +66,7 @@ def send(handler, status: int, data: bytes, headers: dict | None = None) -> None
 
 
 def misbehaving(body: dict, handler):
-    """One failure per model name: fail (500), refuse (400), trickle, garbage, redirect, huge,
+    """One failure per model name: fail (500), refuse (400), trickle (the body), trickle_headers, garbage, redirect, huge,
     no_choices; any other name plays the scripted policy."""
     model = body["model"]
     if model == "fail":
@@ -84,6 +84,17 @@ def misbehaving(body: dict, handler):
             except OSError:
                 return None
             time.sleep(0.05)
+        return None
+    if model == "trickle_headers":
+        handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        for k in range(40):
+            try:
+                handler.wfile.write(f"X-Pad-{k}: x\r\n".encode())
+                handler.wfile.flush()
+            except OSError:
+                return None
+            time.sleep(0.05)
+        handler.close_connection = True
         return None
     if model == "garbage":
         return send(handler, 200, b"<html>Bad gateway</html>")

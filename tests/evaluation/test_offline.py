@@ -620,3 +620,35 @@ def test_evaluate_with_a_wrong_data_root_stops_with_the_likely_cause(tmp_path, r
     with pytest.raises(SystemExit, match=r"^eogym-sft evaluate: 6 of 6 turns dropped as missing_image .*likely cause: the images are not under --data-root"):
         main(argv)
     assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_the_slot_decoder_gives_the_greedy_outputs_of_generate(data, models, processor):
+    """Greedy turns on the slot decoder (what evaluate runs) equal plain ``generate``'s, in the base arm
+    and an adapter arm, undecodable images included."""
+    from eogym_sft.evaluation.offline import (
+        Arm,
+        decode_turns,
+        generate_turns,
+        load_model,
+        plan_turns,
+        read_traces,
+        turn_decoder,
+        use_arm,
+    )
+
+    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=6, batch_size=2)
+    prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0]
+    arms = [Arm("base"), Arm("one", str(models / "lora1"), "arm0")]
+    model = load_model(cfg, arms)
+    decoder = turn_decoder(model, prompts, cfg)
+    assert decoder.slots == 2 and decoder.max_len == max(p.prompt_tokens for p in prompts) + 8
+    outputs = []
+    for arm in arms:
+        with use_arm(model, arm):
+            want = generate_turns(model, processor, prompts, cfg)
+            got = decode_turns(decoder, processor, prompts, cfg)
+        decoder.reset()
+        assert got == want, arm.name
+        outputs.append(got)
+    assert outputs[0] != outputs[1]  # the adapter is switched in
+    assert any("error" in g for g in outputs[0]) and any("outputs" in g for g in outputs[0])

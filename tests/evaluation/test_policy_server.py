@@ -7,10 +7,19 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import pytest
 from PIL import Image
-from policy_servers import CROP_ARGS, SCENE, misbehaving, reply, scripted_policy, send, serve
+from policy_servers import (
+    CROP_ARGS,
+    SCENE,
+    misbehaving,
+    reply,
+    scripted_policy,
+    send,
+    serve,
+)
 
 from eogym_sft.evaluation.policy_server import (
     PolicyError,
@@ -127,6 +136,9 @@ def test_post_json_names_each_failure_and_retries_only_what_may_pass(monkeypatch
         before = len(requests)
         err = call("trickle", deadline_s=0.6, retries=3)
         assert err.code == "timeout" and len(requests) - before == 1
+        before, start = len(requests), time.monotonic()
+        err = call("trickle_headers", deadline_s=0.6, retries=3)
+        assert err.code == "timeout" and len(requests) - before == 1 and time.monotonic() - start < 1.5
         assert post_json(PolicyServer(url=url, model="ok"), {"model": "ok", "messages": [{"role": "user", "content": "hi"}]})["choices"]
 
 

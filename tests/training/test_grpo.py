@@ -216,11 +216,10 @@ def _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool: int):
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [right]], header)
     model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
-    model.generate = _with_logits_processor(model.generate, policy)
     data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [with_image, without]), data_root)
     script_args = GRPOScriptArguments(
         dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS,
-        min_pixels=MIN_PIXELS, progress_seconds=1e-9,
+        min_pixels=MIN_PIXELS, progress_seconds=1e-9, rollout_engine="trl",  # TRL's own tool loop and its cuts
     )
     from trl import GRPOConfig
 
@@ -230,7 +229,7 @@ def _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool: int):
         mask_truncated_completions=True, use_cpu=True, bf16=False, report_to="none", logging_steps=1,
         save_strategy="no", seed=0, generation_kwargs={"do_sample": False},
     )
-    trainer = build_trainer(model, processor, data, script_args, args)
+    trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy])
     trainer.train()
     return trainer.state.log_history[0]
 
