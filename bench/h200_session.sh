@@ -23,7 +23,6 @@
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # the agent demo's loop (SFT -> GRPO -> rejection sampling -> held-out rollouts) larger, 1 GPU (limited to 540 s)
-#   bash bench/h200_session.sh grpo         # GRPO step time, generate share, peak memory, 1 GPU (limited to 420 s)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s, padded SDPA (old) against packed varlen (new); evaluate's
 #                                           # greedy turns by generate and by the slot decoder; 1 GPU
 set -euo pipefail

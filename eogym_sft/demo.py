@@ -211,7 +211,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.max_new_tokens * cfg.max_turns,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
-        use_cpu=cfg.device == "cpu", bf16=False, gradient_checkpointing=False, logging_steps=1, save_strategy="steps",
+        use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
     )
     model = ModelConfig(

@@ -131,3 +131,44 @@ def test_agent_report_and_table(tmp_path):
     assert "  sft      0.750   1.000   0.750     1.000     1.000" in text
     assert "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
+
+
+def test_the_agent_loop_runs_end_to_end_and_reports_every_stage(tmp_path):
+    """The whole loop wired up on the 16-wide tiny model, a few questions, a step or two each: the held-out
+    rollouts cover base, sft and grpo, GRPO's reward curve has one value per step, and a rejection-sampling
+    round with nothing to keep (a random model answers nothing) is recorded and leaves the rft arm out.
+    Whether the loop improves the model is docs/agent.md's measurement, not this test's."""
+    import json
+
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
+
+    cfg = AgentDemoConfig(
+        train_rows=2, held_out_rows=2, sft_steps=1, grpo_steps=2, num_generations=2, grpo_questions_per_step=1, rft_steps=1,
+        samples=2, rft_samples=1, max_new_tokens=8, max_turns=2, model_config=TINY_QWEN3_VL_CONFIG,
+    )
+    report = run_agent_demo(tmp_path / "agent", cfg=cfg)
+    assert set(report["arms"]) == {"base", "sft", "grpo"}
+    assert all(a["questions"] == 2 and a["episodes"] == 4 for a in report["arms"].values())
+    assert len(report["grpo_reward_per_step"]) == 2
+    assert report["rejection_sampling"] == {"episodes_sampled": 2, "episodes_kept": 0, "rows_trained": None}
+    assert {(p["a"], p["b"]) for p in report["paired"] if p["metric"] == "pass@1"} == {("base", "sft"), ("base", "grpo"), ("sft", "grpo")}
+    assert json.loads((tmp_path / "agent" / "agent_report.json").read_text())["arms"] == report["arms"]
+    assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        run_agent_demo(tmp_path / "agent", cfg=cfg)
+
+
+def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
+    from eogym_sft.demo import AgentDemoConfig, _grpo_configs
+
+    cfg = AgentDemoConfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        script, training, model = _grpo_configs(cfg, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, str(tmp_path / "sft"), tmp_path / "g")
+    assert (script.tool_call_cost, script.action_cost_scale, script.max_cost_penalty) == (0.1, 0.2, 0.2)  # the recipe's reward
+    assert script.sft_adapter == str(tmp_path / "sft") and script.tool_backends == "crop"
+    assert (training.beta, training.scale_rewards, training.temperature) == (0.0, "group", 1.0)
+    assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
+    assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
+    assert model.attn_implementation == "sdpa"
