@@ -133,7 +133,9 @@ def _expand(ids: list[int], mask: list[int], pictures: list, image_token_id: int
     return out_ids, out_mask
 
 
-def episode_sample(ep, processor, data_root, tool_images, pictures, max_completion_length: int) -> RolloutSample:
+def episode_sample(
+    ep, processor, data_root, tool_images, pictures, max_completion_length: int, decoded: dict | None = None
+) -> RolloutSample:
     """The episode ``ep`` (ended by :func:`run_episodes`) as prompt and completion ids with its tool mask.
 
     Earlier turns are encoded as data prep encodes them (they are what the model saw on its next turn);
@@ -141,6 +143,7 @@ def episode_sample(ep, processor, data_root, tool_images, pictures, max_completi
     (``max_new_tokens``, ``context_full``, or longer than ``max_completion_length``): a cut completion ends
     without an end token, so TRL's ``mask_truncated_completions`` sees it. Tool calls still pending at the
     end (``max_turns``) and their results are left out, as TRL's loop leaves them."""
+    decoded = {} if decoded is None else decoded  # path -> PIL image, shared by a step's episodes
     tokenizer = processor.tokenizer
     image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -168,8 +171,12 @@ def episode_sample(ep, processor, data_root, tool_images, pictures, max_completi
         mask = list(enc.assistant_mask) + [0] * (len(ids) - len(enc.input_ids))
         turn = tokenizer(_text(last.get("content")), add_special_tokens=False)["input_ids"] + ([] if cut else [im_end])
         ids, mask = ids + turn, mask + [1] * len(turn)
-    images = [load_rgb(resolve_image_path(rel, data_root)) for rel in trace.images]
-    shown = [pictures.get(resolve_image_path(rel, data_root)) for rel in trace.images]
+    paths = [resolve_image_path(rel, data_root) for rel in trace.images]
+    for path in paths:
+        if path not in decoded:
+            decoded[path] = load_rgb(path)
+    images = [decoded[path] for path in paths]
+    shown = [pictures.get(path) for path in paths]
     ids, mask = _expand(ids, mask, shown, image_token_id)
     start = mask.index(1) if 1 in mask else len(ids)
     prompt, completion, tool_mask = ids[:start], ids[start:], mask[start:]
@@ -321,13 +328,15 @@ class SlotGRPOTrainer(GRPOTrainer):
         if not ra.rollout_keep_cache:
             self._decoder = decoder = None  # the loss forward may use the cache's memory now
         start = time.perf_counter()
-        pictures = picture_cache(self.processing_class)
+        pictures, decoded = picture_cache(self.processing_class), {}
         samples = []
         for ep in episodes:
             try:
                 if ep.stop == "error":
                     raise ValueError(ep.error)
-                samples.append(episode_sample(ep, self.processing_class, ra.data_root, ra.tool_images, pictures, self.max_completion_length))
+                samples.append(episode_sample(
+                    ep, self.processing_class, ra.data_root, ra.tool_images, pictures, self.max_completion_length, decoded
+                ))
             except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
                 logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
                 samples.append(failed_sample(self.processing_class))

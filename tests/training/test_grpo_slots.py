@@ -255,14 +255,20 @@ def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir):
 
 
 def test_an_episode_that_fails_trains_on_nothing_and_is_counted(batches):
-    """A row image gone missing mid-run: that episode is named, counted and masked; the other trains."""
+    """A row image gone missing mid-run: that episode is named, counted and masked; the other trains.
+    With ``rollout_keep_cache`` false the decoder is dropped after the rollout."""
     trainer = batches["slots"]["trainer"]
     good = trainer.train_dataset[0]
     row = json.loads(good["row"])
     broken = {**good, "row": json.dumps({**row, "images": ["EO_GYM_DATA/gone.jpg"]})}
     batches["model"].train()
-    with torch.no_grad():
-        batch = trainer._generate_and_score_completions([good, broken])
+    trainer.rollout_args.rollout_keep_cache = False  # and the cache is freed after the rollout
+    try:
+        with torch.no_grad():
+            batch = trainer._generate_and_score_completions([good, broken])
+    finally:
+        trainer.rollout_args.rollout_keep_cache = True
+    assert trainer._decoder is None and trainer.sampling.decoder is None
     assert int((batch["tool_mask"][1] * batch["completion_mask"][1]).sum()) == 0  # the loss mask TRL uses
     assert int((batch["tool_mask"][0] * batch["completion_mask"][0]).sum()) > 0
     assert batch["num_images"] == [2, 0]
