@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=32, help="rows of the generated sample, or rows read from --data")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length)
+    parser.add_argument("--max-prompt-tokens", "--max-length", type=int, default=SampleConfig.max_length)
     parser.add_argument("--no-lora-arm", action="store_true", help="time the base arm only")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
             data_root=str(root),
             limit=args.rows,
             max_new_tokens=args.max_new_tokens,
-            max_length=args.max_length,
+            max_prompt_tokens=args.max_prompt_tokens,
             device=args.device,
             dtype=args.dtype,
             seed=args.seed,
