@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=32, help="rows of the generated sample, or rows read from --data")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length)
+    parser.add_argument("--max-prompt-tokens", "--max-length", type=int, default=SampleConfig.max_length)
     parser.add_argument("--no-lora-arm", action="store_true", help="time the base arm only")
     parser.add_argument("--paths", nargs="+", default=["generate", "slots"], choices=("generate", "slots"),
                         help="generation paths to time: batched generate, the slot decoder (evaluate's for greedy turns)")
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             data_root=str(root),
             limit=args.rows,
             max_new_tokens=args.max_new_tokens,
-            max_length=args.max_length,
+            max_prompt_tokens=args.max_prompt_tokens,
             device=args.device,
             dtype=args.dtype,
             seed=args.seed,

@@ -227,7 +227,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     common = dict(
         output_dir=str(out), max_steps=steps, learning_rate=1e-4, bf16=DEVICE == "cuda", logging_steps=1000, save_strategy="no",
         report_to="none", seed=42, remove_unused_columns=False, max_length=None, use_cpu=DEVICE == "cpu",
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing_kwargs={"use_reentrant": False},
     )
     if arm == "A":
         from peft import LoraConfig
@@ -235,7 +235,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         from eogym_sft.models.loading import LORA_TARGETS
 
         base.set_attn_implementation("sdpa")
-        args = SFTConfig(per_device_train_batch_size=4, gradient_checkpointing=True, dataloader_num_workers=0, **common)
+        args = SFTConfig(per_device_train_batch_size=4, activation_checkpointing=True, dataloader_num_workers=0, **common)
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
@@ -246,7 +246,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     if s["compile"]:
         compile_language_layers(model)
     args = SFTConfig(
-        per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, gradient_checkpointing=s["gc"],
+        per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, activation_checkpointing=s["gc"],
         dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
         dataloader_prefetch_factor=s["prefetch"] if s["workers"] > 0 else None,
         dataset_kwargs={"skip_prepare_dataset": True}, optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
@@ -340,7 +340,7 @@ def _restore(base, model) -> None:
 
     if isinstance(model, PeftModel):
         model.unload()
-    base.gradient_checkpointing_disable()
+    base.activation_checkpointing_disable()
     base.disable_input_require_grads()
     _uncompile(base)
     if DEVICE == "cuda":

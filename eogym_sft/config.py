@@ -1,7 +1,10 @@
 """Settings that several commands share, each with one home.
 
-:class:`SampleConfig` is how big a sample may be: the pixel cap and floor of every image and the token
-budget of a sample. Data prep, the collator, training, ``validate`` and ``evaluate`` read it from here.
+:class:`SampleConfig` is how big a training sample may be: the pixel cap and floor of every image
+(:class:`ImageConfig`) and the token budget of a sample. Data prep, training and ``validate`` read it from
+here; the processor that :func:`eogym_sft.models.processor.load_processor` builds from it carries the pixel
+cap to the collator. ``evaluate`` and ``rollout`` take :class:`ImageConfig` and budgets of their own
+(``max_prompt_tokens``, ``max_episode_tokens``).
 The recipe's own arguments are :class:`EOGymScriptArguments`; the rest are TRL's ``SFTConfig`` (whose
 ``max_length`` is the token budget and ``padding_free`` the packing switch, the collator's names)
 and ``ModelConfig``.

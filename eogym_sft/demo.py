@@ -234,7 +234,7 @@ def _rollout(
         RolloutConfig(
             model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
             include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_length=1024, seed=cfg.seed,
+            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_episode_tokens=1024, seed=cfg.seed,
             max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
             overwrite=overwrite,
         ),

@@ -245,89 +245,6 @@ def test_compile_caches_count_inductors_cache_and_name_a_bypass():
     torch._dynamo.reset()
 
 
-def test_compile_probe_times_a_variant_in_its_own_process(tiny_config, tmp_path):
-    """bench/compile_probe.py on the tiny architecture, a variant in a fresh process with its own caches: one graph
-    for both lengths, and for the floats-as-inputs variant the second trace that the shipped compile avoids
-    (the shipped one is checked in-process below, to keep this test to one process)."""
-    import compile_probe
-
-    result = compile_probe.main(["--config", str(tiny_config), "--lengths", "12,9", "--variants", "float_inputs",
-                                 "--cache-dir", str(tmp_path / "caches"), "--json", str(tmp_path / "probe.json")])
-    assert json.loads((tmp_path / "probe.json").read_text()) == result and result["machine"]["device"] == "cpu"
-    (r,) = result["variants"]
-    assert r["variant"] == "float_inputs" and r["graphs"] == 1 and r["recompiles"] == 0 and r["second_lengths"] == [49, 83]
-    assert r["compile_s_first_step"] > 0 and r["compile_phases_s"]["entire_frame_compile"] > 0
-    assert r["compile_attempts"] == ["compile_attempt_0", "compile_attempt_1"]
-    assert (tmp_path / "caches" / "float_inputs").is_dir()  # kept for a warm second call
-
-
-def test_compile_probe_profiles_the_first_step_by_area(tiny_config):
-    """With --profile the first step's own time is summed by area (Dynamo, AOTAutograd, ...), in this process."""
-    import argparse
-
-    import compile_probe
-    import torch
-
-    args = argparse.Namespace(config=tiny_config, layers=2, lengths="8,5", backend="aot_eager", device="cpu", dtype="float32", profile=5)
-    result = compile_probe.run_variant(args, "shipped")
-    torch._dynamo.reset()
-    areas = result["profiled_s_by_area"]
-    assert areas["dynamo"] > 0 and areas["aot_autograd"] > 0 and "transformers" in areas  # the text model runs eagerly
-    assert sum(areas.values()) <= result["first_step_s"] * 1.05  # own times add up to the profiled step, no more
-    assert len(result["top_cumulative"]) == 5
-    assert result["compile_attempts"] == ["compile_attempt_0"] and result["graphs"] == 1 and result["recompiles"] == 0
-
-
-def test_compile_probe_sorts_files_into_areas():
-    from compile_probe import area
-
-    assert area("/x/site-packages/torch/_inductor/scheduler.py", "codegen") == "inductor"
-    assert area("/x/site-packages/torch/fx/experimental/symbolic_shapes.py", "evaluate_expr") == "symbolic shapes"
-    assert area("/x/site-packages/torch/fx/graph.py", "node") == "fx"
-    assert area("~", "<method 'acquire' of '_thread.lock' objects>") == "waiting (locks, subprocesses)"
-    assert area("~", "<built-in method torch._C._nn.linear>") == "C++ (ops, kernels, builtins)"
-    assert area("/work/x/eogym_sft/models/attention.py", "f") == "eogym_sft"
-
-
-def test_idle_gaps_name_the_host_call_behind_each_wait():
-    """A gap after a host sync that waited on the GPU's last work is the sync's (named by the ops around it), also
-    when the sync's end is stamped a little before that work's; a gap without is the launch's; GPU events on two
-    streams that overlap leave no gap between them."""
-    from idle_gaps import idle_report
-
-    def host(name, ts, dur, tid=1, cat="cpu_op", **args):
-        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
-    def gpu(name, ts, dur, correlation, stream=7):
-        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
-                "args": {"correlation": correlation}}
-
-    events = [
-        host("eogym::vision_tower", 0, 40, cat="user_annotation"),
-        host("aten::mm", 0, 5), host("cudaLaunchKernel", 1, 2, cat="cuda_runtime", correlation=1),
-        host("aten::item", 10, 20), host("cudaMemcpyAsync", 12, 16, cat="cuda_runtime", correlation=9),
-        host("aten::add", 34, 3), host("cudaLaunchKernel", 35, 1, cat="cuda_runtime", correlation=2),
-        host("autograd::engine::evaluate_function: MulBackward0", 450, 20, tid=2),
-        host("aten::mul", 455, 10, tid=2), host("cudaLaunchKernel", 458, 1, tid=2, cat="cuda_runtime", correlation=3),
-        # a sync stamped as returning a little before the kernel it waited on ends (host and GPU clocks differ
-        # slightly), then a 1-us kernel, then the host's own work: the gaps after it are still the sync's
-        host("aten::is_nonzero", 462, 8), host("cudaStreamSynchronize", 462, 7.86, cat="cuda_runtime", correlation=10),
-        host("aten::add", 470, 1), host("cudaLaunchKernel", 470, 0.5, cat="cuda_runtime", correlation=6),
-        host("aten::eq", 487, 2), host("cudaLaunchKernel", 488, 1, cat="cuda_runtime", correlation=5),
-        gpu("gemm", 0, 12, 1), gpu("Memcpy DtoH", 12, 0, 9), gpu("add", 40, 400, 2), gpu("other_stream", 41, 4, 4, stream=8),
-        gpu("mul", 460, 10, 3), gpu("add", 470.5, 1, 6), gpu("eq", 490, 10, 5),
-    ]
-    report = idle_report(events, depth=2)
-    assert report["gpu_span_ms"] == pytest.approx(0.5) and report["idle_ms"] == pytest.approx(0.067)
-    assert report["idle_after_sync_ms"] == pytest.approx(0.047) and report["host_syncs"] == 2
-    causes = [(c["cause"], round(c["idle_ms"] * 1e3), c["gaps"]) for c in report["causes"]]
-    assert causes == [  # the mul's gap: 400 us of GPU work since the last sync, far over SYNC_LEAD_US
-        ("sync: eogym::vision_tower > aten::item > cudaMemcpyAsync", 28, 1),
-        ("launch: autograd::engine::evaluate_function: MulBackward0 > aten::mul", 20, 1),
-        ("sync: aten::is_nonzero > cudaStreamSynchronize", 19, 2),
-    ]
-
-
 def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_path):
     """``bench/collate_throughput.py``: both arms collate the same images; bfloat16 pixels are exactly half the bytes."""
     import collate_throughput
@@ -343,14 +260,3 @@ def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_pat
     assert rows["bfloat16"]["pixel_mib"] * 2 == rows["float32"]["pixel_mib"] > 0
     assert all(row["collate_ms"] > 0 and row["handover_ms"] > 0 for row in rows.values())
     assert json.loads(out.read_text())["images_per_sample"] == [2, 1]
-
-
-def test_host_overhead_bench_times_the_trainers_per_micro_batch_host_work(tiny_config, tmp_path):
-    """``bench/host_overhead.py`` on the tiny architecture (meta device): each timing present, the flops figures equal."""
-    import host_overhead
-
-    out = tmp_path / "host.json"
-    report = host_overhead.main(["--config", str(tiny_config), "--calls", "2", "--json", str(out)])
-    assert report["modules"] > 0 and report["parameters"] > 0
-    keys = ("trainer_floating_point_ops_ms", "eogym_floating_point_ops_ms", "model_train_ms")
-    assert all(report[k] > 0 for k in keys) and json.loads(out.read_text())["calls"] == 2

@@ -45,8 +45,10 @@ from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_set
 
 @dataclass(kw_only=True)
 class EvalConfig(ArmsConfig):
-    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_length`` caps a turn's prompt."""
+    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_prompt_tokens`` caps a turn's
+    prompt, image tokens included (a training sample's budget by default)."""
 
+    max_prompt_tokens: int = SampleConfig.max_length
     batch_size: int = 8
     num_tolerance: float = 1e-6
 
@@ -147,7 +149,7 @@ def _reference(trace: Trace, index: int) -> Reference:
 
 def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> tuple[list[TurnPrompt], list[dict]]:
     """Render every assistant turn's prompt and count its tokens as data prep does (image tokens
-    included); turns over ``max_length`` or with an unusable image are skipped with a reason."""
+    included); turns over ``max_prompt_tokens`` or with an unusable image are skipped with a reason."""
     tokenizer = processor.tokenizer
     factor = image_factor(processor)
     prompts, skipped = [], []
@@ -167,8 +169,8 @@ def plan_turns(processor, traces: list[tuple[str, Trace]], cfg: EvalConfig) -> t
             text = render(processor, history, trace.tools, add_generation_prompt=True)
             n_text = len(tokenizer(text, add_special_tokens=False)["input_ids"])
             n_tokens = n_text - len(images) + sum(tokens for _, tokens, _ in images)  # one <|image_pad|> each
-            if n_tokens > cfg.max_length:
-                detail = f"{n_tokens} prompt tokens, limit {cfg.max_length}"
+            if n_tokens > cfg.max_prompt_tokens:
+                detail = f"{n_tokens} prompt tokens, limit {cfg.max_prompt_tokens}"
                 skipped.append(_problem("turn", source, trace.id, turn, "prompt_too_long", "messages", detail))
                 continue
             digest = hashlib.sha256(text.encode())
@@ -528,7 +530,7 @@ def add_evaluate_args(parser) -> None:
     add("--output", required=True, help="folder for results.jsonl, skipped.jsonl, summary.json, report.txt")
     add("--batch-size", type=int, default=8, help="prompts per generate() call")
     add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
-    add("--max-length", "--max-prompt-tokens", type=int, default=SampleConfig.max_length, help="skip turns whose prompt is longer (image tokens included)")
+    add("--max-prompt-tokens", "--max-length", type=int, default=SampleConfig.max_length, help="skip turns whose prompt is longer (image tokens included)")
 
 
 def run_evaluate(args) -> dict:
@@ -538,7 +540,7 @@ def run_evaluate(args) -> dict:
             **shared_settings(args, "eogym-sft evaluate"),
             batch_size=args.batch_size,
             num_tolerance=args.num_tolerance,
-            max_length=args.max_length,
+            max_prompt_tokens=args.max_prompt_tokens,
         )
     except ValueError as err:
         raise SystemExit(f"eogym-sft evaluate: {err}") from None

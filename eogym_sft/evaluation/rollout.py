@@ -51,10 +51,10 @@ from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_set
 
 @dataclass(kw_only=True)
 class RolloutConfig(ArmsConfig):
-    """Settings of a closed-loop run (the flags of ``eogym-sft rollout``); ``max_length`` is an episode's
-    token budget, image tokens included (the KV cache holds ``slots`` x ``max_length`` tokens)."""
+    """Settings of a closed-loop run (the flags of ``eogym-sft rollout``); ``max_episode_tokens`` is an episode's
+    token budget, image tokens included (the KV cache holds ``slots`` x ``max_episode_tokens`` tokens)."""
 
-    max_length: int = 16384  # an episode is prompt and turns: longer than a training sample's default
+    max_episode_tokens: int = 16384  # an episode is prompt and turns: longer than a training sample's default
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     tool_url: str | None = None  # the tool server of the http backend
     ks: list[int] | None = None  # Pass@k reported for these k (default: 1 and samples)
@@ -254,7 +254,7 @@ class _LocalArms:
 
         if self.model is None:
             self.model = load_inference_model(self.cfg.model, self.arms, self.device, self.dtype)
-            self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_length, self.cfg.compile, cuda_graphs=self.graphs)
+            self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_episode_tokens, self.cfg.compile, cuda_graphs=self.graphs)
         arm = next(a for a in self.arms if a.name == name)
         with use_arm(self.model, arm):
             stats = run_episodes(self.decoder, processor, episodes, sampling, loop, self.cfg.data_root, on_done, bar)
@@ -323,7 +323,8 @@ def add_rollout_args(parser) -> None:
     add("--pass-k", type=int, nargs="+", default=None, metavar="K", help="report Pass@k for these k (default: 1 and --samples)")
     add("--max-turns", type=int, default=RolloutConfig.max_turns, help="assistant turns per episode")
     add("--slots", type=int, default=RolloutConfig.slots, help="episodes decoded at once")
-    add("--max-length", type=int, default=RolloutConfig.max_length, help="tokens per episode, images included (the KV cache holds --slots x this)")
+    add("--max-episode-tokens", "--max-length", type=int, default=RolloutConfig.max_episode_tokens,
+        help="tokens per episode, images included (the KV cache holds --slots x this)")
     add("--compile", default=None, choices=("default", "reduce-overhead"), help="torch.compile the decode step")
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=RolloutConfig.cuda_graphs,
         help="replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)")
@@ -345,7 +346,7 @@ def run_rollout(args) -> dict:
         cfg = RolloutConfig(
             **shared_settings(args, "eogym-sft rollout"), tools=[t for t in args.tools.split(",") if t],
             tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
-            max_length=args.max_length, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
+            max_episode_tokens=args.max_episode_tokens, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
             judge_model=args.judge_model, judge_retries=args.judge_retries, judge_timeout=args.judge_timeout,
             policies=policy_servers(args.policy_url, args.policy_model, args.policy_config),
         )

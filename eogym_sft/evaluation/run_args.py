@@ -6,15 +6,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import SampleConfig
+from ..config import ImageConfig
 from ..data.tool_images import ToolImageRule
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(kw_only=True)
-class ArmsConfig(SampleConfig):
-    """The settings both commands share (pixel settings and ``max_length`` from :class:`SampleConfig`);
+class ArmsConfig(ImageConfig):
+    """The settings both commands share (the pixel settings of :class:`ImageConfig`); each command's token budget
+    has its own name (``max_prompt_tokens``, ``max_episode_tokens``);
     :class:`~eogym_sft.evaluation.offline.EvalConfig` and :class:`~eogym_sft.evaluation.rollout.RolloutConfig` add their own."""
 
     model: str
@@ -95,8 +96,8 @@ def add_shared_args(parser, verb: str) -> None:
     add("--allow-other-base", action="store_true", help="use adapters trained on a base of another name (the same weights renamed)")
     add("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     add("--limit", type=int, default=None, help="read only the first N input rows")
-    add("--max-pixels", type=int, default=SampleConfig.max_pixels, help="pixel cap per image, as in data prep")
-    add("--min-pixels", type=int, default=SampleConfig.min_pixels, help="pixel floor per image, as in data prep")
+    add("--max-pixels", type=int, default=ImageConfig.max_pixels, help="pixel cap per image, as in data prep")
+    add("--min-pixels", type=int, default=ImageConfig.min_pixels, help="pixel floor per image, as in data prep")
     add("--tool-images", default="produced", help="which tool-result images the model sees, as in data prep (docs/data.md)")
     add("--samples", type=int, default=1, help="outputs per turn (evaluate) or episodes per question (rollout): the n of pass@k; > 1 needs --temperature")
     add("--max-new-tokens", type=int, default=512, help="tokens per generated message")

@@ -62,9 +62,10 @@ class EOGymCollator:
         processor (`ProcessorMixin`): a Qwen3-VL processor (tokenizer, image processor, chat template).
         data_root (`str`, *optional*): folder that relative image paths are resolved under (and may not
             leave). If `None`, paths are opened as given.
-        max_pixels (`int`, *optional*): pixel cap per image; defaults to :class:`~eogym_sft.config.SampleConfig`'s
-            (1,003,520 px: 980 visual tokens), as do ``min_pixels`` and ``max_length``.
-        min_pixels (`int`, *optional*): pixel floor per image.
+        max_pixels (`int`, *optional*): pixel cap per image. If `None`, the processor's own
+            (``image_processor.size["longest_edge"]``): the processor carries the cap, so give it one with
+            :func:`eogym_sft.models.processor.load_processor` (1,003,520 px, 980 visual tokens, by default).
+        min_pixels (`int`, *optional*): pixel floor per image; if `None`, the processor's ``shortest_edge``.
         max_length (`int`, *optional*): longest sample allowed, image tokens included (`None`: no limit).
         padding_free (`bool`, *optional*, defaults to `False`): pack the batch into one row, with
             per-sample position ids instead of an attention mask.
@@ -106,8 +107,8 @@ class EOGymCollator:
 
     processor: ProcessorMixin
     data_root: str | None = None
-    max_pixels: int = SampleConfig.max_pixels
-    min_pixels: int = SampleConfig.min_pixels
+    max_pixels: int | None = None
+    min_pixels: int | None = None
     max_length: int | None = SampleConfig.max_length
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
@@ -120,6 +121,9 @@ class EOGymCollator:
         self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.merge_size = self.processor.image_processor.merge_size
+        size = self.processor.image_processor.size
+        self.max_pixels = size["longest_edge"] if self.max_pixels is None else self.max_pixels
+        self.min_pixels = size["shortest_edge"] if self.min_pixels is None else self.min_pixels
         self.with_token_types = "mm_token_type_ids" in self.processor.model_input_names
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:

@@ -117,7 +117,7 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     # Pixels leave the workers in the model's dtype, which the vision tower casts them to anyway:
     # half of float32's bytes.
     collator = EOGymCollator(
-        processor, **sample.sample_kwargs(), data_root=script_args.data_root, padding_free=training_args.padding_free,
+        processor, max_length=sample.max_length, data_root=script_args.data_root, padding_free=training_args.padding_free,
         skip_bad_images=True, pixel_dtype=model.dtype,
     )
     trainer = EOGymSFTTrainer(

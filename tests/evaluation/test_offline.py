@@ -412,7 +412,7 @@ def test_plan_turns_prompts_tokens_and_skips(data, processor):
         pictures = [Image.open(path).convert("RGB") for path in p.images] or None
         assert p.prompt_tokens == processor(text=[p.text], images=pictures, return_tensors="pt")["input_ids"].shape[1]
     limit = prompts[1].prompt_tokens - 1
-    cfg = _cfg(data, max_length=limit)
+    cfg = _cfg(data, max_prompt_tokens=limit)
     short, skipped = plan_turns(processor, read_traces(cfg)[0], cfg)
     assert ("r1", 1, "prompt_too_long") in {(s["trace_id"], s["turn"], s["reason"]) for s in skipped}
     assert all(p.prompt_tokens <= limit for p in short)

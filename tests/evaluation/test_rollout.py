@@ -195,7 +195,7 @@ def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, 
     main([
         "rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out),
         "--samples", "2", "--temperature", "1.0", "--max-turns", "2", "--max-new-tokens", "3", "--slots", "3",
-        "--max-length", "1024", "--judge-url", judge_server, "--judge-retries", "0", "--no-progress",
+        "--max-episode-tokens", "1024", "--judge-url", judge_server, "--judge-retries", "0", "--no-progress",
     ])
     episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -228,7 +228,7 @@ def test_an_environment_that_fails_ends_its_episodes_only(tmp_path, data_root, r
         return EOGymEnvironment(row, data_root)
 
     cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
-                        max_new_tokens=2, max_turns=1, slots=2, max_length=1024)
+                        max_new_tokens=2, max_turns=1, slots=2, max_episode_tokens=1024)
     summary = rollout(cfg, progress=False, env_factory=factory)
     episodes = {e["source_id"]: e for e in map(json.loads, (tmp_path / "out" / "episodes.jsonl").read_text().splitlines())}
     assert episodes["refused"]["stop_reason"] == "error" and "cannot be served" in episodes["refused"]["error"]
