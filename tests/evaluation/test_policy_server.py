@@ -205,7 +205,7 @@ def test_bad_servers_are_named_and_counted_and_the_run_goes_on(tmp_path, data_ro
     with serve(misbehaving) as (url, _):
         policies = policy_servers([url] * (len(bad) + 1), [*bad, "good"], ['{"deadline_s": 0.6, "retries": 1, "backoff_s": 0, "max_response_bytes": 1000}'])
         cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
-                            include_base=False, policies=policies, max_turns=3, max_length=1024)
+                            include_base=False, policies=policies, max_turns=3, max_episode_tokens=1024)
         summary = rollout(cfg, progress=False)
     episodes = {e["arm"]: e for e in map(json.loads, (tmp_path / "out" / "episodes.jsonl").read_text().splitlines())}
     codes = {"fail": "http_status", "trickle": "timeout", "garbage": "bad_json", "redirect": "redirect", "huge": "too_large", "no_choices": "bad_reply"}
