@@ -168,7 +168,7 @@ class AgentDemoConfig:
     samples: int = 4  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 2  # episodes per training question for rejection sampling
     temperature: float = 0.7  # rollouts' sampling temperature (GRPO samples at 1.0, as the recipe does)
-    max_new_tokens: int = 64  # per turn: a call is about 45 tokens, an answer 5
+    max_new_tokens: int = 96  # per turn: the gold call renders to 66 tokens with <|im_end|>, an answer to 5
     max_turns: int = 3
     model_config: dict | None = None  # the architecture (default: the demo's 128-wide tiny Qwen3-VL)
     device: str = "cpu"  # "cpu" for the demo; "cuda" for the GPU stage (training and rollouts)
