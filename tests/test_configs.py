@@ -91,6 +91,29 @@ def test_every_recipe_yaml_parses(path):
             assert got == value or str(got) == str(value), key
 
 
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_recipe_yamls_use_no_deprecated_training_argument(path):
+    """transformers 5.24 renamed ``gradient_checkpointing*`` to ``activation_checkpointing*``: an old name in a
+    YAML warns on every launch, and a flag spelled the new way would silently win over it."""
+    import warnings
+
+    assert not any(key.startswith("gradient_checkpointing") for key in yaml.safe_load(path.read_text()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, training, _ = load_recipe(path.with_suffix(".py")).parse_args(["--config", str(path), *CPU])
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message) and "checkpointing" in str(w.message)] == []
+    assert training.gradient_checkpointing == training.activation_checkpointing  # the old name mirrors the new
+
+
+def test_grpo_yaml_checkpoints_activations_and_a_flag_turns_it_off():
+    grpo = REPO / "recipes" / "eo_gym_4b_grpo.yaml"
+    recipe = load_recipe(grpo.with_suffix(".py"))
+    _, training, _ = recipe.parse_args(["--config", str(grpo), *CPU])
+    assert training.activation_checkpointing is True and training.activation_checkpointing_kwargs == {"use_reentrant": False}
+    _, training, _ = recipe.parse_args(["--config", str(grpo), *CPU, "--activation_checkpointing", "false"])
+    assert training.activation_checkpointing is False and training.gradient_checkpointing is False
+
+
 def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
     published(*recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU]))
 

@@ -54,10 +54,11 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
             "--output_dir", str(out), "--sft_adapter", str(sft), "--use_cpu", "true", "--bf16", "false",
             "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
             "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--max_pixels", "4096",
-            "--min_pixels", "1024", "--gradient_checkpointing", "true", "--save_strategy", "no",
+            "--min_pixels", "1024", "--activation_checkpointing", "true", "--save_strategy", "no",
             "--rollout_engine", engine, "--rollout_max_length", "2048",
         ]
     )
+    assert args[1].activation_checkpointing is True
     assert recipe.train(*args) == str(out)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 8)
@@ -85,7 +86,7 @@ def test_grpo_resumes_only_its_own_run_and_refuses_a_used_output_dir(tmp_path, t
             "--model_name_or_path", str(tiny_model_dir), "--dataset_path", str(rows), "--data_root", str(root),
             "--output_dir", str(out), "--use_cpu", "true", "--bf16", "false", "--max_steps", "1", "--num_generations", "2",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--max_completion_length", "4",
-            "--max_pixels", "4096", "--min_pixels", "1024", "--gradient_checkpointing", "false", "--save_steps", "1",
+            "--max_pixels", "4096", "--min_pixels", "1024", "--activation_checkpointing", "false", "--save_steps", "1",
         ]
         return recipe.train(*recipe.parse_args([*flags, *extra]))
 
