@@ -74,6 +74,13 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
         metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
     )
     prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes"})
+    allow_drops: bool = field(
+        default=False,
+        metadata={
+            "help": "go on when more than half of the rows are dropped in data prep for one reason, or most images of "
+            "the first samples are not under data_root (refused otherwise); zero usable samples are refused always"
+        },
+    )
     samples_per_step: int | None = field(
         default=64,
         metadata={

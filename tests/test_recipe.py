@@ -490,3 +490,77 @@ def test_explicit_accumulation_that_disagrees_with_samples_per_step_is_an_error(
     script, training, _ = recipe.parse_args(["--use_cpu", "true", "--gradient_accumulation_steps", "32"])
     set_samples_per_step(script, training)
     assert training.gradient_accumulation_steps == 32  # agrees with 64 samples at 2 a micro-batch
+
+
+def test_the_recipes_drop_checks_refuse_by_default_and_allow_drops_goes_on(tmp_path, tiny_model_dir, processor):
+    """Through the recipe's own prep settings: 4 of 6 rows whose images are gone stop data prep (naming the
+    recipe's flag), and ``--allow_drops true`` prepares the other 2; the same for images gone after prep."""
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import TooManyDropped
+    from eogym_sft.models.processor import load_processor
+    from eogym_sft.training.sft import ALLOW_FLAG, prep_config, refuse_unusable_data
+
+    data = write_rows(tmp_path / "data")
+    for i in range(4):
+        (data.parent / f"EO_GYM_DATA/s{i}/scene.png").unlink()
+    recipe = load_recipe()
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+
+    def settings(*extra):
+        script, training, _ = recipe.parse_args(
+            ["--use_cpu", "true", "--data_root", str(data.parent), "--min_pixels", str(MIN_PIXELS), "--max_pixels", str(MAX_PIXELS), *extra]
+        )
+        return script, prep_config(script, script.sample_config(training.max_length))
+
+    script, prep = settings()
+    assert script.allow_drops is False
+    with pytest.raises(TooManyDropped, match=r"4 of 6 rows dropped as missing_image .*likely cause: .*Pass --allow_drops true to go on"):
+        load_or_prepare(str(data), str(tiny_model_dir), processor, prep, tmp_path / "refused", 1, ALLOW_FLAG)
+    assert not (tmp_path / "refused" / "stats.json").exists()
+
+    script, prep = settings("--allow_drops", "true")
+    dataset, stats = load_or_prepare(str(data), str(tiny_model_dir), processor, prep, tmp_path / "allowed", 1, ALLOW_FLAG)
+    assert sorted(dataset["source_id"]) == ["train_0000004_tiny", "train_0000005_tiny"] and stats["rows_dropped"] == 4
+
+    (data.parent / "EO_GYM_DATA/s4/scene.png").unlink()  # gone after prep: train_0000004_tiny's scene and crop,
+    (data.parent / "image_cache/crops/c4.png").unlink()  # 2 of the 3 images of the prepared samples
+    with pytest.raises(FileNotFoundError, match=r"2 of the 3 images of the first 2 samples are not under --data_root .*or --allow_drops true to go on"):
+        refuse_unusable_data(dataset, str(data.parent), str(data))
+    refuse_unusable_data(dataset, str(data.parent), str(data), 1.0)  # what allow_drops passes: goes on
+
+
+def test_skipped_samples_are_counted_and_listed_exactly_and_an_overwrite_starts_a_new_list(tiny_model_dir, tmp_path):
+    """Two train samples whose scene changed on disk after prep are skipped when their batch is loaded:
+    ``eogym_run.json`` counts exactly 2 and ``skipped_samples.jsonl`` lists both; a rerun with
+    ``--overwrite_output_dir true`` starts a new list instead of appending to the old one."""
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.processor import load_processor
+
+    data = write_rows(tmp_path / "data")
+    prepared = tmp_path / "prepared"
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    load_or_prepare(str(data), str(tiny_model_dir), processor, PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS), prepared)
+    broken = [data.parent / f"EO_GYM_DATA/s{i}/scene.png" for i in (0, 1)]  # two of the five train traces
+    for path in broken:
+        path.write_bytes(path.read_bytes()[:100])
+    out = tmp_path / "run"
+    # one step of all 5 train samples, so that each is loaded exactly once
+    argv = recipe_args(tiny_model_dir, prepared, out, prepared, steps=1) + [
+        "--per_device_train_batch_size", "5", "--samples_per_step", "5", "--eval_steps", "10", "--save_strategy", "no",
+        "--data_root", str(data.parent),
+    ]
+    recipe = load_recipe()
+    expected = {(f"train_000000{i}_tiny#w0", str(path.resolve()), "corrupt_image") for i, path in zip((0, 1), broken)}
+
+    def skipped():
+        info = json.loads((out / "eogym_run.json").read_text())
+        listed = [json.loads(line) for line in (out / "skipped_samples.jsonl").read_text().splitlines()]
+        return info["skipped_samples"], [(r["sample_id"], r["file"], r["reason"]) for r in listed]
+
+    run_recipe(recipe, argv)
+    counts, listed = skipped()
+    assert counts == {"train": 2, "eval": 0} and len(listed) == 2 and set(listed) == expected
+    run_recipe(recipe, argv + ["--overwrite_output_dir", "true"])
+    counts, listed = skipped()
+    assert counts == {"train": 2, "eval": 0} and len(listed) == 2 and set(listed) == expected

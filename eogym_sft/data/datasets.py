@@ -12,9 +12,12 @@ from .prepared import format_summary, load_prepared, write_prepared
 from .traces import TraceError
 
 
-def load_or_prepare(path: str, model: str, processor, cfg: PrepConfig, workdir: str | Path, num_proc: int = 1):
+def load_or_prepare(
+    path: str, model: str, processor, cfg: PrepConfig, workdir: str | Path, num_proc: int = 1, allow_flag: str = "--allow-drops"
+):
     """The dataset at ``path``: a prepared folder is loaded; a ``.jsonl`` file (or several, comma-separated)
-    is prepared into ``workdir`` first. Fails if the folder was prepared with another processor."""
+    is prepared into ``workdir`` first. Fails if the folder was prepared with another processor. ``allow_flag``:
+    how the caller's users spell the setting that goes on past the drop-share check."""
     if Path(path).is_dir():
         dataset, stats = load_prepared(path)
         expected = stats.get("settings", {}).get("processor_fingerprint")
@@ -31,7 +34,7 @@ def load_or_prepare(path: str, model: str, processor, cfg: PrepConfig, workdir: 
     cached = Path(workdir) / "stats.json"
     if cached.is_file() and json.loads(cached.read_text()).get("settings") == prep_settings(files, model, processor, cfg):
         return load_prepared(workdir)
-    prepare_dataset(files, model, processor, cfg, workdir, num_proc)
+    prepare_dataset(files, model, processor, cfg, workdir, num_proc, allow_flag)
     return load_prepared(workdir)
 
 
@@ -42,11 +45,13 @@ def prep_settings(files: list[str], model: str, processor, cfg: PrepConfig) -> d
     return settings
 
 
-def prepare_dataset(files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1) -> dict:
+def prepare_dataset(
+    files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1, allow_flag: str = "--allow-drops"
+) -> dict:
     """Prepare EO-Gym JSONL ``files`` into ``output`` (``dataset/``, ``manifest.jsonl``, ``stats.json``) with
     ``processor``, loaded from ``model`` with ``cfg``'s pixel settings; print the summary and return the stats."""
     results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
-    check_drop_share(results, cfg.max_drop_share)
+    check_drop_share(results, cfg.max_drop_share, allow_flag)
     stats = write_prepared(output, results, prep_settings(files, model, processor, cfg))
     print(format_summary(stats))
     return stats

@@ -11,7 +11,7 @@ from trl import ModelConfig, SFTConfig
 
 from ..config import EOGymScriptArguments
 from ..data.datasets import load_or_prepare, split_by_trace
-from ..data.prepare import PrepConfig
+from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
 from ..models.processor import load_processor
 from .collator import EOGymCollator
@@ -47,11 +47,26 @@ def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTCo
 
 
 IMAGE_CHECK_SAMPLES = 64  # samples whose image files are looked for before training: a wrong data root shows at once
+ALLOW_FLAG = "--allow_drops true"  # the recipe's spelling of the setting that goes on past a drop-share check
 
 
-def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share: float = 0.5) -> None:
-    """Refuse to train on zero samples, or when most of the first samples' images are not under ``data_root``
-    (the collator would skip them one by one: a run that trains on nothing and saves an adapter anyway)."""
+def drop_share(script_args: EOGymScriptArguments) -> float:
+    """The share of rows (or images) that may be lost for one reason before the run refuses (1.0: never)."""
+    return 1.0 if script_args.allow_drops else DROP_SHARE
+
+
+def prep_config(script_args: EOGymScriptArguments, sample) -> PrepConfig:
+    """Data prep's settings for this run: the sample budget ``sample`` and the recipe's data settings."""
+    return PrepConfig(
+        **sample.sample_kwargs(), data_root=script_args.data_root, overlong=script_args.overlong,
+        tool_images=script_args.tool_images, max_drop_share=drop_share(script_args),
+    )
+
+
+def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share: float = DROP_SHARE) -> None:
+    """Refuse to train on zero samples, or when more than ``max_missing_share`` of the first samples' images are
+    not under ``data_root`` (the collator would skip them one by one: a run that trains on nothing and saves an
+    adapter anyway). ``max_missing_share`` 1.0 skips the image check; zero samples are refused always."""
     import os
 
     if len(dataset) == 0:
@@ -59,11 +74,11 @@ def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share
     head = dataset.select(range(min(IMAGE_CHECK_SAMPLES, len(dataset))))
     images = [(sid, p) for sid, paths in zip(head["sample_id"], head["images"]) for p in paths]
     missing = [(sid, p) for sid, p in images if not os.path.isfile(os.path.join(data_root, p))]
-    if images and len(missing) > max_missing_share * len(images):
+    if images and max_missing_share < 1 and len(missing) > max_missing_share * len(images):
         sid, path = missing[0]
         raise FileNotFoundError(
             f"{len(missing)} of the {len(images)} images of the first {len(head)} samples are not under --data_root "
-            f"{data_root} (e.g. {path} of {sid}): pass the --data_root the data was prepared with"
+            f"{data_root} (e.g. {path} of {sid}): pass the --data_root the data was prepared with, or {ALLOW_FLAG} to go on"
         )
 
 
@@ -80,16 +95,14 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     # Processor and data
     ################
     processor = load_processor(model_args.model_name_or_path, sample.max_pixels, sample.min_pixels)
-    prep = PrepConfig(
-        **sample.sample_kwargs(), data_root=script_args.data_root, overlong=script_args.overlong, tool_images=script_args.tool_images
-    )
+    prep = prep_config(script_args, sample)
     script_args.prepared_dir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
     with training_args.main_process_first(desc="data prep"):
         dataset, data_stats = load_or_prepare(
             script_args.dataset_path, model_args.model_name_or_path, processor, prep, script_args.prepared_dir,
-            script_args.prep_num_proc,
+            script_args.prep_num_proc, ALLOW_FLAG,
         )
-    refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path)
+    refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path, drop_share(script_args))
     train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
     if eval_dataset is None:
         training_args.eval_strategy = "no"
