@@ -33,6 +33,7 @@ from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 from ..data.images import ImageCache, load_rgb, resolve_image_path
+from ..data.traces import parse_tool_call_text
 from .episodes import Episode, LoopConfig, canonical_prompt
 
 TOOL_IMAGE_MODES = ("tool", "user")
@@ -270,6 +271,15 @@ def data_url_cache(processor, budget: int = 2 * 2**30) -> ImageCache:
     return ImageCache(budget, load=lambda path: data_url(processor, path), cost=len)
 
 
+def _assistant_calls(message: dict) -> tuple[str, list[dict]]:
+    """An assistant turn's text and calls: its ``tool_calls``, or, for a turn kept as generated (its
+    ``<tool_call>`` blocks in the text, how an episode's own turns come back), the blocks parsed out."""
+    if message.get("tool_calls"):
+        return message["content"], [c["function"] for c in message["tool_calls"]]
+    text, calls = parse_tool_call_text(message["content"] or "", "assistant")
+    return text, [c["function"] for c in calls]
+
+
 def api_messages(trace, urls: list[str], tool_images_as: str = "tool") -> list[dict]:
     """A canonical conversation (:func:`~eogym_sft.evaluation.episodes.canonical_prompt`) as
     chat-completions messages; ``urls`` are the data URLs of ``trace.images`` in order."""
@@ -279,12 +289,13 @@ def api_messages(trace, urls: list[str], tool_images_as: str = "tool") -> list[d
         if role == "system":
             out.append({"role": "system", "content": m["content"]})
         elif role == "assistant":
+            content, found = _assistant_calls(m)
             calls = [
                 {"id": f"call_{turn}_{k}", "type": "function",
-                 "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False)}}
-                for k, c in enumerate(m.get("tool_calls") or [])
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                for k, c in enumerate(found)
             ]
-            message = {"role": "assistant", "content": m["content"]}
+            message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             pending = [c["id"] for c in calls]

@@ -180,6 +180,8 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     names = [a.name for a in local_arms] + [p.name for p in cfg.policies]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}: name adapters NAME=DIR and policies --policy-model NAME=MODEL")
+    rows, failures = read_questions(cfg)  # before the output is made: a wrong data root writes nothing
+    check_reason_share(failures, len(rows) + len(failures), 1.0 if cfg.allow_drops else DROP_SHARE)
     key = resume_key(cfg)
     ranks.agree(group, lambda: open_run(out, key, cfg.overwrite, "eogym-sft rollout"))
     earlier = read_episodes(out)
@@ -187,8 +189,6 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     device, dtype = resolve_device(ranks.local_device(cfg.device, group), cfg.dtype)
     env_factory = env_factory or default_env_factory(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
-    rows, failures = read_questions(cfg)
-    check_reason_share(failures, len(rows) + len(failures), 1.0 if cfg.allow_drops else DROP_SHARE)
     mine = rows[group.rank :: group.world]
     todo = {name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier] for name in names}
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)

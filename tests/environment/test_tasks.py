@@ -64,12 +64,14 @@ def test_the_answer_is_in_the_crop(task):
         assert read_colour(np.array(Image.open(root / crop["cropped_path"]).convert("RGB"))) == row["gt_answer"]
 
 
-def test_the_full_image_at_the_demo_cap_shows_no_colour(task, processor):
+def test_the_full_image_at_the_demo_cap_shows_no_colour(task):
     """At a quarter of the scene's pixels every quadrant is grey, whatever its colour: the processor's
     pixels of all scenes are equal but for a few values at the quadrants' seams (bicubic overshoot),
     so nothing in them tells the answers apart; the crops keep the full checkerboard."""
+    from eogym_sft.models.tiny import build_offline_processor
+
     root, rows = task
-    processor.image_processor.size = {"longest_edge": DEMO_CAP, "shortest_edge": 4096}
+    processor = build_offline_processor(DEMO_CAP, 4096)  # its own: the session's processor keeps its cap
     answers = {r["gt_answer"] for r in rows}
     assert len(answers) > 1
     full = [processor.image_processor(images=[Image.open(root / r["images"][0]).convert("RGB")], return_tensors="pt") for r in rows]

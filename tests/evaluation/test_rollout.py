@@ -211,7 +211,7 @@ def test_rollout_end_to_end_on_the_tiny_model(tmp_path, data_root, row_factory, 
     skipped = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
     assert skipped[0]["reason"] == "malformed_json" and skipped[0]["source"].endswith(":3")
     assert "pass@2" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="exists and is not empty"):  # one line, no traceback
+    with pytest.raises(SystemExit, match="holds a run with other settings"):  # one line, no traceback
         main(["rollout", "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--output", str(out), "--no-progress"])
 
 
