@@ -77,7 +77,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_summary(tmp_path, data_root, 
         assert 2 <= written < 6 and not (killed / "summary.json").exists()
         with open(killed / "episodes.jsonl", "a") as fh:
             fh.write('{"arm": "scripted", "source_id": "q5", "sam')  # a write cut short by the kill
-        with pytest.raises(FileExistsError, match=r"max_turns: 3 -> 4"):
+        with pytest.raises(SystemExit, match=r"max_turns: 3 -> 4"):
             main([*args[2:], "--max-turns", "4"])
         for out in (killed, whole):
             main(_command(tiny_model_dir, data, data_root, out, url, "--no-base")[2:])
