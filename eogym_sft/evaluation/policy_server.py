@@ -20,24 +20,25 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import http.client
 import io
 import json
 import os
-import socket
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlsplit
 
+from .. import net
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import parse_tool_call_text
 from .episodes import Episode, LoopConfig, canonical_prompt
 
 TOOL_IMAGE_MODES = ("tool", "user")
-RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
+NET_CODES = {  # eogym_sft.net's errors as the codes a policy error is counted by
+    net.RedirectRefused: "redirect", net.DeadlineExceeded: "timeout", net.ResponseTooLarge: "too_large",
+    net.HTTPStatusError: "http_status", net.BadResponse: "bad_json",
+}
 # Settings that change how a run is carried out, not what it produces (a resumed run may change them).
 TRANSPORT_FIELDS = ("concurrency", "deadline_s", "retries", "backoff_s")
 
@@ -144,101 +145,17 @@ def _read_config(text: str) -> dict:
 
 
 def post_json(server: PolicyServer, body: dict) -> dict:
-    """POST ``body`` to ``server.url``; the reply's JSON object, or :class:`PolicyError` once the
-    retries or the deadline run out."""
-    data = json.dumps(body, ensure_ascii=False).encode()
-    deadline = time.monotonic() + server.deadline_s
-    last, attempts = None, 0
-    for attempt in range(server.retries + 1):
-        if attempt:
-            time.sleep(max(0.0, min(server.backoff_s * 2 ** (attempt - 1), deadline - time.monotonic())))
-        if time.monotonic() >= deadline:
-            break
-        attempts += 1
-        try:
-            return _post_once(server, data, deadline)
-        except PolicyError as err:
-            if not err.retry:
-                raise
-            last = err
-    raise PolicyError(last.code if last else "timeout", f"{attempts} attempt(s) within {server.deadline_s:g} s failed; last: {last}")
-
-
-def _post_once(server: PolicyServer, data: bytes, deadline: float) -> dict:
-    parts = urlsplit(server.url)
-    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = kind(parts.hostname, parts.port, timeout=_left(deadline))
-    # Socket timeouts bound each read, not the call: a server trickling its headers would outlive them.
-    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn,))
-    watchdog.daemon = True
-    watchdog.start()
+    """POST ``body`` to ``server.url`` through :func:`eogym_sft.net.post_json` (http(s) only, no redirects, one
+    deadline with retries, a reply cap); the reply's JSON object, or :class:`PolicyError` naming why not."""
     try:
-        path = parts.path or "/"
-        conn.request("POST", f"{path}?{parts.query}" if parts.query else path, body=data, headers=server.headers())
-        response = conn.getresponse()
-        if 300 <= response.status < 400:
-            target = urljoin(server.url, response.getheader("Location") or "")
-            raise PolicyError("redirect", f"the server redirected ({response.status}) to {target}; redirects are not followed")
-        raw = _read_capped(conn, response, deadline, server.max_response_bytes)
-        if time.monotonic() >= deadline:  # the watchdog may cut a reply so that it looks complete
-            raise PolicyError("timeout", "no complete reply before the call's deadline", retry=True)
-    except PolicyError:
-        raise
-    except TimeoutError as err:
-        raise PolicyError("timeout", f"no complete reply in time ({err})", retry=True) from None
-    except (http.client.HTTPException, OSError) as err:  # refused, reset, cut short, malformed status line
-        if time.monotonic() >= deadline:  # the watchdog cut it
-            raise PolicyError("timeout", "no complete reply before the call's deadline", retry=True) from None
-        raise PolicyError("connection", f"{type(err).__name__}: {err}", retry=True) from None
-    finally:
-        watchdog.cancel()
-        conn.close()
-    if response.status != 200:
-        detail = raw[:300].decode("utf-8", errors="replace")
-        raise PolicyError("http_status", f"{response.status}: {detail}", retry=response.status in RETRIED_STATUS)
-    try:
-        payload = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PolicyError("bad_json", f"the reply is not JSON ({err}): {raw[:80]!r}") from None
+        payload = net.post_json(
+            server.url, body, server.headers(), server.deadline_s, server.max_response_bytes, server.retries, server.backoff_s
+        )
+    except net.NetError as err:
+        raise PolicyError(NET_CODES.get(type(err), "connection"), str(err)) from None
     if not isinstance(payload, dict):
-        raise PolicyError("bad_json", f"the reply is JSON but not an object: {raw[:80]!r}")
+        raise PolicyError("bad_json", f"the reply is JSON but not an object: {str(payload)[:80]!r}")
     return payload
-
-
-def _cut(conn) -> None:
-    """End a call at its deadline: a blocked read returns at once."""
-    sock = conn.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the call's deadline passed")
-    return left
-
-
-def _read_capped(conn, response, deadline: float, cap: int) -> bytes:
-    """The body, read in chunks so that a server trickling bytes still meets the deadline."""
-    declared = response.getheader("Content-Length")
-    if declared and declared.isdigit() and int(declared) > cap:
-        raise PolicyError("too_large", f"the reply declares {declared} bytes, over the cap of {cap}")
-    chunks, size = [], 0
-    while True:
-        if conn.sock is not None:
-            conn.sock.settimeout(_left(deadline))
-        chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > cap:
-            raise PolicyError("too_large", f"the reply exceeds the cap of {cap} bytes")
-        chunks.append(chunk)
-        _left(deadline)
 
 
 # ---------------------------------------------------------------- requests and replies
