@@ -102,6 +102,14 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
         "--attn-implementation", default=None,
         help="text attention: eogym_varlen_cudnn (default on CUDA, the recipe's), eogym_varlen (default elsewhere) or sdpa (padded batches)",
     )
+    parser.add_argument(
+        "--dataloader-workers", type=int, default=ValidateConfig.dataloader_workers,
+        help="processes that collate batches while the model runs (at most CPUs - 1; 0: the main process)",
+    )
+    parser.add_argument(
+        "--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+        help="compile the decoder layers as the SFT recipe does (default: on CUDA only)",
+    )
     parser.add_argument("--allow-other-base", action="store_true", help="use an adapter trained on a base of another name (the same weights renamed)")
     parser.add_argument(
         "--held-out-fraction", type=float, default=None,
@@ -118,7 +126,8 @@ def run_validate(args: argparse.Namespace) -> dict:
         cfg = ValidateConfig(
             **sample_settings(args), model=args.model, adapters=args.adapter, include_base=not args.no_base, data=args.data,
             data_root=args.data_root, output=args.output, batch_size=args.batch_size, num_proc=args.num_proc, device=args.device,
-            dtype=args.dtype, attn_implementation=args.attn_implementation, allow_other_base=args.allow_other_base,
+            dtype=args.dtype, attn_implementation=args.attn_implementation, dataloader_workers=args.dataloader_workers,
+            compile_layers=args.compile_layers, allow_other_base=args.allow_other_base,
             overwrite=args.overwrite, held_out_fraction=args.held_out_fraction, seed=args.seed,
         )
     except ValueError as err:

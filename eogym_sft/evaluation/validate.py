@@ -6,14 +6,22 @@ with logits computed only at supervised positions (the LM head over a 151,936-to
 largest activation otherwise). Every figure is a token-weighted sum over the whole set, summed across
 ranks before dividing; see :mod:`eogym_sft.metrics.token_accuracy`. Arms are chosen as for ``evaluate``
 and ``rollout`` (the base unless ``--no-base``, then one per ``--adapter [NAME=]DIR``).
+
+What keeps the GPU busy: batches are collated (images decoded, resized and patchified) in DataLoader
+workers, with the host-side bookkeeping of each batch (sample spans, groups, token classes, the supervised
+positions), while the model runs; each batch is collated once and run through every arm in turn; the
+decoder layers are compiled as for training (on CUDA); and the forward has no host sync of its own
+between the model's and the one that reads a batch's scores back.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from bisect import bisect_right
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,14 +40,22 @@ def _causal_lm(model):
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """``(row, position)`` of every supervised target of ``labels`` (the next-token targets ``labels[:, 1:]``)."""
+    return (labels[:, 1:] != IGNORE_INDEX).nonzero()
+
+
 @torch.no_grad()
-def supervised_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per supervised target token: cross-entropy, correctness, and its ``(row, position)`` index."""
+def supervised_scores(model, batch: dict, where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per supervised target token: cross-entropy, correctness, and its ``(row, position)`` index.
+
+    ``where`` (:func:`supervised_positions` of the batch's labels, computed on the host before the batch
+    moves) saves the host sync that finding them on the device costs in the middle of the forward."""
     lm = _causal_lm(model)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = lm.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
     targets = batch["labels"][:, 1:]
-    where = (targets != IGNORE_INDEX).nonzero()
+    where = supervised_positions(batch["labels"]) if where is None else where.to(hidden.device, non_blocking=True)
     logits = lm.lm_head(hidden[where[:, 0], where[:, 1]]).float()
     goal = targets[where[:, 0], where[:, 1]]
     loss = torch.nn.functional.cross_entropy(logits, goal, reduction="none")
@@ -60,19 +76,66 @@ def sample_spans(batch: dict, samples: int, packed: bool) -> list[list[tuple[int
     return [spans]
 
 
-def _accumulate(totals, keys, classes, spans, loss, correct, where) -> None:
-    """Add each scored target to the groups of the sample it lies in (``spans`` from :func:`sample_spans`;
-    ``keys`` and ``classes`` per sample, in the same order)."""
+class ScoringBatches(torch.utils.data.Dataset):
+    """Batch ``k`` of ``indices`` (``batch_size`` samples of ``dataset`` each), collated and ready to score.
+
+    Everything the host needs besides the model's output is computed here, in the DataLoader's workers:
+    the model inputs, the supervised positions (:func:`supervised_positions`), which sample each target
+    lies in and its token class, the samples' group keys, the tokens run and the samples the collator
+    skipped. The main process then only moves the inputs, runs the arms and adds up."""
+
+    def __init__(self, collator, dataset, indices: list[int], batch_size: int):
+        self.collator, self.dataset, self.batch_size = collator, dataset, batch_size
+        self.chunks = [indices[k : k + batch_size] for k in range(0, len(indices), batch_size)]
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, k: int) -> dict:
+        examples = [self.dataset[i] for i in self.chunks[k]]
+        batch = self.collator(examples)
+        skipped = batch.pop("skipped_samples", [])
+        left_out = {r["index"] for r in skipped}
+        examples = [ex for j, ex in enumerate(examples) if j not in left_out]
+        if not examples:
+            return {"inputs": None, "skipped": skipped}
+        spans = sample_spans(batch, len(examples), self.collator.padding_free)
+        tokenizer = self.collator.processor.tokenizer
+        classes = [
+            token_classes(batch["input_ids"][row, a:b].tolist(), (batch["labels"][row, a:b] != IGNORE_INDEX).tolist(), tokenizer)
+            for row, row_spans in enumerate(spans) for a, b in row_spans
+        ]
+        where = supervised_positions(batch["labels"])
+        return {
+            "inputs": batch,
+            "where": where,
+            "target_groups": _target_groups(where, spans, examples, classes),
+            "tokens": int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel(),
+            "skipped": skipped,
+        }
+
+
+def _target_groups(where: torch.Tensor, spans, examples: list[dict], classes) -> list[tuple[str, ...]]:
+    """The groups of each supervised target in ``where`` order: ``overall``, its sample's ``EO_task`` and
+    ``question_type``, and its token class (``spans`` from :func:`sample_spans`; ``classes`` per sample)."""
+    keys = [[f"{f}/{ex.get(f) or 'unknown'}" for f in GROUP_FIELDS] for ex in examples]
     firsts, offsets, k = [], [], 0
     for row in spans:
         firsts.append([start for start, _ in row])
         offsets.append(k)
         k += len(row)
-    for (row, pos), l, c in zip(where.tolist(), loss.tolist(), correct.tolist()):
+    groups = []
+    for row, pos in where.tolist():
         target = pos + 1  # a packed sample's first token is never a target (the collator masks it)
         j = bisect_right(firsts[row], target) - 1
         sample = offsets[row] + j
-        groups = ["overall", *keys[sample], f"token_class/{classes[sample][target - firsts[row][j]]}"]
+        groups.append(("overall", *keys[sample], f"token_class/{classes[sample][target - firsts[row][j]]}"))
+    return groups
+
+
+def _accumulate(totals, target_groups, loss: torch.Tensor, correct: torch.Tensor) -> None:
+    """Add each scored target to its groups, in target order (Python floats: the same sums on every path)."""
+    for groups, l, c in zip(target_groups, loss.tolist(), correct.tolist()):
         for g in groups:
             totals[g][0] += l
             totals[g][1] += c
@@ -93,53 +156,85 @@ def _merge_ranks(totals: dict) -> dict:
     return merged
 
 
-def score_dataset(
-    model, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None,
-    label: str = "validate", stats: dict | None = None,
-) -> dict:
-    """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
-    ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset.
-
-    ``batch_size`` samples go through each forward, packed into one row when the collator is
-    ``padding_free`` (the fast path; the model should run a variable-length attention), else padded.
-    With a collator that skips bad images (``skip_bad_images=True``), the samples it skipped are
-    appended to ``skipped`` (this rank's) and left out of every figure. ``stats``, when given, gets this
-    rank's ``seconds`` and ``tokens`` (every token run through the model, context included)."""
-    from tqdm.auto import tqdm
-
-    rank, world = 0, 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    indices = list(range(rank, len(dataset), world))
-    tokenizer = collator.processor.tokenizer
-    totals = defaultdict(lambda: [0.0, 0, 0])
-    start, tokens = time.perf_counter(), 0
-    for first in tqdm(range(0, len(indices), batch_size), desc=label, disable=not progress):
-        examples = [dataset[i] for i in indices[first : first + batch_size]]
-        batch = collator(examples)
-        left_out = batch.pop("skipped_samples", [])
-        if skipped is not None:
-            skipped.extend(left_out)
-        examples = [ex for k, ex in enumerate(examples) if k not in {r["index"] for r in left_out}]
-        if not examples:
-            continue
-        spans = sample_spans(batch, len(examples), collator.padding_free)
-        keys = [[f"{f}/{ex.get(f) or 'unknown'}" for f in GROUP_FIELDS] for ex in examples]
-        classes = [
-            token_classes(batch["input_ids"][row, a:b].tolist(), (batch["labels"][row, a:b] != IGNORE_INDEX).tolist(), tokenizer)
-            for row, row_spans in enumerate(spans) for a, b in row_spans
-        ]
-        tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        loss, correct, where = supervised_scores(model, batch)
-        _accumulate(totals, keys, classes, spans, loss.cpu(), correct.cpu(), where.cpu())
-    if stats is not None:
-        stats.update(seconds=time.perf_counter() - start, tokens=tokens)
+def _report(totals: dict) -> dict:
     merged = _merge_ranks(totals)
     return {
         key: {"loss": l / n, "token_accuracy": c / n, "tokens": n}
         for key, (l, c, n) in sorted(merged.items(), key=lambda kv: (kv[0] != "overall", kv[0]))
     }
+
+
+def _batches(scoring: ScoringBatches, workers: int, device: torch.device):
+    """``scoring``'s batches in order: from ``workers`` DataLoader processes (one batch ahead each, pinned
+    for the copy to a GPU), or made here when ``workers`` is 0."""
+    workers = min(workers, len(scoring))
+    if workers == 0:
+        return (scoring[k] for k in range(len(scoring)))
+    return torch.utils.data.DataLoader(
+        scoring, batch_size=None, num_workers=workers, prefetch_factor=1, collate_fn=_as_is, pin_memory=device.type == "cuda",
+    )
+
+
+def _as_is(item):
+    return item
+
+
+def score_arms(
+    model, arms: list, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True,
+    skipped: list | None = None, label: str = "validate", stats: dict | None = None, workers: int = 0,
+) -> dict[str, dict]:
+    """``{arm name: scores}`` for every arm of ``arms`` (:class:`eogym_sft.models.loading.Arm`), each batch
+    collated once and run through every arm in turn. Scores are :func:`score_dataset`'s; ``workers``
+    DataLoader processes collate the batches (0: this process). ``stats``, when given, gets this rank's
+    ``seconds``, ``tokens`` (every token run through the model, context included, summed over the arms)
+    and ``tokens_per_s``."""
+    from ..models.loading import use_arm
+
+    return _score(model, [(arm.name, lambda arm=arm: use_arm(model, arm)) for arm in arms], collator, dataset, batch_size, device,
+                  progress, skipped, label, stats, workers)
+
+
+def score_dataset(
+    model, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None,
+    label: str = "validate", stats: dict | None = None, workers: int = 0,
+) -> dict:
+    """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
+    ``question_type/...`` and ``token_class/...``, token-weighted over the whole dataset, of ``model`` as it is.
+
+    ``batch_size`` samples go through each forward, packed into one row when the collator is
+    ``padding_free`` (the fast path; the model should run a variable-length attention), else padded.
+    ``workers`` DataLoader processes collate the batches (0: this process).
+    With a collator that skips bad images (``skip_bad_images=True``), the samples it skipped are
+    appended to ``skipped`` (this rank's) and left out of every figure. ``stats``, when given, gets this
+    rank's ``seconds``, ``tokens`` (every token run through the model, context included) and ``tokens_per_s``."""
+    return _score(model, [("model", nullcontext)], collator, dataset, batch_size, device, progress, skipped, label, stats, workers)["model"]
+
+
+def _score(model, arms, collator, dataset, batch_size, device, progress, skipped, label, stats, workers) -> dict[str, dict]:
+    from tqdm.auto import tqdm
+
+    rank, world = 0, 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device(device)
+    scoring = ScoringBatches(collator, dataset, list(range(rank, len(dataset), world)), batch_size)
+    totals = {name: defaultdict(lambda: [0.0, 0, 0]) for name, _ in arms}
+    start, tokens = time.perf_counter(), 0
+    for item in tqdm(_batches(scoring, workers, device), total=len(scoring), desc=label, disable=not progress):
+        if skipped is not None:
+            skipped.extend(item["skipped"])
+        if item["inputs"] is None:
+            continue
+        tokens += item["tokens"] * len(arms)
+        inputs = {k: v.to(device, non_blocking=True) for k, v in item["inputs"].items()}
+        for name, activate in arms:
+            with activate():
+                loss, correct, _ = supervised_scores(model, inputs, item["where"])
+            _accumulate(totals[name], item["target_groups"], loss.cpu(), correct.cpu())
+    if stats is not None:
+        seconds = time.perf_counter() - start
+        stats.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds if seconds else None)
+    return {name: _report(t) for name, t in totals.items()}
 
 
 def format_report(report: dict) -> str:
@@ -174,6 +269,12 @@ class ValidateConfig(SampleConfig):
     # The text tower's attention: the recipe's variable-length kernels (default: eogym_varlen_cudnn on
     # CUDA, eogym_varlen elsewhere), or sdpa.
     attn_implementation: str | None = None
+    # Processes that collate batches (decode, resize and patchify images) while the model runs: at most one
+    # fewer than the CPUs this process may use; 0 collates in the main process.
+    dataloader_workers: int = 8
+    # Compile the decoder layers as the SFT recipe does (models.loading.compile_language_layers); default:
+    # on CUDA, where it pays, not on CPU, where Inductor's compile takes longer than a small run.
+    compile_layers: bool | None = None
     allow_other_base: bool = False  # use an adapter whose adapter_config.json names another base
     overwrite: bool = False  # replace an existing report
     # Score only the traces a training run held out: its eval_fraction and seed (split_by_trace).
@@ -186,6 +287,8 @@ class ValidateConfig(SampleConfig):
             raise ValueError("nothing to score: no base arm and no adapters")
         if self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if self.dataloader_workers < 0:
+            raise ValueError("dataloader_workers must be 0 or more")
 
 
 def default_attention(device) -> str:
@@ -195,17 +298,23 @@ def default_attention(device) -> str:
     return CUDNN_NAME if torch.device(device).type == "cuda" else NAME
 
 
+def default_compile(device) -> bool:
+    """Whether validate compiles the decoder layers by default: on CUDA."""
+    return torch.device(device).type == "cuda"
+
+
+def dataloader_workers(requested: int) -> int:
+    """``requested`` workers, at most one fewer than the CPUs this process may use (the main process runs the model)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(requested, cpus - 1))
+
+
 def validate(cfg: ValidateConfig) -> dict:
     """Score every arm on ``cfg.data``; write and return the report."""
     from ..data.datasets import load_or_prepare, split_by_trace
     from ..data.prepare import PrepConfig
     from ..guards import refuse_nonempty_output
-    from ..models.loading import (
-        load_inference_model,
-        parse_arms,
-        resolve_device,
-        use_arm,
-    )
+    from ..models.loading import compile_language_layers, load_inference_model, parse_arms, resolve_device
     from ..models.processor import load_processor
     from ..training.collator import EOGymCollator
 
@@ -222,18 +331,16 @@ def validate(cfg: ValidateConfig) -> dict:
     collator = EOGymCollator(
         processor, **cfg.sample_kwargs(), data_root=cfg.data_root, padding_free=attention != "sdpa", skip_bad_images=True, pixel_dtype=dtype,
     )
-    models, timing, skipped = {}, {}, []
-    for k, arm in enumerate(arms):
-        stats = {}
-        with use_arm(model, arm):
-            models[arm.name] = score_dataset(
-                model, collator, dataset, cfg.batch_size, device, skipped=skipped if k == 0 else None, label=f"validate {arm.name}", stats=stats,
-            )
-        timing[arm.name] = {**stats, "tokens_per_s": stats["tokens"] / stats["seconds"] if stats["seconds"] else None}
+    compiled = default_compile(device) if cfg.compile_layers is None else cfg.compile_layers
+    if compiled:
+        compile_language_layers(model)
+    workers, timing, skipped = dataloader_workers(cfg.dataloader_workers), {}, []
+    models = score_arms(model, arms, collator, dataset, cfg.batch_size, device, skipped=skipped, stats=timing, workers=workers)
     report = {
         "model": cfg.model, "adapters": {a.name: a.adapter for a in arms if a.adapter}, "data": cfg.data,
         "held_out_fraction": cfg.held_out_fraction, "samples": len(dataset), "samples_skipped": len(skipped), "skipped": skipped,
         "attn_implementation": attention, "batch_size": cfg.batch_size, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "compiled_layers": compiled, "dataloader_workers": workers,
         "models": models, "timing": timing,
     }
     Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +349,8 @@ def validate(cfg: ValidateConfig) -> dict:
     for record in skipped:
         print(f"skipped sample {record['sample_id']} ({record['reason']}): {record['file']}")
     for name, scores in models.items():
-        print(f"token accuracy ({name}): {scores['overall']['token_accuracy']:.4f}  ({timing[name]['tokens_per_s']:.0f} tokens/s)")
+        print(f"token accuracy ({name}): {scores['overall']['token_accuracy']:.4f}")
+    print(f"{timing['tokens']} tokens through the model in {timing['seconds']:.1f} s ({timing['tokens_per_s'] or 0:.0f} tokens/s, all arms)")
     print(f"report: {cfg.output}")
     return report
 
