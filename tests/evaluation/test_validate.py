@@ -102,3 +102,87 @@ def test_validate_arms_by_flags_on_either_path(arms_dir, data_root, row_factory,
     assert "token accuracy (one)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing to score"):
         main(["validate", *common, "--no-base", "--output", str(tmp_path / "none.json")])
+
+
+# ---- the fast path's levers: each gives exactly the numbers of the path without it ----------------------------
+
+
+@pytest.fixture(scope="module")
+def varlen_arms(arms_dir):
+    """The base with its LoRA adapter loaded as validate loads them (eval mode, the CPU varlen attention)."""
+    from eogym_sft.models.loading import load_inference_model, parse_arms
+
+    arms = parse_arms([f"one={arms_dir / 'lora'}"], str(arms_dir / "base"))
+    return load_inference_model(str(arms_dir / "base"), arms, "cpu", torch.float32, attn_implementation="eogym_varlen"), arms
+
+
+def test_supervised_positions_found_on_the_host_give_the_same_scores(varlen_arms, processor):
+    from eogym_sft.evaluation.validate import supervised_positions, supervised_scores
+
+    model, _ = varlen_arms
+    batch = EOGymCollator(processor, **PIXELS, padding_free=True)(_examples()[:3])
+    where = supervised_positions(batch["labels"])
+    assert torch.equal(where, (batch["labels"][:, 1:] != -100).nonzero()) and len(where) > 0
+    on_device = supervised_scores(model, batch)
+    on_host = supervised_scores(model, batch, where)
+    for a, b in zip(on_device, on_host):
+        assert torch.equal(a, b)
+
+
+def test_dataloader_workers_give_the_numbers_of_the_main_process(varlen_arms, processor):
+    model, _ = varlen_arms
+    broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
+    examples = [*_examples(), broken]
+    collator = EOGymCollator(processor, **PIXELS, padding_free=True, skip_bad_images=True)
+    runs = {}
+    for workers in (0, 2):
+        skipped, stats = [], {}
+        scores = score_dataset(model, collator, examples, batch_size=2, progress=False, skipped=skipped, stats=stats, workers=workers)
+        runs[workers] = (scores, [r["sample_id"] for r in skipped], stats["tokens"])
+    assert runs[2] == runs[0]  # exact: the same batches, scored and added up in the same order
+    assert runs[0][1] == ["gone-1#w0"] and runs[0][2] > runs[0][0]["overall"]["tokens"] > 0
+
+
+def test_arms_share_each_batch_and_score_as_one_arm_at_a_time(varlen_arms, processor):
+    from eogym_sft.evaluation.validate import score_arms
+    from eogym_sft.models.loading import use_arm
+
+    model, arms = varlen_arms
+    collator = EOGymCollator(processor, **PIXELS, padding_free=True)
+    examples = _examples()
+    alone = {}
+    for arm in arms:
+        with use_arm(model, arm):
+            alone[arm.name] = score_dataset(model, collator, examples, batch_size=2, progress=False)
+    stats = {}
+    together = score_arms(model, arms, collator, examples, batch_size=2, progress=False, stats=stats, workers=1)
+    assert together == alone  # exact
+    assert together["base"]["overall"]["loss"] != together["one"]["overall"]["loss"]  # the adapter was switched in
+    one_pass = {}
+    score_dataset(model, collator, examples, batch_size=2, progress=False, stats=one_pass)
+    assert stats["tokens"] == 2 * one_pass["tokens"]  # every token counted once per arm
+
+
+def test_compiled_layers_give_the_eager_numbers_on_every_arm(arms_dir, varlen_arms, processor):
+    """The decoder layers compiled as validate compiles them on CUDA (the recipe's regional compile), the
+    arms switched batch by batch: the eager numbers exactly, one graph per arm for batches of any length.
+    Dynamo traces the layers as on the GPU; the graphs then run as traced, without Inductor, whose fused
+    kernels round float32 otherwise (and whose CPU compile would take a minute here)."""
+    from eogym_sft.evaluation.validate import score_arms
+    from eogym_sft.models.loading import compile_language_layers, load_inference_model
+
+    eager, arms = varlen_arms
+    collator = EOGymCollator(processor, **PIXELS, padding_free=True)
+    examples = _examples()
+    want = score_arms(eager, arms, collator, examples, batch_size=2, progress=False)
+    graphs = []
+
+    def as_traced(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = load_inference_model(str(arms_dir / "base"), arms, "cpu", torch.float32, attn_implementation="eogym_varlen")
+    assert compile_language_layers(compiled, backend=as_traced) == 2
+    got = score_arms(compiled, arms, collator, examples, batch_size=2, progress=False)
+    assert got == want
+    assert len(graphs) == len(arms)  # base (adapters off) and the adapter; 3 batches of other lengths each
