@@ -1,5 +1,5 @@
-"""Validate throughput: tokens/s of ``eogym-sft validate``'s forward, the padded SDPA path it had
-against the packed variable-length path it runs now, side by side on the same samples and adapter.
+"""Validate throughput: tokens/s of ``eogym-sft validate``'s forward, the padded path it had against
+the defaults it runs now, side by side on the same samples and adapter in one process.
 
 Commands (from the repository root)::
 
@@ -10,15 +10,25 @@ Commands (from the repository root)::
     PYTHONPATH=. python bench/validate_throughput.py --model /tmp/qwen3vl4b-random --rows 100 --json validate_h200.json
 
 What it does: (a) takes ``--data``/``--data-root`` or writes the EO-Gym-shaped sample of
-``bench/prep_throughput.py`` and prepares it as ``validate`` does; (b) loads the model twice in the
-evaluation dtype (bf16 on GPU, fp32 on CPU), once with SDPA and once with the recipe's attention
-(``eogym_varlen_cudnn`` on CUDA, ``eogym_varlen`` elsewhere), each with the same random rank-16 LoRA
-adapter (the recipe's targets); (c) runs one warm-up batch per path, then times
-:func:`~eogym_sft.evaluation.validate.score_dataset` over every sample: ``old`` = padded batches of
-``--old-batch-size`` (validate's former default, 4) through SDPA, ``new`` = packed batches of
-``--batch-size`` through the varlen attention. Tokens/s counts every token the forward runs (context
-included, padding excluded) over that wall time; model loading, prep and warm-up are excluded. The
-JSON also records how far the two paths' figures are apart (bf16 on GPU: not bit-equal).
+``bench/prep_throughput.py`` and prepares it as ``validate`` does; (b) loads the model in the evaluation
+dtype (bf16 on GPU, fp32 on CPU) with the same random rank-16 LoRA adapter (the recipe's targets), once
+per attention and compile setting; (c) runs each path of ``--paths`` on every sample through
+:func:`~eogym_sft.evaluation.validate.score_arms`, after one warm-up batch (where the layers compile):
+
+- ``old``: validate's former settings: padded batches of ``--old-batch-size`` (its former default, 4)
+  through SDPA, collated in the main process, eager layers, the adapter arm;
+- ``new``: validate's defaults: packed batches of ``--batch-size`` through the recipe's attention
+  (``eogym_varlen_cudnn`` on CUDA, ``eogym_varlen`` elsewhere), collated by
+  ``ValidateConfig.dataloader_workers`` DataLoader workers (at most CPUs - 1), layers compiled on CUDA,
+  the adapter arm;
+- ``new-2arms``: ``new`` with the base arm too (validate's default arms), each batch collated once and run
+  through both;
+- ``new-eager`` (``new`` without compiled layers) and ``new-inline`` (``new`` collated in the main process),
+  to tell the levers apart.
+
+Tokens/s counts every token the forwards run (context included, padding excluded, each arm's) over the
+timed wall time; model loading, prep and the warm-up (``warmup_s``, compilation included) are excluded.
+The JSON also records how far the old and new paths' figures are apart (bf16 on GPU: not bit-equal).
 """
 
 from __future__ import annotations
@@ -41,34 +51,65 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_path(name: str, model, collator, dataset, batch_size: int, device) -> tuple[dict, dict]:
-    """``(run, scores)`` of one path: a warm-up batch, then every sample timed."""
+PATHS = ("old", "new", "new-2arms", "new-eager", "new-inline")
+
+
+def path_settings(name: str, device, batch_size: int, old_batch_size: int) -> dict:
+    """What path ``name`` runs (module docstring): attention, packing, batch size, workers, compile, arms."""
+    from eogym_sft.evaluation.validate import ValidateConfig, dataloader_workers, default_attention, default_compile
+
+    if name == "old":
+        return {"attention": "sdpa", "packed": False, "batch_size": old_batch_size, "workers": 0, "compiled": False, "arms": ("lora",)}
+    new = {
+        "attention": default_attention(device), "packed": True, "batch_size": batch_size,
+        "workers": dataloader_workers(ValidateConfig.dataloader_workers), "compiled": default_compile(device), "arms": ("lora",),
+    }
+    changes = {"new": {}, "new-2arms": {"arms": ("base", "lora")}, "new-eager": {"compiled": False}, "new-inline": {"workers": 0}}
+    return {**new, **changes[name]}
+
+
+def time_path(name: str, settings: dict, model, collator, dataset, device) -> tuple[dict, dict]:
+    """``(run, scores per arm)`` of one path: a warm-up batch, then every sample timed."""
     import torch
 
-    from eogym_sft.evaluation.validate import score_dataset
+    from eogym_sft.evaluation.validate import score_arms
+    from eogym_sft.models.loading import Arm
 
-    score_dataset(model, collator, dataset.select(range(min(batch_size, len(dataset)))), batch_size, device, progress=False)
+    arms = [Arm("base") if a == "base" else Arm("lora", "random", "arm0") for a in settings["arms"]]
+    batch_size, workers = settings["batch_size"], settings["workers"]
+    start = time.perf_counter()
+    score_arms(model, arms, collator, dataset.select(range(min(batch_size, len(dataset)))), batch_size, device, progress=False)
+    _sync(device)
+    warmup = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
     stats: dict = {}
     start = time.perf_counter()
-    scores = score_dataset(model, collator, dataset, batch_size, device, progress=False, stats=stats)
+    scores = score_arms(model, arms, collator, dataset, batch_size, device, progress=False, stats=stats, workers=workers)
     _sync(device)
     wall = time.perf_counter() - start
     run = {
         "path": name,
-        "attention": model.config.text_config._attn_implementation,
-        "packed": collator.padding_free,
-        "batch_size": batch_size,
+        **{k: list(v) if k == "arms" else v for k, v in settings.items()},
         "samples": len(dataset),
         "tokens": stats["tokens"],
-        "supervised_tokens": scores["overall"]["tokens"],
+        "supervised_tokens": scores["lora"]["overall"]["tokens"],
+        "warmup_s": round(warmup, 3),
         "wall_s": round(wall, 3),
         "tokens_per_s": round(stats["tokens"] / wall, 1),
         "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
     }
     return run, scores
+
+
+def load_model(model_dir: str, settings: dict, dtype, device, seed: int):
+    """The base with the random adapter, attention and compile as ``settings`` say."""
+    from eogym_sft.models.loading import compile_language_layers, load_base_model
+
+    model = add_random_lora(load_base_model(model_dir, dtype, settings["attention"]).to(device), seed)
+    if settings["compiled"]:
+        compile_language_layers(model)
+    return model
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", default=None, help="EO-Gym JSONL or a prepared folder (default: a generated sample)")
     parser.add_argument("--data-root", default=".", help="data root of --data")
     parser.add_argument("--rows", type=int, default=100, help="rows of the generated sample")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per packed batch (new path)")
+    parser.add_argument("--paths", default="old,new,new-2arms", help=f"comma-separated, from {', '.join(PATHS)}; old first")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per packed batch (the new paths)")
     parser.add_argument("--old-batch-size", type=int, default=4, help="samples per padded batch (old path)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
@@ -85,12 +127,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
     parser.add_argument("--json", default="validate_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
+    paths = args.paths.split(",")
+    if paths[0] != "old" or any(p not in PATHS for p in paths):
+        parser.error(f"--paths: old first, then any of {', '.join(PATHS[1:])}; got {args.paths}")
 
     from eogym_sft.config import SampleConfig
     from eogym_sft.data.datasets import load_or_prepare
     from eogym_sft.data.prepare import PrepConfig
-    from eogym_sft.evaluation.validate import default_attention
-    from eogym_sft.models.loading import load_base_model, resolve_device
+    from eogym_sft.models.loading import resolve_device
     from eogym_sft.models.processor import load_processor
     from eogym_sft.training.collator import EOGymCollator
 
@@ -104,16 +148,21 @@ def main(argv: list[str] | None = None) -> dict:
         prep_s = time.perf_counter() - t0
         print(f"{len(dataset)} samples prepared in {prep_s:.1f}s", flush=True)
 
-        runs, scores = [], {}
-        paths = (("old", "sdpa", False, args.old_batch_size), ("new", default_attention(device), True, args.batch_size))
-        for name, attention, packed, batch_size in paths:
-            model = add_random_lora(load_base_model(args.model, dtype, attention).to(device), args.seed)
-            collator = EOGymCollator(processor, **sample.sample_kwargs(), data_root=str(root), padding_free=packed, pixel_dtype=dtype)
-            run, scores[name] = time_path(name, model, collator, dataset, batch_size, device)
+        runs, scores, models = [], {}, {}
+        for name in paths:
+            settings = path_settings(name, device, args.batch_size, args.old_batch_size)
+            kind = (settings["attention"], settings["compiled"])
+            if kind not in models:
+                models.clear()  # one model in memory at a time
+                models[kind] = load_model(args.model, settings, dtype, device, args.seed)
+            collator = EOGymCollator(
+                processor, **sample.sample_kwargs(), data_root=str(root), padding_free=settings["packed"], skip_bad_images=True, pixel_dtype=dtype,
+            )
+            run, scores[name] = time_path(name, settings, models[kind], collator, dataset, device)
             runs.append(run)
             print(json.dumps(run), flush=True)
-            del model
-        old, new = scores["old"]["overall"], scores["new"]["overall"]
+        compared = "new" if "new" in scores else paths[-1]
+        old, new = scores["old"]["lora"]["overall"], scores[compared]["lora"]["overall"]
         result = {
             "bench": "validate_throughput",
             "command": " ".join(["python", "bench/validate_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -125,8 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
             "prep_s": round(prep_s, 2),
             "machine": machine_info(device),
             "runs": runs,
-            "speedup": round(runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"], 3),
+            "speedup_vs_old": {r["path"]: round(r["tokens_per_s"] / runs[0]["tokens_per_s"], 3) for r in runs[1:]},
             "agreement": {
+                "compared": ["old", compared],
                 "loss_old": old["loss"], "loss_new": new["loss"], "abs_loss_diff": abs(old["loss"] - new["loss"]),
                 "accuracy_old": old["token_accuracy"], "accuracy_new": new["token_accuracy"],
                 "same_tokens": old["tokens"] == new["tokens"],
@@ -139,13 +189,18 @@ def format_table(result: dict) -> str:
     lines = [
         f"validate throughput: {result['samples']} samples (mean {result['mean_sample_tokens']} tokens), {result['dtype']} on "
         f"{result['machine']['device_name']}",
-        f"{'path':<5}{'attention':>20}{'packed':>8}{'batch':>6}{'tokens/s':>11}{'wall s':>9}{'peak GiB':>9}",
+        f"{'path':<11}{'attention':>20}{'packed':>7}{'batch':>6}{'workers':>8}{'compiled':>9}{'arms':>5}{'tokens/s':>11}{'vs old':>7}"
+        f"{'wall s':>9}{'warm-up s':>10}{'peak GiB':>9}",
     ]
     for r in result["runs"]:
         peak = "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']}"
-        lines.append(f"{r['path']:<5}{r['attention']:>20}{r['packed']!s:>8}{r['batch_size']:>6}{r['tokens_per_s']:>11}{r['wall_s']:>9}{peak:>9}")
+        ratio = result["speedup_vs_old"].get(r["path"], 1.0)
+        lines.append(
+            f"{r['path']:<11}{r['attention']:>20}{r['packed']!s:>7}{r['batch_size']:>6}{r['workers']:>8}{r['compiled']!s:>9}{len(r['arms']):>5}"
+            f"{r['tokens_per_s']:>11}{ratio:>7}{r['wall_s']:>9}{r['warmup_s']:>10}{peak:>9}"
+        )
     a = result["agreement"]
-    lines.append(f"new/old tokens/s {result['speedup']}x; loss {a['loss_old']:.6f} vs {a['loss_new']:.6f}, "
+    lines.append(f"loss old {a['loss_old']:.6f} vs {a['compared'][1]} {a['loss_new']:.6f}, "
                  f"token accuracy {a['accuracy_old']:.4f} vs {a['accuracy_new']:.4f}")
     return "\n".join(lines)
 
