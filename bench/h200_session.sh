@@ -23,8 +23,8 @@
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # the agent demo's loop (SFT -> GRPO -> rejection sampling -> held-out rollouts) larger, 1 GPU (limited to 540 s)
-#   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s, padded SDPA (old) against packed varlen (new); evaluate's
-#                                           # greedy turns by generate and by the slot decoder; 1 GPU
+#   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
+#                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -278,14 +278,14 @@ run_agent_demo('/tmp/agent_gpu', overwrite=True, cfg=AgentDemoConfig(device='cud
   grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
   ;;
 validate_1gpu)
-  # issue 26: validate's forward, the padded SDPA path it had against packed batches through eogym_varlen_cudnn,
-  # the same random rank-16 adapter, 100 generated rows.
-  # ~5-7 min with making the 4B model (estimate)
+  # issue 26: validate's forward on the same random rank-16 adapter, 80 generated rows (~96 samples of ~6.3k tokens):
+  # old = its former settings (padded SDPA batches of 4, collated in the main process, eager layers), new = its
+  # defaults (packed batches of 8 through eogym_varlen_cudnn, 8 DataLoader workers, compiled layers), new-2arms =
+  # new with the base arm too (each batch collated once). The target: new >= 3x old's tokens/s.
+  # ~5-6 min with making the 4B model (estimate: old ~90 s, new ~25 s + ~25 s compiling, new-2arms ~50 s)
   make_model
-  CUDA_VISIBLE_DEVICES=0 timeout $((470 - SECONDS)) python bench/validate_throughput.py --model $model --rows 100 --batch-size 8 \
-    --old-batch-size 4 --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -12 || echo "validate_throughput: exit $?"
-  # with the time left: evaluate's greedy turns, batched generate against the slot decoder (base arm)
-  CUDA_VISIBLE_DEVICES=0 timeout $((570 - SECONDS)) python bench/eval_throughput.py --model $model --rows 8 --batch-size 16 \
-    --max-new-tokens 64 --no-lora-arm --json $OUT/eval_slots_1gpu.json 2>&1 | grep -vE "Warning|warn" | tail -8 || echo "eval_throughput: exit $?"
+  CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/validate_throughput.py --model $model --rows 80 --batch-size 8 \
+    --old-batch-size 4 --paths old,new,new-2arms --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 \
+    | grep -vE "Warning|warn" | tail -14 || echo "validate_throughput: exit $?"
   ;;
 esac

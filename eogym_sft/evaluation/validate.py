@@ -109,37 +109,42 @@ class ScoringBatches(torch.utils.data.Dataset):
         return {
             "inputs": batch,
             "where": where,
-            "target_groups": _target_groups(where, spans, examples, classes),
+            "groups": _target_groups(where, spans, examples, classes),
             "tokens": int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel(),
             "skipped": skipped,
         }
 
 
-def _target_groups(where: torch.Tensor, spans, examples: list[dict], classes) -> list[tuple[str, ...]]:
+def _target_groups(where: torch.Tensor, spans, examples: list[dict], classes) -> tuple[list[str], torch.Tensor]:
     """The groups of each supervised target in ``where`` order: ``overall``, its sample's ``EO_task`` and
-    ``question_type``, and its token class (``spans`` from :func:`sample_spans`; ``classes`` per sample)."""
+    ``question_type``, and its token class (``spans`` from :func:`sample_spans`; ``classes`` per sample), as
+    ``(names, ids)``: ``ids[t]`` indexes ``names`` (a tensor pins and crosses processes at no per-target cost)."""
     keys = [[f"{f}/{ex.get(f) or 'unknown'}" for f in GROUP_FIELDS] for ex in examples]
     firsts, offsets, k = [], [], 0
     for row in spans:
         firsts.append([start for start, _ in row])
         offsets.append(k)
         k += len(row)
-    groups = []
+    names: dict[str, int] = {}
+    ids = []
     for row, pos in where.tolist():
         target = pos + 1  # a packed sample's first token is never a target (the collator masks it)
         j = bisect_right(firsts[row], target) - 1
         sample = offsets[row] + j
-        groups.append(("overall", *keys[sample], f"token_class/{classes[sample][target - firsts[row][j]]}"))
-    return groups
+        groups = ("overall", *keys[sample], f"token_class/{classes[sample][target - firsts[row][j]]}")
+        ids.append([names.setdefault(g, len(names)) for g in groups])
+    return list(names), torch.tensor(ids, dtype=torch.long).reshape(-1, 2 + len(GROUP_FIELDS))
 
 
-def _accumulate(totals, target_groups, loss: torch.Tensor, correct: torch.Tensor) -> None:
-    """Add each scored target to its groups, in target order (Python floats: the same sums on every path)."""
-    for groups, l, c in zip(target_groups, loss.tolist(), correct.tolist()):
+def _accumulate(totals, names: list[str], ids: torch.Tensor, loss: torch.Tensor, correct: torch.Tensor) -> None:
+    """Add each scored target to its groups (:func:`_target_groups`), in target order (Python floats: the
+    same sums on every path)."""
+    for groups, l, c in zip(ids.tolist(), loss.tolist(), correct.tolist()):
         for g in groups:
-            totals[g][0] += l
-            totals[g][1] += c
-            totals[g][2] += 1
+            total = totals[names[g]]
+            total[0] += l
+            total[1] += c
+            total[2] += 1
 
 
 def _merge_ranks(totals: dict) -> dict:
@@ -230,7 +235,7 @@ def _score(model, arms, collator, dataset, batch_size, device, progress, skipped
         for name, activate in arms:
             with activate():
                 loss, correct, _ = supervised_scores(model, inputs, item["where"])
-            _accumulate(totals[name], item["target_groups"], loss.cpu(), correct.cpu())
+            _accumulate(totals[name], *item["groups"], loss.cpu(), correct.cpu())
     if stats is not None:
         seconds = time.perf_counter() - start
         stats.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds if seconds else None)
