@@ -147,6 +147,11 @@ def _accumulate(totals, names: list[str], ids: torch.Tensor, loss: torch.Tensor,
             total[2] += 1
 
 
+def _add_up(scored: list) -> None:
+    for totals, names, ids, loss, correct in scored:
+        _accumulate(totals, names, ids, loss.cpu(), correct.cpu())
+
+
 def _merge_ranks(totals: dict) -> dict:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return totals
@@ -224,7 +229,7 @@ def _score(model, arms, collator, dataset, batch_size, device, progress, skipped
     device = torch.device(device)
     scoring = ScoringBatches(collator, dataset, list(range(rank, len(dataset), world)), batch_size)
     totals = {name: defaultdict(lambda: [0.0, 0, 0]) for name, _ in arms}
-    start, tokens = time.perf_counter(), 0
+    start, tokens, pending = time.perf_counter(), 0, []
     for item in tqdm(_batches(scoring, workers, device), total=len(scoring), desc=label, disable=not progress):
         if skipped is not None:
             skipped.extend(item["skipped"])
@@ -232,10 +237,15 @@ def _score(model, arms, collator, dataset, batch_size, device, progress, skipped
             continue
         tokens += item["tokens"] * len(arms)
         inputs = {k: v.to(device, non_blocking=True) for k, v in item["inputs"].items()}
+        scored = []
         for name, activate in arms:
             with activate():
-                loss, correct, _ = supervised_scores(model, inputs, item["where"])
-            _accumulate(totals[name], *item["groups"], loss.cpu(), correct.cpu())
+                scored.append((totals[name], *item["groups"], *supervised_scores(model, inputs, item["where"])[:2]))
+        # The previous batch's scores are read back and added up while this batch's last forward runs: the
+        # model syncs with the host at the start of a forward (image grids, sample boundaries), so they are done.
+        _add_up(pending)
+        pending = scored
+    _add_up(pending)
     if stats is not None:
         seconds = time.perf_counter() - start
         stats.update(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds if seconds else None)
