@@ -10,7 +10,7 @@ import torch
 from helpers import chat_example, lean_towards_im_end, sharpen
 from PIL import Image
 
-from eogym_sft.evaluation.validate import sample_spans, score_dataset
+from eogym_sft.evaluation.validate import dataloader_workers, sample_spans, score_dataset
 from eogym_sft.training.collator import EOGymCollator
 
 PIXELS = {"min_pixels": 1024, "max_pixels": 4096}
@@ -87,14 +87,15 @@ def test_validate_arms_by_flags_on_either_path(arms_dir, data_root, row_factory,
     fast = json.loads((tmp_path / "fast.json").read_text())
     assert list(fast["models"]) == ["base", "one"] and fast["adapters"] == {"one": str(arms_dir / "lora")}
     assert fast["attn_implementation"] == "eogym_varlen" and fast["samples"] == 3
+    assert (fast["compiled_layers"], fast["dataloader_workers"]) == (False, dataloader_workers(8))  # CPU's defaults
     base, one = fast["models"]["base"]["overall"], fast["models"]["one"]["overall"]
     assert base["tokens"] == one["tokens"] > 0 and base["loss"] != one["loss"]  # the adapter is switched in
     # every token of both arms' forwards, context included (more than the supervised ones)
     assert fast["timing"]["tokens"] > 2 * one["tokens"] and fast["timing"]["tokens_per_s"] > 0
     main(["validate", *common, "--adapter", f"one={arms_dir / 'lora'}", "--no-base", "--attn-implementation", "sdpa",
-          "--output", str(tmp_path / "padded.json")])
+          "--dataloader-workers", "0", "--no-compile-layers", "--output", str(tmp_path / "padded.json")])
     padded = json.loads((tmp_path / "padded.json").read_text())
-    assert list(padded["models"]) == ["one"]
+    assert list(padded["models"]) == ["one"] and (padded["compiled_layers"], padded["dataloader_workers"]) == (False, 0)
     for group, w in padded["models"]["one"].items():
         got = fast["models"]["one"][group]
         assert (got["tokens"], got["token_accuracy"]) == (w["tokens"], w["token_accuracy"]), group
@@ -102,6 +103,17 @@ def test_validate_arms_by_flags_on_either_path(arms_dir, data_root, row_factory,
     assert "token accuracy (one)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing to score"):
         main(["validate", *common, "--no-base", "--output", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit, match="dataloader_workers must be 0 or more"):
+        main(["validate", *common, "--dataloader-workers", "-1", "--output", str(tmp_path / "none.json")])
+
+
+def test_dataloader_workers_leave_a_cpu_to_the_model(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert [dataloader_workers(n) for n in (0, 2, 3, 8)] == [0, 2, 3, 3]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert dataloader_workers(8) == 0
 
 
 # ---- the fast path's levers: each gives exactly the numbers of the path without it ----------------------------
