@@ -56,7 +56,12 @@ PATHS = ("old", "new", "new-2arms", "new-eager", "new-inline")
 
 def path_settings(name: str, device, batch_size: int, old_batch_size: int) -> dict:
     """What path ``name`` runs (module docstring): attention, packing, batch size, workers, compile, arms."""
-    from eogym_sft.evaluation.validate import ValidateConfig, dataloader_workers, default_attention, default_compile
+    from eogym_sft.evaluation.validate import (
+        ValidateConfig,
+        dataloader_workers,
+        default_attention,
+        default_compile,
+    )
 
     if name == "old":
         return {"attention": "sdpa", "packed": False, "batch_size": old_batch_size, "workers": 0, "compiled": False, "arms": ("lora",)}

@@ -329,7 +329,12 @@ def validate(cfg: ValidateConfig) -> dict:
     from ..data.datasets import load_or_prepare, split_by_trace
     from ..data.prepare import PrepConfig
     from ..guards import refuse_nonempty_output
-    from ..models.loading import compile_language_layers, load_inference_model, parse_arms, resolve_device
+    from ..models.loading import (
+        compile_language_layers,
+        load_inference_model,
+        parse_arms,
+        resolve_device,
+    )
     from ..models.processor import load_processor
     from ..training.collator import EOGymCollator
 
