@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         sample = SampleConfig()
         processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)
         t0 = time.perf_counter()
-        dataset, _ = load_or_prepare(str(data), args.model, processor, PrepConfig(**sample.sample_kwargs(), data_root=str(root)), workdir / "prepared")
+        dataset, _ = load_or_prepare(str(data), args.model, processor, PrepConfig(max_length=sample.max_length, data_root=str(root)), workdir / "prepared")
         prep_s = time.perf_counter() - t0
         print(f"{len(dataset)} samples prepared in {prep_s:.1f}s", flush=True)
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         paths = (("old", "sdpa", False, args.old_batch_size), ("new", default_attention(device), True, args.batch_size))
         for name, attention, packed, batch_size in paths:
             model = add_random_lora(load_base_model(args.model, dtype, attention).to(device), args.seed)
-            collator = EOGymCollator(processor, **sample.sample_kwargs(), data_root=str(root), padding_free=packed, pixel_dtype=dtype)
+            collator = EOGymCollator(processor, max_length=sample.max_length, data_root=str(root), padding_free=packed, pixel_dtype=dtype)
             run, scores[name] = time_path(name, model, collator, dataset, batch_size, device)
             runs.append(run)
             print(json.dumps(run), flush=True)

@@ -43,7 +43,7 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     base, cfg, model_dir = train_throughput.build_base(tiny_config, tmp_path)
     data = write_rows(tmp_path / "data")
     processor = load_processor(str(model_dir), MAX_PIXELS, MIN_PIXELS)
-    prep = PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    prep = PrepConfig(data_root=str(data.parent))
     dataset, _ = load_or_prepare(str(data), str(model_dir), processor, prep, tmp_path / "prepared", 1)
     started = time.perf_counter()
     result = train_throughput.run_arm("B-nocompile", base, dataset, data.parent, processor, cfg, tmp_path, steps=1, warmup=1,
