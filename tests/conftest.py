@@ -48,6 +48,14 @@ def pytest_configure(config):
     torch.set_num_threads(int(threads))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files that hold a ``slow`` test run first: with one file a pytest-xdist worker, the long runs then overlap
+    the many short files instead of leaving one worker alone with them at the end. Stable: the order within
+    each group stays."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 @pytest.fixture(scope="session")
 def processor():
     """The real offline Qwen3-VL processor (Qwen3 tokenizer files, trl's Qwen3-VL template)."""

@@ -31,6 +31,7 @@ def tiny_config(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, tmp_path):
     """One arm of train_throughput.py (its main() only adds the generated 4000-px sample, slow to decode on CPU)."""
     import train_throughput
@@ -101,6 +102,7 @@ def recipe_halves(tiny_model_dir, tmp_path_factory):
     return {"first": first, "second": second, "checkpoints_after_first": checkpoints, "dir": tmp_path}
 
 
+@pytest.mark.slow
 def test_recipe_bench_times_the_recipe_itself(recipe_halves):
     report = recipe_halves["first"]
     recipe = report["recipe"]
@@ -112,6 +114,7 @@ def test_recipe_bench_times_the_recipe_itself(recipe_halves):
     assert json.loads((recipe_halves["dir"] / "first.json").read_text())["side_by_side"] is None
 
 
+@pytest.mark.slow
 def test_recipe_bench_times_a_run_in_resumed_halves(recipe_halves):
     first, second = recipe_halves["first"]["recipe"], recipe_halves["second"]["recipe"]
     assert first["eval_s"] == [] and recipe_halves["checkpoints_after_first"] == ["checkpoint-2"]
