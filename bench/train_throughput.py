@@ -137,7 +137,7 @@ def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = Im
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
     min_pixels = min(ImageConfig.min_pixels, max_pixels)  # a CPU smoke run's cap may be under the floor
     processor = load_processor(str(model_dir), max_pixels, min_pixels)
-    prep = PrepConfig(data_root=str(root), max_pixels=max_pixels, min_pixels=min_pixels)
+    prep = PrepConfig(data_root=str(root))
     dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, prep, workdir / "prepared", os.cpu_count())
     return dataset, stats, root, processor
 
@@ -253,9 +253,8 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         train_sampling_strategy="batch_rebalance" if s["rebalance"] else "random", length_column_name="n_tokens",
         logging_nan_inf_filter=s["nan_filter"], **common,
     )
-    pixels = processor.image_processor.size  # the cap data prep used (load_processor wrote it here)
     collator = EOGymCollator(
-        processor, data_root=str(root), padding_free=s["pack"], max_pixels=pixels["longest_edge"], min_pixels=pixels["shortest_edge"],
+        processor, data_root=str(root), padding_free=s["pack"],
         pixel_dtype=base.dtype if s["model_dtype_pixels"] else None,
     )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         sample = SampleConfig()
         processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)
         t0 = time.perf_counter()
-        dataset, _ = load_or_prepare(str(data), args.model, processor, PrepConfig(**sample.sample_kwargs(), data_root=str(root)), workdir / "prepared")
+        dataset, _ = load_or_prepare(str(data), args.model, processor, PrepConfig(max_length=sample.max_length, data_root=str(root)), workdir / "prepared")
         prep_s = time.perf_counter() - t0
         print(f"{len(dataset)} samples prepared in {prep_s:.1f}s", flush=True)
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 models.clear()  # one model in memory at a time
                 models[kind] = load_model(args.model, settings, dtype, device, args.seed)
             collator = EOGymCollator(
-                processor, **sample.sample_kwargs(), data_root=str(root), padding_free=settings["packed"], skip_bad_images=True, pixel_dtype=dtype,
+                processor, max_length=sample.max_length, data_root=str(root), padding_free=settings["packed"], skip_bad_images=True, pixel_dtype=dtype,
             )
             run, scores[name] = time_path(name, settings, models[kind], collator, dataset, device)
             runs.append(run)

@@ -56,11 +56,12 @@ def run_prepare(args: argparse.Namespace) -> dict:
     from .data.prepare import PrepConfig
     from .models.processor import load_processor
 
+    sample = SampleConfig(**sample_settings(args))
     cfg = PrepConfig(
-        **sample_settings(args), data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images, strict=args.strict,
-        max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
+        max_length=sample.max_length, data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images,
+        strict=args.strict, max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
     )
-    processor = load_processor(args.model, cfg.max_pixels, cfg.min_pixels)
+    processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)
     stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
     return stats

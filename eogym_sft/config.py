@@ -1,9 +1,10 @@
 """Settings that several commands share, each with one home.
 
 :class:`SampleConfig` is how big a training sample may be: the pixel cap and floor of every image
-(:class:`ImageConfig`) and the token budget of a sample. Data prep, training and ``validate`` read it from
-here; the processor that :func:`eogym_sft.models.processor.load_processor` builds from it carries the pixel
-cap to the collator. ``evaluate`` and ``rollout`` take :class:`ImageConfig` and budgets of their own
+(:class:`ImageConfig`) and the token budget of a sample (:class:`TokenBudget`). The flags of data prep,
+training and ``validate`` read it from here; from then on the processor that
+:func:`eogym_sft.models.processor.load_processor` builds from it is the one carrier of the pixel cap (data
+prep, the collator and the saved adapter read it there). ``evaluate`` and ``rollout`` take :class:`ImageConfig` and budgets of their own
 (``max_prompt_tokens``, ``max_episode_tokens``).
 The recipe's own arguments are :class:`EOGymScriptArguments`; the rest are TRL's ``SFTConfig`` (whose
 ``max_length`` is the token budget and ``padding_free`` the packing switch, the collator's names)
@@ -12,7 +13,7 @@ and ``ModelConfig``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -28,22 +29,25 @@ class ImageConfig:
 
 
 @dataclass
-class SampleConfig(ImageConfig):
-    """Images as in :class:`ImageConfig`, and the token budget of one sample, image tokens included."""
+class TokenBudget:
+    """The token budget of one sample, image tokens included (data prep splits longer traces)."""
 
     max_length: int = field(
         default=8192, metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)"}
     )
 
     def __post_init__(self):
-        super().__post_init__()
         if self.max_length < 1:
             raise ValueError(f"max_length must be at least 1, got {self.max_length}")
 
-    def sample_kwargs(self) -> dict:
-        """Just these settings as keywords, also on a subclass: ``PrepConfig(**cfg.sample_kwargs(), ...)``,
-        ``EOGymCollator(processor, **cfg.sample_kwargs(), ...)``."""
-        return {f.name: getattr(self, f.name) for f in fields(SampleConfig)}
+
+@dataclass
+class SampleConfig(TokenBudget, ImageConfig):
+    """Images as in :class:`ImageConfig`, and the token budget of :class:`TokenBudget`."""
+
+    def __post_init__(self):
+        ImageConfig.__post_init__(self)
+        TokenBudget.__post_init__(self)
 
 
 @dataclass

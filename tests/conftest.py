@@ -4,6 +4,7 @@ builders for EO-Gym rows and images. Everything is offline."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,27 @@ INDEX_TOOL = {
         "parameters": {"type": "object", "properties": {"dataset": {"type": "string"}, "index": {"type": "string"}}},
     },
 }
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, share the cores out between the workers: torch's default of one thread a core in
+    every worker (and in the subprocesses tests start) would oversubscribe the machine."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    import torch
+
+    threads = str(max(1, (os.cpu_count() or 1) // int(workers)))
+    os.environ["OMP_NUM_THREADS"] = threads  # for subprocesses
+    torch.set_num_threads(int(threads))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files that hold a ``slow`` test run first: with one file a pytest-xdist worker, the long runs then overlap
+    the many short files instead of leaving one worker alone with them at the end. Stable: the order within
+    each group stays."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")

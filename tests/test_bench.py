@@ -31,6 +31,7 @@ def tiny_config(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, tmp_path):
     """One arm of train_throughput.py (its main() only adds the generated 4000-px sample, slow to decode on CPU)."""
     import train_throughput
@@ -43,7 +44,7 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     base, cfg, model_dir = train_throughput.build_base(tiny_config, tmp_path)
     data = write_rows(tmp_path / "data")
     processor = load_processor(str(model_dir), MAX_PIXELS, MIN_PIXELS)
-    prep = PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    prep = PrepConfig(data_root=str(data.parent))
     dataset, _ = load_or_prepare(str(data), str(model_dir), processor, prep, tmp_path / "prepared", 1)
     started = time.perf_counter()
     result = train_throughput.run_arm("B-nocompile", base, dataset, data.parent, processor, cfg, tmp_path, steps=1, warmup=1,
@@ -82,44 +83,46 @@ def test_micro_batches_are_counted_where_they_are_collated():
     assert counted.lengths == [[(3, 1.5), (2, 1.5)], [(3, 1.5), (2, 1.5)]]
 
 
-def test_recipe_bench_times_the_recipe_itself(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def recipe_halves(tiny_model_dir, tmp_path_factory):
+    """``bench/recipe_throughput.py`` on a run longer than one GPU call: the first half starts the run and stops
+    with a checkpoint after step 2 of 4, the second resumes there (same --total-steps, so the same run to the
+    resume check) and times the rest. Both tests below read these two reports."""
     import recipe_throughput
     from test_recipe import recipe_args, write_rows
 
-    data = write_rows(tmp_path / "data")
-    cpu = recipe_args(tiny_model_dir, data, tmp_path / "unused", tmp_path / "prepared", steps=0)
-    out = tmp_path / "recipe.json"
-    argv = ["--model", str(tiny_model_dir), "--dataset", str(data), "--data-root", str(data.parent), "--warmup", "1",
-            "--steps", "2", "--output-dir", str(tmp_path / "run"), "--json", str(out), "--", *cpu]
-    report = recipe_throughput.main(argv)
-    recipe = report["recipe"]
-    assert recipe["timed_steps"] == 2 and len(recipe["step_s"]) == 3 and len(recipe["optimizer_s"]) == 3
-    assert len(recipe["real_tokens_per_step"]) == 3 and all(n > 0 for n in recipe["real_tokens_per_step"])
-    assert recipe["real_tokens_per_s"] == pytest.approx(sum(recipe["real_tokens_per_step"][1:]) / recipe["timed_wall_s"])
-    assert len(recipe["eval_s"]) == 1  # one evaluation, after the last step
-    assert recipe["setup_s"] > 0 and recipe["time_to_first_step_from_start_s"] > recipe["time_to_first_step_s"]
-    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
-    assert recipe["pixel_dtype"] == "torch.float32"  # the model's dtype on CPU (--dtype float32), handed to the collator
-    assert json.loads(out.read_text())["side_by_side"] is None
-
-
-def test_recipe_bench_times_a_run_in_resumed_halves(tiny_model_dir, tmp_path):
-    """A run longer than one GPU call: the first half stops with a checkpoint after step 2 of 4, the second
-    resumes there (same --total-steps, so the same run to the resume check) and times the rest."""
-    import recipe_throughput
-    from test_recipe import recipe_args, write_rows
-
+    tmp_path = tmp_path_factory.mktemp("recipe_bench")
     data = write_rows(tmp_path / "data")
     cpu = recipe_args(tiny_model_dir, data, tmp_path / "unused", tmp_path / "prepared", steps=0)
     common = ["--model", str(tiny_model_dir), "--dataset", str(data), "--data-root", str(data.parent), "--warmup", "1",
               "--steps", "1", "--total-steps", "4", "--output-dir", str(tmp_path / "run")]
-    first = recipe_throughput.main([*common, "--stop-after", "2", "--", *cpu])["recipe"]
-    assert len(first["step_s"]) == 2 and first["timed_steps"] == 1 and first["eval_s"] == []
-    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
-    second = recipe_throughput.main([*common, "--", *cpu, "--resume_from_checkpoint", "last"])["recipe"]
-    assert len(second["step_s"]) == 2 and second["timed_steps"] == 1 and len(second["eval_s"]) == 1
-    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
-    assert state["global_step"] == 4
+    first = recipe_throughput.main([*common, "--stop-after", "2", "--json", str(tmp_path / "first.json"), "--", *cpu])
+    checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    second = recipe_throughput.main([*common, "--", *cpu, "--resume_from_checkpoint", "last"])
+    return {"first": first, "second": second, "checkpoints_after_first": checkpoints, "dir": tmp_path}
+
+
+@pytest.mark.slow
+def test_recipe_bench_times_the_recipe_itself(recipe_halves):
+    report = recipe_halves["first"]
+    recipe = report["recipe"]
+    assert recipe["timed_steps"] == 1 and len(recipe["step_s"]) == 2 and len(recipe["optimizer_s"]) == 2
+    assert len(recipe["real_tokens_per_step"]) == 2 and all(n > 0 for n in recipe["real_tokens_per_step"])
+    assert recipe["real_tokens_per_s"] == pytest.approx(sum(recipe["real_tokens_per_step"][1:]) / recipe["timed_wall_s"])
+    assert recipe["setup_s"] > 0 and recipe["time_to_first_step_from_start_s"] > recipe["time_to_first_step_s"]
+    assert recipe["pixel_dtype"] == "torch.float32"  # the model's dtype on CPU (--dtype float32), handed to the collator
+    assert json.loads((recipe_halves["dir"] / "first.json").read_text())["side_by_side"] is None
+
+
+@pytest.mark.slow
+def test_recipe_bench_times_a_run_in_resumed_halves(recipe_halves):
+    first, second = recipe_halves["first"]["recipe"], recipe_halves["second"]["recipe"]
+    assert first["eval_s"] == [] and recipe_halves["checkpoints_after_first"] == ["checkpoint-2"]
+    assert len(second["step_s"]) == 2 and second["timed_steps"] == 1
+    assert len(second["eval_s"]) == 1  # one evaluation, after the last step
+    run = recipe_halves["dir"] / "run"
+    assert (run / "adapter_model.safetensors").is_file()
+    assert json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
 
 
 def test_side_by_side_puts_arm_b_beside_the_recipe(tmp_path):

@@ -55,6 +55,7 @@ def test_demo_refuses_a_used_output_folder(tmp_path):
         run_demo(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_demo_learns_what_it_holds_out(tmp_path):
     """The demo's model and recipe settings beat the base on traces never trained on (the full demo, with
     smaller images and fewer steps so that it runs in about half a minute)."""
@@ -133,6 +134,7 @@ def test_agent_report_and_table(tmp_path):
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
 
 
+@pytest.mark.slow
 def test_the_agent_loop_runs_end_to_end_and_reports_every_stage(tmp_path):
     """The whole loop wired up on the 16-wide tiny model, a few questions, a step or two each: the held-out
     rollouts cover base, sft and grpo, GRPO's reward curve has one value per step, and a rejection-sampling

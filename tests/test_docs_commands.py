@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +32,7 @@ def as_argv(line: str) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
+@pytest.mark.slow
 def test_the_cpu_quickstart_in_training_md_runs_first_time(tmp_path):
     """docs/training.md's first command, in a fresh folder that sees the checkout's recipes/ and sample (as
     its root does): it trains, evaluates and saves, and prints no warning of ours."""

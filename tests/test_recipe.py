@@ -401,6 +401,7 @@ def test_samples_per_step_is_resolved_from_the_world_size(first_run):
     assert info["config"]["training"]["gradient_accumulation_steps"] == 1 and info["config"]["script"]["samples_per_step"] == 2
 
 
+@pytest.mark.slow
 def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """A real training process killed with SIGKILL once checkpoint-2 is complete, then resumed with
     ``last``, ends bit-identical to a run that was never interrupted. One training image is cut short
@@ -417,7 +418,7 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny
     data = write_rows(tmp_path / "data")
     prepared = tmp_path / "prepared"
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    prep = PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    prep = PrepConfig(data_root=str(data.parent))
     load_or_prepare(str(data), str(tiny_model_dir), processor, prep, prepared)
     broken = data.parent / "EO_GYM_DATA/s0/scene.png"  # train_0000000_tiny's scene
     broken.write_bytes(broken.read_bytes()[:100])
@@ -540,7 +541,7 @@ def test_skipped_samples_are_counted_and_listed_exactly_and_an_overwrite_starts_
     data = write_rows(tmp_path / "data")
     prepared = tmp_path / "prepared"
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    load_or_prepare(str(data), str(tiny_model_dir), processor, PrepConfig(data_root=str(data.parent), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS), prepared)
+    load_or_prepare(str(data), str(tiny_model_dir), processor, PrepConfig(data_root=str(data.parent)), prepared)
     broken = [data.parent / f"EO_GYM_DATA/s{i}/scene.png" for i in (0, 1)]  # two of the five train traces
     for path in broken:
         path.write_bytes(path.read_bytes()[:100])

@@ -38,6 +38,7 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (script.rollout_turn_tokens, script.rollout_keep_cache, script.rollout_cuda_graphs) == (1024, True, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["trl", "slots"])
 def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     root = tmp_path / "data"
@@ -71,6 +72,7 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     assert info["processor"]["size"] == {"longest_edge": 4096, "shortest_edge": 1024}
 
 
+@pytest.mark.slow
 def test_grpo_resumes_only_its_own_run_and_refuses_a_used_output_dir(tmp_path, tiny_model_dir):
     """The SFT recipe's resume rules hold for GRPO: a finished run is a no-op on `last`, another run's
     checkpoint is refused with what differs, and a new run does not write into a used output_dir."""

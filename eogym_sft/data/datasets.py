@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..models.processor import processor_fingerprint
-from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, check_drop_share, prepare_files, read_lines
+from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, check_drop_share, pixel_cap, prepare_files, read_lines
 from .prepared import format_summary, load_prepared, write_prepared
 from .traces import TraceError
 
@@ -40,7 +40,11 @@ def load_or_prepare(
 
 def prep_settings(files: list[str], model: str, processor, cfg: PrepConfig) -> dict:
     """What a prepared folder was made from, recorded in its ``stats.json`` (a folder is reused only when they match)."""
-    settings = dict(vars(cfg), model=model, inputs=[str(p) for p in files], processor_fingerprint=processor_fingerprint(processor))
+    min_pixels, max_pixels = pixel_cap(processor)
+    settings = dict(
+        vars(cfg), max_pixels=max_pixels, min_pixels=min_pixels, model=model, inputs=[str(p) for p in files],
+        processor_fingerprint=processor_fingerprint(processor),
+    )
     settings["input_hashes"] = {str(p): file_sha256(p) for p in files}
     return settings
 
@@ -49,7 +53,7 @@ def prepare_dataset(
     files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1, allow_flag: str = "--allow-drops"
 ) -> dict:
     """Prepare EO-Gym JSONL ``files`` into ``output`` (``dataset/``, ``manifest.jsonl``, ``stats.json``) with
-    ``processor``, loaded from ``model`` with ``cfg``'s pixel settings; print the summary and return the stats."""
+    ``processor`` (loaded from ``model``; it carries the pixel cap); print the summary and return the stats."""
     results = prepare_files(files, model, cfg, num_proc=num_proc, processor=processor)
     check_drop_share(results, cfg.max_drop_share, allow_flag)
     stats = write_prepared(output, results, prep_settings(files, model, processor, cfg))

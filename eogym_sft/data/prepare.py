@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
-from ..config import SampleConfig
+from ..config import TokenBudget
 from ..safe_json import UntrustedJSONError, loads
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, checked_image_size, resolve_image_path
@@ -31,8 +31,9 @@ DROP_SHARE = 0.5  # more than this share of rows dropped for one reason stops a 
 
 
 @dataclass
-class PrepConfig(SampleConfig):
-    """Settings of a data-prep run (the flags of ``eogym-sft prepare``): the sample settings, and the rest."""
+class PrepConfig(TokenBudget):
+    """Settings of a data-prep run (the flags of ``eogym-sft prepare``): the token budget, and the rest. The pixel
+    cap is not one of them: the processor carries it (:func:`pixel_cap`), so prep and training cannot disagree."""
 
     data_root: str = "."
     overlong: str = "split"
@@ -125,6 +126,13 @@ def image_factor(processor) -> int:
     return ip.patch_size * ip.merge_size
 
 
+def pixel_cap(processor) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)`` of ``processor``: its image processor's ``size``, where
+    :func:`eogym_sft.models.processor.load_processor` puts the cap."""
+    size = processor.image_processor.size
+    return size["shortest_edge"], size["longest_edge"]
+
+
 def resized_hw(width: int, height: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """``(height, width)`` after Qwen-VL's resize, by qwen-vl-utils' ``smart_resize`` (the reference).
 
@@ -167,12 +175,13 @@ def _check_row_size(row, max_messages: int) -> None:
         raise TraceError("too_many_messages", "messages", f"{len(messages)} messages, over the bound of {max_messages}")
 
 
-def _image_layout(trace: Trace, cfg: PrepConfig, factor: int) -> list[tuple[int, int]]:
+def _image_layout(processor, trace: Trace, data_root: str) -> list[tuple[int, int]]:
+    factor, (min_pixels, max_pixels) = image_factor(processor), pixel_cap(processor)
     out = []
     for k, rel in enumerate(trace.images):
         try:
-            width, height = checked_image_size(resolve_image_path(rel, cfg.data_root))
-            out.append(resized_hw(width, height, factor, cfg.min_pixels, cfg.max_pixels))
+            width, height = checked_image_size(resolve_image_path(rel, data_root))
+            out.append(resized_hw(width, height, factor, min_pixels, max_pixels))
         except ImageError as err:
             raise TraceError(err.reason, f"image {k} ({rel})", err.detail) from None
     return out
@@ -301,7 +310,7 @@ def prepare_line(processor, cfg: PrepConfig, file: str, line: int, raw: bytes) -
         row_id = str(row["id"]) if isinstance(row, dict) and isinstance(row.get("id"), (str, int)) else None
         _check_row_size(row, cfg.max_messages)
         trace = normalize_row(row, cfg.tool_images)
-        hws = _image_layout(trace, cfg, image_factor(processor))
+        hws = _image_layout(processor, trace, cfg.data_root)
         status, samples = trace_samples(processor, trace, hws, cfg)
     except TraceError as err:
         return _dropped(cfg, file, line, row_id, err)
@@ -335,15 +344,17 @@ def _prepare_chunk(processor, cfg: PrepConfig, chunk) -> list[LineResult]:
 
 
 @functools.lru_cache(maxsize=1)
-def _worker_processor(model: str, max_pixels: int, min_pixels: int):
-    """A worker process's processor: loaded by the pool's initializer, then reused for every chunk."""
+def _worker_processor(model: str, cap: tuple[int, int]):
+    """A worker process's processor, with the parent's pixel ``cap``: loaded by the pool's initializer, then
+    reused for every chunk."""
     from ..models.processor import load_processor
 
+    min_pixels, max_pixels = cap
     return load_processor(model, max_pixels, min_pixels)
 
 
-def _prepare_chunk_in_worker(model: str, cfg: PrepConfig, chunk) -> list[LineResult]:
-    return _prepare_chunk(_worker_processor(model, cfg.max_pixels, cfg.min_pixels), cfg, chunk)
+def _prepare_chunk_in_worker(model: str, cap: tuple[int, int], cfg: PrepConfig, chunk) -> list[LineResult]:
+    return _prepare_chunk(_worker_processor(model, cap), cfg, chunk)
 
 
 def _chunks(files: list[str], size: int):
@@ -367,25 +378,25 @@ def prepare_files(
 ) -> list[LineResult]:
     """Run :func:`prepare_line` over every line of ``files``, in order, on ``num_proc`` processes.
 
-    Worker processes load ``model``'s processor themselves; in-process (``num_proc=1``) a ``processor``
-    already loaded with ``cfg``'s pixel cap is used as given.
+    ``processor`` (by default ``model``'s, at the default pixel cap) carries the pixel cap; in-process
+    (``num_proc=1``) it is used as given, and worker processes load ``model``'s processor with its cap.
     """
     from tqdm.auto import tqdm
 
+    if processor is None:
+        from ..models.processor import load_processor
+
+        processor = load_processor(model)
     bar = tqdm(total=_count_lines(files), unit="row", desc="prepare", disable=not progress)
     results: list[LineResult] = []
     if num_proc <= 1:
-        if processor is None:
-            from ..models.processor import load_processor
-
-            processor = load_processor(model, cfg.max_pixels, cfg.min_pixels)
         chunk_results = map(functools.partial(_prepare_chunk, processor, cfg), _chunks(files, 16))
     else:
         import multiprocessing as mp
 
-        initargs = (model, cfg.max_pixels, cfg.min_pixels)
-        pool = mp.get_context("spawn").Pool(num_proc, initializer=_worker_processor, initargs=initargs)
-        chunk_results = pool.imap(functools.partial(_prepare_chunk_in_worker, model, cfg), _chunks(files, 16))
+        cap = pixel_cap(processor)
+        pool = mp.get_context("spawn").Pool(num_proc, initializer=_worker_processor, initargs=(model, cap))
+        chunk_results = pool.imap(functools.partial(_prepare_chunk_in_worker, model, cap, cfg), _chunks(files, 16))
     try:
         for chunk in chunk_results:
             results.extend(chunk)

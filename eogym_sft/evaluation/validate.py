@@ -344,12 +344,12 @@ def validate(cfg: ValidateConfig) -> dict:
     attention = cfg.attn_implementation or default_attention(device)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     workdir = Path(cfg.output).with_suffix("").as_posix() + "_prepared"
-    dataset, _ = load_or_prepare(cfg.data, cfg.model, processor, PrepConfig(**cfg.sample_kwargs(), data_root=cfg.data_root), workdir, cfg.num_proc)
+    dataset, _ = load_or_prepare(cfg.data, cfg.model, processor, PrepConfig(max_length=cfg.max_length, data_root=cfg.data_root), workdir, cfg.num_proc)
     if cfg.held_out_fraction:
         dataset = split_by_trace(dataset, cfg.held_out_fraction, cfg.seed)[1]
     model = load_inference_model(cfg.model, arms, device, dtype, attn_implementation=attention)
     collator = EOGymCollator(
-        processor, **cfg.sample_kwargs(), data_root=cfg.data_root, padding_free=attention != "sdpa", skip_bad_images=True, pixel_dtype=dtype,
+        processor, max_length=cfg.max_length, data_root=cfg.data_root, padding_free=attention != "sdpa", skip_bad_images=True, pixel_dtype=dtype,
     )
     compiled = default_compile(device) if cfg.compile_layers is None else cfg.compile_layers
     if compiled:

@@ -58,7 +58,7 @@ def drop_share(script_args: EOGymScriptArguments) -> float:
 def prep_config(script_args: EOGymScriptArguments, sample) -> PrepConfig:
     """Data prep's settings for this run: the sample budget ``sample`` and the recipe's data settings."""
     return PrepConfig(
-        **sample.sample_kwargs(), data_root=script_args.data_root, overlong=script_args.overlong,
+        max_length=sample.max_length, data_root=script_args.data_root, overlong=script_args.overlong,
         tool_images=script_args.tool_images, max_drop_share=drop_share(script_args),
     )
 

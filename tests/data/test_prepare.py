@@ -116,8 +116,21 @@ def test_config_is_validated():
         PrepConfig(overlong="truncate")
     with pytest.raises(ValueError):
         PrepConfig(tool_images="inline")
-    with pytest.raises(ValueError):
-        PrepConfig(min_pixels=2_000_000)
+    with pytest.raises(ValueError, match="max_length must be at least 1, got 0"):
+        PrepConfig(max_length=0)
+    with pytest.raises(TypeError):  # the processor carries the pixel cap, never the prep settings
+        PrepConfig(max_pixels=4096)
+
+
+def test_prep_takes_the_pixel_cap_from_the_processor(processor, tiny_model_dir, data_root, row_factory):
+    from eogym_sft.data.prepare import _worker_processor, pixel_cap
+
+    capped = _worker_processor(str(tiny_model_dir), (1024, 4096))  # what a prep worker loads for a parent at this cap
+    assert pixel_cap(capped) == (1024, 4096) and pixel_cap(processor) == (MIN_PIXELS, MAX_PIXELS)
+    row = row_factory(n_steps=0)  # one 640x480 scene
+    default, small = _prep(processor, row, data_root).samples[0], _prep(capped, row, data_root).samples[0]
+    assert (default["image_hw"], default["n_image_tokens"]) == ([[480, 640]], 300)
+    assert (small["image_hw"], small["n_image_tokens"]) == ([[32, 64]], 2)
 
 
 # ---- one line ------------------------------------------------------------------------------------

@@ -201,7 +201,8 @@ def _loss_and_grads(model, batch):
 @pytest.fixture(scope="module")
 def compiled_run(processor):
     """One compiled model (compiling is most of these tests' time) and its eager twin: the loss and gradients
-    of both on a packed batch, then the compiled model's cache entries after micro-batches of other lengths."""
+    of both on a packed batch, the compiled model's cache entries after micro-batches of other lengths, then
+    after rounds of a training step and an evaluation (no grad, eval mode) on other lengths again."""
     from helpers import chat_example
     from PIL import Image
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -231,6 +232,15 @@ def compiled_run(processor):
         run["entries"].append(entries())
     run["graph_breaks"], run["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     run["attempts"] = [name for name in compile_times(repr="csv", aggregate=True)[0] if name.startswith("compile_attempt_")]
+    run["entries_with_evaluation"] = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for n in (2, 4, 6):
+            compiled.train()
+            compiled(**collator([chat_example("Ships?" * n, "Final Answer: 2", [Image.new("RGB", (32 * n, 64))])]), use_cache=False).loss.backward()
+            compiled.eval()
+            with torch.no_grad():
+                compiled(**collator([chat_example("Ships?" * (n + 1), "Final Answer: 2", [Image.new("RGB", (32 * n + 32, 64))])]), use_cache=False)
+            run["entries_with_evaluation"].append(entries())
     yield run
     torch._dynamo.reset()
 
@@ -322,38 +332,11 @@ def test_vision_tower_runs_without_autograd(processor):
     assert outputs and not any(t.requires_grad for t in outputs)
 
 
-def test_compiled_layers_do_not_recompile_between_training_and_evaluation(processor):
+def test_compiled_layers_do_not_recompile_between_training_and_evaluation(compiled_run):
     """The recipe evaluates (no grad, eval mode) between training steps, on other lengths: evaluation
     adds one compiled entry the first time and none after, so rounds of training and evaluation never
     approach Dynamo's recompile limit (made an error here)."""
-    from helpers import chat_example
-    from PIL import Image
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from eogym_sft.models.loading import DECODER_LAYER_RE, compile_language_layers
-    from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
-
-    model = apply_lora(_varlen(build_tiny_model(seed=3)))
-    torch._dynamo.reset()
-    compile_language_layers(model, backend="aot_eager")
-    layer = next(m for n, m in model.named_modules() if DECODER_LAYER_RE.search(n))
-    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
-
-    def batch(n):
-        return collator([chat_example("Ships?" * n, "Final Answer: 2", [Image.new("RGB", (32 * n, 64))])])
-
-    entries = []
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        for n in (1, 3, 5):
-            model.train()
-            model(**batch(n), use_cache=False).loss.backward()
-            model.eval()
-            with torch.no_grad():
-                model(**batch(n + 1), use_cache=False)
-            entries.append(len(_debug_get_cache_entry_list(type(layer).forward.__code__)))
-    assert entries == [2, 2, 2]
-    torch._dynamo.reset()
+    assert compiled_run["entries_with_evaluation"] == [2, 2, 2]
 
 
 def test_apply_lora_warns_about_nothing_we_set():

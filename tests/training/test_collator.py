@@ -86,6 +86,14 @@ def three_examples() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def capped_processor():
+    """The offline processor carrying this module's pixel cap: data prep reads the cap from the processor."""
+    from eogym_sft.models.tiny import build_offline_processor
+
+    return build_offline_processor(MAX_PIXELS, MIN_PIXELS)
+
+
+@pytest.fixture(scope="module")
 def collator(processor):
     return EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
@@ -302,7 +310,7 @@ def _save(root: Path, rel: str, image: Image.Image) -> str:
     return rel
 
 
-def test_trl_shaped_examples_match_prepared_samples(processor, tmp_path):
+def test_trl_shaped_examples_match_prepared_samples(processor, capped_processor, tmp_path):
     from eogym_sft.data.prepare import PrepConfig, prepare_line
 
     scene = _save(tmp_path, "EO_GYM_DATA/s1/scene.png", _image(64, 64, 1))
@@ -329,8 +337,8 @@ def test_trl_shaped_examples_match_prepared_samples(processor, tmp_path):
             {"role": "assistant", "content": "I count the hulls.\nFinal Answer: 3"},
         ],
     }
-    cfg = PrepConfig(data_root=str(tmp_path), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
-    result = prepare_line(processor, cfg, "rows.jsonl", 1, json.dumps(row).encode())
+    cfg = PrepConfig(data_root=str(tmp_path))
+    result = prepare_line(capped_processor, cfg, "rows.jsonl", 1, json.dumps(row).encode())
     assert result.status == "kept", result
     (prepared,) = result.samples
     assert prepared["images"] == [scene, crop] and prepared["image_hw"] == [[64, 64], [64, 96]]
@@ -393,7 +401,7 @@ def test_over_max_length_is_an_error_that_points_to_data_prep(processor):
     assert exact([tool_use_example()])["input_ids"].shape[1] == length  # the limit itself is allowed
 
 
-def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, tmp_path):
+def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, capped_processor, tmp_path):
     from eogym_sft.data.prepare import PrepConfig, prepare_line
 
     scene = _save(tmp_path, "EO_GYM_DATA/s1/big.png", _image(128, 128, 4))
@@ -405,8 +413,8 @@ def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, tmp_p
             {"role": "assistant", "content": "Final Answer: 2"},
         ],
     }
-    cfg = PrepConfig(data_root=str(tmp_path), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
-    (sample,) = prepare_line(processor, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
+    cfg = PrepConfig(data_root=str(tmp_path))
+    (sample,) = prepare_line(capped_processor, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
     assert sample["image_hw"] == [[128, 128]]
     same = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     assert same([sample])["image_grid_thw"].tolist() == [[1, 8, 8]]
@@ -428,16 +436,16 @@ def _prepared_with_images(processor, root: Path) -> list[dict]:
     for i in range(3):
         scene = _save(root, f"EO_GYM_DATA/s{i}/scene.png", _image(64, 64, i))
         row = {"id": f"scene-{i}", "images": [scene], "messages": [{"role": "user", "content": "<image>Ships?"}, {"role": "assistant", "content": f"Final Answer: {i}"}]}
-        cfg = PrepConfig(data_root=str(root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+        cfg = PrepConfig(data_root=str(root))
         samples += prepare_line(processor, cfg, "rows.jsonl", i + 1, json.dumps(row).encode()).samples
     return samples
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor, tmp_path, padding_free):
+def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor, capped_processor, tmp_path, padding_free):
     from eogym_sft.data.images import ImageError
 
-    samples = _prepared_with_images(processor, tmp_path)
+    samples = _prepared_with_images(capped_processor, tmp_path)
     strict = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
     skipping = EOGymCollator(
         processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free, skip_bad_images=True
