@@ -35,6 +35,7 @@ from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.traces import TraceError, normalize_row
 from ..evaluation.episodes import LoopConfig, canonical_prompt, new_episode, picture_cache, run_episodes
 from ..models.generation import Sampling, SlotDecoder
+from .packed_logps import pack_rows, packed_logps_and_entropies
 from .rollout_config import kv_bytes_per_token, slots_for
 
 logger = logging.getLogger(__name__)
@@ -280,6 +281,46 @@ class SlotGRPOTrainer(GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
         finally:
             self._inputs = None
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None, **other,
+    ):
+        """TRL's per-token log-probabilities (same arguments, same ``(rows, logits_to_keep)`` result) on packed
+        episodes: each chunk of ``batch_size`` rows is one packed row (:mod:`eogym_sft.training.packed_logps`).
+        Overrides TRL's private method, pinned by ``tests/training/test_packed_logps.py``."""
+        given = sorted(k for k, v in other.items() if v is not None)
+        if given:
+            raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
+        image_processor = self.processing_class.image_processor
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux = [], [], []
+        first_image = 0
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            images = num_images[start:end] if num_images is not None else None
+            grid, pixels = None, None
+            if image_grid_thw is not None and pixel_values is not None:
+                grid = image_grid_thw[first_image:first_image + sum(images)]
+                rows_before = int(image_grid_thw[:first_image].prod(-1).sum())
+                pixels = pixel_values[rows_before:rows_before + int(grid.prod(-1).sum())]
+                first_image += sum(images)
+            packed = pack_rows(
+                input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                getattr(image_processor, "merge_size", 2), pixels, grid, images,
+                None if mm_token_type_ids is None else mm_token_type_ids[start:end],
+            )
+            lp, ent, aux_loss = packed_logps_and_entropies(
+                model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast
+            )
+            logps.append(lp)
+            entropies.append(ent)
+            aux.append(aux_loss)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
 
     def decoder(self, episodes: int) -> SlotDecoder:
         """The slot decoder for ``episodes`` episodes, kept from the last step when it still fits."""
