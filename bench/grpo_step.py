@@ -1,6 +1,7 @@
-"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop (``trl``) and the
-slot decoder (``slots``), on the same model, data and forced episodes; optionally the recipe as it is
-(``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
+"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop and padded loss
+forward (``trl``, the text tower on SDPA) and the slot decoder with the packed loss forward (``slots``, the
+text tower on the recipe's ``attn_implementation``), on the same model, data and forced episodes; optionally
+the recipe as it is (``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
 
 Commands (from the repository root)::
 
@@ -217,7 +218,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
     p.add_argument("--max-completion-length", type=int, default=6144)
     p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--rollout-max-length", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--max-episode-tokens", type=int, default=None, help="default: the recipe's")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
@@ -247,8 +248,8 @@ def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
         ]
     if args.max_pixels:
         argv += ["--max_pixels", str(args.max_pixels), "--min_pixels", str(min(args.max_pixels, 65536))]
-    if args.rollout_max_length:
-        argv += ["--rollout_max_length", str(args.rollout_max_length)]
+    if args.max_episode_tokens:
+        argv += ["--max_episode_tokens", str(args.max_episode_tokens)]
     return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
 
 
@@ -257,7 +258,11 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     from eogym_sft.models.processor import load_processor
     from eogym_sft.training.grpo import build_trainer, load_episodes
 
-    script, training, _ = arm_settings(args, arm, str(data), str(root), str(workdir / arm))
+    script, training, model_args = arm_settings(args, arm, str(data), str(root), str(workdir / arm))
+    # One model for every arm: TRL's padded generate needs SDPA; the slots engine's packed loss forward runs the
+    # recipe's variable-length attention.
+    attention = "sdpa" if arm == "trl" else model_args.attn_implementation
+    model.get_base_model().set_attn_implementation({"text_config": attention})
     with torch.no_grad():  # every arm starts from the same adapter
         for name, param in model.named_parameters():
             if name in lora_start:
@@ -291,6 +296,7 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         "generated_tokens_per_episode": _mean([h["completions/mean_length"] for h in logs]),
         "clipped_ratio": _mean([h["completions/clipped_ratio"] for h in logs]),
         "rollout_slots": _mean([h["rollout/slots"] for h in logs if "rollout/slots" in h]),
+        "text_attention": attention,
     }
     for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
         result[key] = _mean([s[key] for s in timed])

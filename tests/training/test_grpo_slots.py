@@ -50,7 +50,7 @@ def batches(tmp_path_factory, tiny_model_dir):
     for engine in ("trl", "slots"):
         script_args = GRPOScriptArguments(
             dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS,
-            min_pixels=MIN_PIXELS, rollout_engine=engine, rollout_max_length=2048,
+            min_pixels=MIN_PIXELS, rollout_engine=engine, max_episode_tokens=2048,
         )
         args = GRPOConfig(
             output_dir=str(tmp_path / engine), per_device_train_batch_size=2, num_generations=2, max_steps=1,

@@ -129,15 +129,15 @@ class _attention:
     """The text tower on another attention for a while (the padded reference needs SDPA's mask)."""
 
     def __init__(self, trainer, name):
-        self.config = trainer.model.get_base_model().config.text_config
-        self.name, self.was = name, self.config._attn_implementation
+        self.model = trainer.model.get_base_model()
+        self.name, self.was = name, self.model.config.text_config._attn_implementation
 
     def __enter__(self):
         if self.name:
-            self.config._attn_implementation = self.name
+            self.model.set_attn_implementation({"text_config": self.name})
 
     def __exit__(self, *exc):
-        self.config._attn_implementation = self.was
+        self.model.set_attn_implementation({"text_config": self.was})
 
 
 def test_packed_logps_and_entropies_equal_the_padded_forward(setup):
