@@ -24,7 +24,9 @@ do the same multi-turn work, which the JSON shows (tool calls and generated toke
 Times per optimizer step, after a CUDA synchronize: ``generation`` (the rollout minus tool calls),
 ``tools`` (the environment's calls), ``scoring`` (rewards, advantages, the batch for the loss),
 ``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other``;
-generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm.
+generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
+steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
+(``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities).
 """
 
 from __future__ import annotations
@@ -253,6 +255,48 @@ def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
     return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
 
 
+class FirstLossBatch:
+    """Wraps ``_compute_loss`` and keeps the first micro-batch it sees (for :func:`logps_agreement`)."""
+
+    def __init__(self, compute_loss):
+        self.compute_loss, self.inputs = compute_loss, None
+
+    def __call__(self, model, inputs):
+        if self.inputs is None:
+            self.inputs = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        return self.compute_loss(model, inputs)
+
+
+def logps_agreement(trainer, inputs: dict) -> dict:
+    """The packed loss forward's per-token log-probabilities against TRL's padded forward (the text tower on
+    SDPA) on the same micro-batch, in eval mode (no LoRA dropout), over the trained completion tokens."""
+    from trl import GRPOTrainer
+
+    model, base = trainer.model, trainer.model.get_base_model()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    vision = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    was_training, attention = model.training, base.config.text_config._attn_implementation
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, **vision)[0]
+            base.set_attn_implementation({"text_config": "sdpa"})
+            padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, width, **vision)[0]
+    finally:
+        base.set_attn_implementation({"text_config": attention})
+        model.train(was_training)
+    trained = (inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))).bool()
+    diff = (packed.float() - padded.float()).abs()[trained]
+    return {
+        "tokens": int(trained.sum()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+        "dtype": str(packed.dtype),
+    }
+
+
 def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
     from eogym_sft.environment.env import EOGymEnvironment
     from eogym_sft.models.processor import load_processor
@@ -278,6 +322,7 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         trainer._generate = phases.timed("rollout", trainer._generate)
         trainer._generate_and_score_completions = phases.timed("score", trainer._generate_and_score_completions)
         trainer.training_step = phases.timed("train_step", trainer.training_step)
+        first_batch = trainer._compute_loss = FirstLossBatch(trainer._compute_loss)
         trainer.add_callback(phases)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -308,6 +353,9 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     result["peak_reserved_gib"] = max((s.get("peak_reserved_gib", 0) for s in timed), default=None)
     if forced:
         result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
+    if arm == "slots" and first_batch.inputs is not None:  # after the timed steps: the check is not in them
+        result["packed_vs_padded_logps"] = logps_agreement(trainer, first_batch.inputs)
+        print("slots: packed vs padded log-probs: " + json.dumps(result["packed_vs_padded_logps"]), flush=True)
     del trainer
     gc.collect()
     if torch.cuda.is_available():

@@ -31,6 +31,8 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
         assert abs(sum(shares) - 1) < 1e-9 and arm["forward_backward_s"] > 0 and arm["tools_s"] > 0
     assert slots["rollout_slots"] == 2.0
     assert (trl["text_attention"], slots["text_attention"]) == ("sdpa", "eogym_varlen_cudnn")  # padded vs packed loss
+    check = slots["packed_vs_padded_logps"]  # float32 on CPU: the packed forward gives the padded one's log-probs
+    assert check["tokens"] > 72 and check["max_abs_diff"] < 1e-5 and check["dtype"] == "torch.float32"
     assert result["speedup_slots_vs_trl"] == trl["step_s"] / slots["step_s"]
     assert "slots vs trl" in format_table(result)
 
