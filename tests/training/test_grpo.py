@@ -125,7 +125,7 @@ def policy_run(request, tmp_path_factory, tiny_model_dir):
     trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
-    return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data}
+    return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data, "engine": request.param}
 
 
 def test_the_episode_is_token_for_token_the_sft_sample(policy_run):
@@ -175,6 +175,16 @@ def test_generation_never_samples_a_vision_token(policy_run, processor):
     """TRL suppresses only <|image_pad|>; a sampled <|video_pad|> broke the training forward on a GPU."""
     suppressed = policy_run["trainer"].generation_config.suppress_tokens
     assert set(vision_token_ids(processor.tokenizer)) <= set(suppressed)
+
+
+def test_only_trls_engine_has_the_dataloader_decode_row_images(policy_run):
+    """The slots engine reads a row's images when its episode starts: its dataset decodes none (TRL's
+    dataloader would decode them for every episode of the step, outside the rollout)."""
+    example = policy_run["trainer"].train_dataset[0]
+    if policy_run["engine"] == "trl":
+        assert [im.size for im in example["images"]] == [(96, 64)]
+    else:
+        assert "images" not in example and json.loads(example["row"])["images"] == ["EO_GYM_DATA/aaaa0000/scene.jpg"]
 
 
 def test_trls_engine_refuses_the_variable_length_attention(policy_run, tiny_model_dir):
