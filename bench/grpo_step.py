@@ -23,7 +23,9 @@ do the same multi-turn work, which the JSON shows (tool calls and generated toke
 
 Times per optimizer step, after a CUDA synchronize: ``generation`` (the rollout minus tool calls),
 ``tools`` (the environment's calls), ``scoring`` (rewards, advantages, the batch for the loss),
-``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other``;
+``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other`` (of
+which ``other_dataloader`` is the dataloader's fetch of the step's examples and ``other_logging`` the Trainer's
+logging);
 generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
 steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
 (``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities).
@@ -193,6 +195,9 @@ class Phases(TrainerCallback):
             "optimizer_s": a["optimizer"],
         }
         step["other_s"] = step["step_s"] - sum(v for k, v in step.items() if k != "step_s")
+        # Two named parts of "other": the dataloader's fetch of the step's examples, and the Trainer's logging
+        # (TRL's metrics, after the previous step's end: it falls in this step's window).
+        step["other_dataloader_s"], step["other_logging_s"] = a["dataloader"], a["logging"]
         if torch.cuda.is_available():
             step["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             step["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -323,6 +328,8 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         trainer._generate_and_score_completions = phases.timed("score", trainer._generate_and_score_completions)
         trainer.training_step = phases.timed("train_step", trainer.training_step)
         first_batch = trainer._compute_loss = FirstLossBatch(trainer._compute_loss)
+        trainer.get_batch_samples = phases.timed("dataloader", trainer.get_batch_samples)
+        trainer._maybe_log_save_evaluate = phases.timed("logging", trainer._maybe_log_save_evaluate)
         trainer.add_callback(phases)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -343,7 +350,8 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         "rollout_slots": _mean([h["rollout/slots"] for h in logs if "rollout/slots" in h]),
         "text_attention": attention,
     }
-    for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
+    for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s",
+                "other_dataloader_s", "other_logging_s"):
         result[key] = _mean([s[key] for s in timed])
     for key in ("generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
         result[key.replace("_s", "_share")] = result[key] / result["step_s"] if result["step_s"] else None

@@ -29,6 +29,7 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
         assert arm["generated_tokens_per_episode"] == arm["forced_tokens_per_episode"] > 72
         shares = [arm[k] for k in ("generation_share", "tools_share", "scoring_share", "forward_backward_share", "optimizer_share", "other_share")]
         assert abs(sum(shares) - 1) < 1e-9 and arm["forward_backward_s"] > 0 and arm["tools_s"] > 0
+        assert 0 < arm["other_dataloader_s"] + arm["other_logging_s"] <= arm["other_s"]
     assert slots["rollout_slots"] == 2.0
     assert (trl["text_attention"], slots["text_attention"]) == ("sdpa", "eogym_varlen_cudnn")  # padded vs packed loss
     check = slots["packed_vs_padded_logps"]  # float32 on CPU: the packed forward gives the padded one's log-probs
