@@ -1,6 +1,7 @@
-"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop (``trl``) and the
-slot decoder (``slots``), on the same model, data and forced episodes; optionally the recipe as it is
-(``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
+"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop and padded loss
+forward (``trl``, the text tower on SDPA) and the slot decoder with the packed loss forward (``slots``, the
+text tower on the recipe's ``attn_implementation``), on the same model, data and forced episodes; optionally
+the recipe as it is (``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
 
 Commands (from the repository root)::
 
@@ -22,8 +23,12 @@ do the same multi-turn work, which the JSON shows (tool calls and generated toke
 
 Times per optimizer step, after a CUDA synchronize: ``generation`` (the rollout minus tool calls),
 ``tools`` (the environment's calls), ``scoring`` (rewards, advantages, the batch for the loss),
-``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other``;
-generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm.
+``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other`` (of
+which ``other_dataloader`` is the dataloader's fetch of the step's examples and ``other_logging`` the Trainer's
+logging);
+generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
+steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
+(``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities).
 """
 
 from __future__ import annotations
@@ -190,6 +195,9 @@ class Phases(TrainerCallback):
             "optimizer_s": a["optimizer"],
         }
         step["other_s"] = step["step_s"] - sum(v for k, v in step.items() if k != "step_s")
+        # Two named parts of "other": the dataloader's fetch of the step's examples, and the Trainer's logging
+        # (TRL's metrics, after the previous step's end: it falls in this step's window).
+        step["other_dataloader_s"], step["other_logging_s"] = a["dataloader"], a["logging"]
         if torch.cuda.is_available():
             step["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             step["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -217,7 +225,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
     p.add_argument("--max-completion-length", type=int, default=6144)
     p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--rollout-max-length", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--max-episode-tokens", type=int, default=None, help="default: the recipe's")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
@@ -247,9 +255,51 @@ def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
         ]
     if args.max_pixels:
         argv += ["--max_pixels", str(args.max_pixels), "--min_pixels", str(min(args.max_pixels, 65536))]
-    if args.rollout_max_length:
-        argv += ["--rollout_max_length", str(args.rollout_max_length)]
+    if args.max_episode_tokens:
+        argv += ["--max_episode_tokens", str(args.max_episode_tokens)]
     return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
+
+
+class FirstLossBatch:
+    """Wraps ``_compute_loss`` and keeps the first micro-batch it sees (for :func:`logps_agreement`)."""
+
+    def __init__(self, compute_loss):
+        self.compute_loss, self.inputs = compute_loss, None
+
+    def __call__(self, model, inputs):
+        if self.inputs is None:
+            self.inputs = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        return self.compute_loss(model, inputs)
+
+
+def logps_agreement(trainer, inputs: dict) -> dict:
+    """The packed loss forward's per-token log-probabilities against TRL's padded forward (the text tower on
+    SDPA) on the same micro-batch, in eval mode (no LoRA dropout), over the trained completion tokens."""
+    from trl import GRPOTrainer
+
+    model, base = trainer.model, trainer.model.get_base_model()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    vision = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    was_training, attention = model.training, base.config.text_config._attn_implementation
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, **vision)[0]
+            base.set_attn_implementation({"text_config": "sdpa"})
+            padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, width, **vision)[0]
+    finally:
+        base.set_attn_implementation({"text_config": attention})
+        model.train(was_training)
+    trained = (inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))).bool()
+    diff = (packed.float() - padded.float()).abs()[trained]
+    return {
+        "tokens": int(trained.sum()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+        "dtype": str(packed.dtype),
+    }
 
 
 def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
@@ -257,7 +307,11 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     from eogym_sft.models.processor import load_processor
     from eogym_sft.training.grpo import build_trainer, load_episodes
 
-    script, training, _ = arm_settings(args, arm, str(data), str(root), str(workdir / arm))
+    script, training, model_args = arm_settings(args, arm, str(data), str(root), str(workdir / arm))
+    # One model for every arm: TRL's padded generate needs SDPA; the slots engine's packed loss forward runs the
+    # recipe's variable-length attention.
+    attention = "sdpa" if arm == "trl" else model_args.attn_implementation
+    model.get_base_model().set_attn_implementation({"text_config": attention})
     with torch.no_grad():  # every arm starts from the same adapter
         for name, param in model.named_parameters():
             if name in lora_start:
@@ -273,6 +327,9 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         trainer._generate = phases.timed("rollout", trainer._generate)
         trainer._generate_and_score_completions = phases.timed("score", trainer._generate_and_score_completions)
         trainer.training_step = phases.timed("train_step", trainer.training_step)
+        first_batch = trainer._compute_loss = FirstLossBatch(trainer._compute_loss)
+        trainer.get_batch_samples = phases.timed("dataloader", trainer.get_batch_samples)
+        trainer._maybe_log_save_evaluate = phases.timed("logging", trainer._maybe_log_save_evaluate)
         trainer.add_callback(phases)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -291,8 +348,10 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         "generated_tokens_per_episode": _mean([h["completions/mean_length"] for h in logs]),
         "clipped_ratio": _mean([h["completions/clipped_ratio"] for h in logs]),
         "rollout_slots": _mean([h["rollout/slots"] for h in logs if "rollout/slots" in h]),
+        "text_attention": attention,
     }
-    for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
+    for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s",
+                "other_dataloader_s", "other_logging_s"):
         result[key] = _mean([s[key] for s in timed])
     for key in ("generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s"):
         result[key.replace("_s", "_share")] = result[key] / result["step_s"] if result["step_s"] else None
@@ -302,6 +361,9 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     result["peak_reserved_gib"] = max((s.get("peak_reserved_gib", 0) for s in timed), default=None)
     if forced:
         result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
+    if arm == "slots" and first_batch.inputs is not None:  # after the timed steps: the check is not in them
+        result["packed_vs_padded_logps"] = logps_agreement(trainer, first_batch.inputs)
+        print("slots: packed vs padded log-probs: " + json.dumps(result["packed_vs_padded_logps"]), flush=True)
     del trainer
     gc.collect()
     if torch.cuda.is_available():

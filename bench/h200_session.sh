@@ -216,8 +216,9 @@ rollout_bench_compile)
   ;;
 grpo)
   # issue 25: one step of the seed's scale (2 questions x 8 episodes, 4-7 images of 1000 px: 5-8k-token prompts,
-  # 2 forced crop turns of 96 tokens then an answer) on TRL's loop and on the slot decoder, then the recipe's own
-  # defaults for one step (random policy, unforced); the CUDA-graph test of the kept decoder first
+  # 2 forced crop turns of 96 tokens then an answer) on TRL's loop (padded loss, SDPA) and on the slot decoder
+  # (packed loss, eogym_varlen_cudnn), then the recipe's own defaults for one step (random policy, unforced);
+  # the CUDA-graph test of the kept decoder first
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   make_model
   python -m pytest -q -p no:cacheprovider tests/training/test_grpo_slots.py -k cuda_graphs 2>&1 | tail -3 || echo "grpo GPU test failed"

@@ -21,7 +21,7 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
     result = main([
         "--model", str(tiny_model_dir), "--questions", "1", "--generations", "2", "--images", "1", "--image-px", "64",
         "--max-pixels", "4096", "--calls", "1", "--call-tokens", "72", "--steps", "1", "--warmup", "0",
-        "--max-completion-length", "1024", "--rollout-max-length", "4096", "--workdir", str(tmp_path / "work"), "--json", str(out),
+        "--max-completion-length", "1024", "--max-episode-tokens", "4096", "--workdir", str(tmp_path / "work"), "--json", str(out),
     ])
     assert json.loads(out.read_text()) == result
     trl, slots = result["arms"]
@@ -32,7 +32,11 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
         assert arm["generated_tokens_per_episode"] == arm["forced_tokens_per_episode"] > 72
         shares = [arm[k] for k in ("generation_share", "tools_share", "scoring_share", "forward_backward_share", "optimizer_share", "other_share")]
         assert abs(sum(shares) - 1) < 1e-9 and arm["forward_backward_s"] > 0 and arm["tools_s"] > 0
+        assert 0 < arm["other_dataloader_s"] + arm["other_logging_s"] <= arm["other_s"]
     assert slots["rollout_slots"] == 2.0
+    assert (trl["text_attention"], slots["text_attention"]) == ("sdpa", "eogym_varlen_cudnn")  # padded vs packed loss
+    check = slots["packed_vs_padded_logps"]  # float32 on CPU: the packed forward gives the padded one's log-probs
+    assert check["tokens"] > 72 and check["max_abs_diff"] < 1e-5 and check["dtype"] == "torch.float32"
     assert result["speedup_slots_vs_trl"] == trl["step_s"] / slots["step_s"]
     assert "slots vs trl" in format_table(result)
 

@@ -34,8 +34,9 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (script.action_cost_scale, script.max_cost_penalty, script.tool_call_cost) == (0.2, 0.2, 0.1)
     assert (script.max_pixels, script.tool_backends, script.sft_adapter, script.tool_images) == (1003520, "crop,replay", None, "produced")
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
-    assert (script.rollout_engine, script.rollout_max_length, script.rollout_cache_gib) == ("slots", 16384, 40.0)
+    assert (script.rollout_engine, script.max_episode_tokens, script.rollout_cache_gib) == ("slots", 16384, 40.0)
     assert (script.rollout_turn_tokens, script.rollout_keep_cache, script.rollout_cuda_graphs) == (1024, True, True)
+    assert model.attn_implementation == "eogym_varlen_cudnn"  # the packed loss forward of the slots engine
 
 
 @pytest.mark.slow
@@ -56,7 +57,8 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
             "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",
             "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--max_pixels", "4096",
             "--min_pixels", "1024", "--activation_checkpointing", "true", "--save_strategy", "no",
-            "--rollout_engine", engine, "--rollout_max_length", "2048",
+            "--rollout_engine", engine, "--max_episode_tokens", "2048",
+            *(["--attn_implementation", "sdpa"] if engine == "trl" else []),  # TRL's padded generate
         ]
     )
     assert args[1].activation_checkpointing is True

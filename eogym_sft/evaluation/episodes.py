@@ -216,12 +216,15 @@ class LoopConfig:
     seed: int = 0
 
 
-def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None) -> dict:
+def run_episodes(
+    decoder: SlotDecoder, processor, episodes, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None, pictures=None
+) -> dict:
     """Run every episode of the iterable ``episodes`` to its end, ``decoder.slots`` at a time.
 
     ``on_done(episode)`` is called as each one ends (in completion order). The images of the next
     ``decoder.slots`` pending episodes are decoded by worker threads while the GPU works. Returns timing:
-    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``.
+    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``. ``pictures`` (a :func:`picture_cache`) lets
+    the caller read the decoded images afterwards (GRPO does); by default the run has its own.
     """
     import torch
 
@@ -230,7 +233,7 @@ def run_episodes(decoder: SlotDecoder, processor, episodes, sampling: Sampling, 
     banned_ids = vision_token_ids(tokenizer)
     generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
     pool = ThreadPoolExecutor(max_workers=4)
-    pictures = picture_cache(processor)
+    pictures = picture_cache(processor) if pictures is None else pictures
     pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)

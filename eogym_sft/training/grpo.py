@@ -212,23 +212,32 @@ def _skip(data: EpisodeData, where: str, reason: str, detail: str) -> None:
 
 @dataclass
 class DecodeEpisodes:
-    """``Dataset.with_transform`` hook: JSON prompts back to messages, image paths to RGB images."""
+    """``Dataset.with_transform`` hook: JSON prompts back to messages, image paths to RGB images (or, with
+    ``images`` false, no ``images`` column at all)."""
 
     data_root: str
+    images: bool = True
 
     def __call__(self, batch: dict) -> dict:
         out = dict(batch)
         out["prompt"] = [json.loads(p) for p in batch["prompt"]]
-        out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
+        if self.images:
+            out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
+        else:
+            del out["images"]
         return out
 
 
-def episode_dataset(data: EpisodeData, data_root: str | Path):
+def episode_dataset(data: EpisodeData, data_root: str | Path, images: bool = True):
     """A ``datasets.Dataset`` TRL can sample from: ``prompt`` (messages), ``images`` (decoded on access),
-    ``environment`` (the tool-set group), ``row`` (the raw EO-Gym row, for the environment) and ``gt_answer``."""
+    ``environment`` (the tool-set group), ``row`` (the raw EO-Gym row, for the environment) and ``gt_answer``.
+
+    ``images=False`` leaves the images out: the slots engine reads them from the row when it starts an episode
+    and hands TRL the episode's images itself, and TRL would otherwise decode every row image of every
+    episode of the step in the dataloader (``num_generations`` times each), outside the rollout."""
     from datasets import Dataset
 
-    return Dataset.from_list(data.records).with_transform(DecodeEpisodes(str(data_root)))
+    return Dataset.from_list(data.records).with_transform(DecodeEpisodes(str(data_root), images))
 
 
 ################
@@ -482,8 +491,9 @@ def build_trainer(
     """
     from transformers import LogitsProcessorList
 
+    from ..models.attention import NAMES as VARLEN_NAMES
     from ..models.generation import vision_token_ids
-    from .grpo_slots import SlotGRPOTrainer
+    from .grpo_slots import SlotGRPOTrainer, text_attention_of
     from .rewards import EpisodeReward
 
     check_chat_template(processor)
@@ -507,6 +517,12 @@ def build_trainer(
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
         training_args.generation_kwargs = kwargs
     trainer_class, extra = grpo_trainer_class(), {}
+    text_attention = text_attention_of(model)
+    if script_args.rollout_engine == "trl" and text_attention in VARLEN_NAMES:
+        raise ValueError(
+            f"rollout_engine=trl generates with TRL's padded generate, which attn_implementation={text_attention} "
+            "cannot run (no KV cache): set --attn_implementation sdpa, or use --rollout_engine slots"
+        )
     if script_args.rollout_engine == "slots":
         trainer_class, extra = SlotGRPOTrainer, {"rollout_args": script_args, "logits_processors": logits_processors}
     elif logits_processors:
@@ -515,7 +531,7 @@ def build_trainer(
         model=model,
         reward_funcs=[reward],
         args=training_args,
-        train_dataset=episode_dataset(data, script_args.data_root),
+        train_dataset=episode_dataset(data, script_args.data_root, images=script_args.rollout_engine == "trl"),
         processing_class=processor,
         environment_factory={name: env_class for name in data.schemas},
         **extra,

@@ -15,7 +15,7 @@ is the text the model wrote. Every image of a sample is handed over as a "tool i
 ``pixel_values`` and the image token types from these ids in all batches (prompt images included).
 
 The decoder runs on the policy's own weights (no copy, no sync), in eval mode and under inference mode.
-Its KV cache (``rollout_max_length`` tokens a slot, as many slots as ``rollout_cache_gib`` holds, at most
+Its KV cache (``max_episode_tokens`` tokens a slot, as many slots as ``rollout_cache_gib`` holds, at most
 one per episode) is kept between steps unless ``rollout_keep_cache`` is false; docs/rl.md says why.
 """
 
@@ -34,7 +34,9 @@ from ..data.encoding import encode_conversation, render
 from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.traces import TraceError, normalize_row
 from ..evaluation.episodes import LoopConfig, canonical_prompt, new_episode, picture_cache, run_episodes
+from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.generation import Sampling, SlotDecoder
+from .packed_logps import pack_rows, packed_logps_and_entropies
 from .rollout_config import kv_bytes_per_token, slots_for
 
 logger = logging.getLogger(__name__)
@@ -232,6 +234,12 @@ def _text(content) -> str:
     return "".join(p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
 
 
+def text_attention_of(model) -> str:
+    """The attention implementation of the model's text tower (what the loss forward runs)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.config.get_text_config()._attn_implementation
+
+
 @contextmanager
 def eval_mode(model):
     was_training = model.training
@@ -260,6 +268,12 @@ class SlotGRPOTrainer(GRPOTrainer):
         stage = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", 0)
         if stage == 3:
             raise ValueError("rollout_engine=slots decodes on whole weights; ZeRO-3 shards them: use --rollout_engine trl")
+        attention = text_attention_of(self.model)
+        if attention not in VARLEN_NAMES:  # correct, but SDPA needs a dense mask of the packed row's tokens squared
+            logger.warning(
+                "the packed loss forward runs on attn_implementation=%s: a dense mask of (micro-batch tokens)^2; "
+                "eogym_varlen_cudnn or eogym_varlen keep the episodes apart without one", attention,
+            )
 
     def _sampling(self) -> Sampling:
         args = self.args
@@ -281,20 +295,60 @@ class SlotGRPOTrainer(GRPOTrainer):
         finally:
             self._inputs = None
 
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None, **other,
+    ):
+        """TRL's per-token log-probabilities (same arguments, same ``(rows, logits_to_keep)`` result) on packed
+        episodes: each chunk of ``batch_size`` rows is one packed row (:mod:`eogym_sft.training.packed_logps`).
+        Overrides TRL's private method, pinned by ``tests/training/test_packed_logps.py``."""
+        given = sorted(k for k, v in other.items() if v is not None)
+        if given:
+            raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
+        image_processor = self.processing_class.image_processor
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux = [], [], []
+        first_image = 0
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            images = num_images[start:end] if num_images is not None else None
+            grid, pixels = None, None
+            if image_grid_thw is not None and pixel_values is not None:
+                grid = image_grid_thw[first_image:first_image + sum(images)]
+                rows_before = int(image_grid_thw[:first_image].prod(-1).sum())
+                pixels = pixel_values[rows_before:rows_before + int(grid.prod(-1).sum())]
+                first_image += sum(images)
+            packed = pack_rows(
+                input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                getattr(image_processor, "merge_size", 2), pixels, grid, images,
+                None if mm_token_type_ids is None else mm_token_type_ids[start:end],
+            )
+            lp, ent, aux_loss = packed_logps_and_entropies(
+                model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast
+            )
+            logps.append(lp)
+            entropies.append(ent)
+            aux.append(aux_loss)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
+
     def decoder(self, episodes: int) -> SlotDecoder:
         """The slot decoder for ``episodes`` episodes, kept from the last step when it still fits."""
         model = self.accelerator.unwrap_model(self.model)
         ra = self.rollout_args
-        slots = slots_for(episodes, ra.rollout_max_length, kv_bytes_per_token(model), ra.rollout_cache_gib)
+        slots = slots_for(episodes, ra.max_episode_tokens, kv_bytes_per_token(model), ra.rollout_cache_gib)
         held = self._decoder
-        if held is not None and held.slots >= slots and held.max_len == ra.rollout_max_length:
+        if held is not None and held.slots >= slots and held.max_len == ra.max_episode_tokens:
             for s in range(held.slots):  # the weights changed in place: no history is reusable, graphs are
                 held.release(s)
             return held
         self._decoder = None  # the old cache goes before the new one is allocated
         graphs = ra.rollout_cuda_graphs and model.device.type == "cuda"
-        self._decoder = SlotDecoder(model, slots, ra.rollout_max_length, cuda_graphs=graphs)
-        logger.info("slot decoder: %d slots of %d tokens, %.1f GiB", slots, ra.rollout_max_length, self._decoder.memory_bytes() / 2**30)
+        self._decoder = SlotDecoder(model, slots, ra.max_episode_tokens, cuda_graphs=graphs)
+        logger.info("slot decoder: %d slots of %d tokens, %.1f GiB", slots, ra.max_episode_tokens, self._decoder.memory_bytes() / 2**30)
         return self._decoder
 
     def _generate(self, prompts: list):
@@ -322,13 +376,17 @@ class SlotGRPOTrainer(GRPOTrainer):
             decoder = TrackedDecoder(self.decoder(len(episodes)))
             self.sampling.decoder, self.sampling.processors, self.sampling._held = decoder, self.logits_processors, {}
             self.sampling.pad_id = self._tokenizer.pad_token_id
-            stats = run_episodes(decoder, self.processing_class, episodes, self.sampling, cfg, ra.data_root, lambda ep: None)
+            # One picture cache for the rollout and the encoding after it: each image is decoded and processed once.
+            pictures = picture_cache(self.processing_class)
+            stats = run_episodes(
+                decoder, self.processing_class, episodes, self.sampling, cfg, ra.data_root, lambda ep: None, pictures=pictures
+            )
         self.sampling.decoder = None
         slots = decoder.slots
         if not ra.rollout_keep_cache:
             self._decoder = decoder = None  # the loss forward may use the cache's memory now
         start = time.perf_counter()
-        pictures, decoded = picture_cache(self.processing_class), {}
+        decoded = {}
         samples = []
         for ep in episodes:
             try:

@@ -19,9 +19,12 @@ class SlotRolloutArguments:
         default="slots",
         metadata={"help": "slots: the slot decoder and run_episodes (KV kept across turns); trl: TRL's generate loop"},
     )
-    rollout_max_length: int = field(
+    max_episode_tokens: int = field(
         default=16384,
-        metadata={"help": "tokens per episode in the slot decoder (prompt, turns, tool results, images)"},
+        metadata={
+            "help": "an episode's token budget, image tokens included: what one slot of the slot decoder holds "
+            "(the name eogym-sft rollout gives it too)"
+        },
     )
     rollout_cache_gib: float = field(
         default=40.0,
@@ -46,8 +49,8 @@ class SlotRolloutArguments:
             parent()
         if self.rollout_engine not in ENGINES:
             raise ValueError(f"rollout_engine must be one of {ENGINES}, got {self.rollout_engine!r}")
-        if min(self.rollout_max_length, self.rollout_turn_tokens) < 1 or self.rollout_cache_gib <= 0:
-            raise ValueError("rollout_max_length, rollout_turn_tokens and rollout_cache_gib must be positive")
+        if min(self.max_episode_tokens, self.rollout_turn_tokens) < 1 or self.rollout_cache_gib <= 0:
+            raise ValueError("max_episode_tokens, rollout_turn_tokens and rollout_cache_gib must be positive")
 
 
 def kv_bytes_per_token(model) -> int:
@@ -72,7 +75,7 @@ def slots_for(episodes: int, max_length: int, bytes_per_token: int, budget_gib: 
     fit = int(budget_gib * 2**30 // (max_length * bytes_per_token))
     if fit < 1:
         need = max_length * bytes_per_token / 2**30
-        raise ValueError(f"rollout_cache_gib={budget_gib} holds no slot of rollout_max_length={max_length} ({need:.2f} GiB)")
+        raise ValueError(f"rollout_cache_gib={budget_gib} holds no slot of max_episode_tokens={max_length} ({need:.2f} GiB)")
     return min(episodes, fit)
 
 

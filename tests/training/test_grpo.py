@@ -105,12 +105,14 @@ def policy_run(request, tmp_path_factory, tiny_model_dir):
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
 
-    # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A.
-    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
+    # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A. TRL's generate needs
+    # SDPA; the slots engine's loss forward runs packed on the recipe's variable-length attention.
+    attention = "sdpa" if request.param == "trl" else "eogym_varlen"
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", attention)), seed=0)
     data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [row]), data_root)
     script_args = GRPOScriptArguments(
         dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS,
-        rollout_engine=request.param, rollout_max_length=4096,
+        rollout_engine=request.param, max_episode_tokens=4096,
     )
     from trl import GRPOConfig
 
@@ -123,7 +125,7 @@ def policy_run(request, tmp_path_factory, tiny_model_dir):
     trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
-    return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data}
+    return {"trainer": trainer, "policy": policy, "sft": sft, "before": before, "model": model, "data": data, "engine": request.param}
 
 
 def test_the_episode_is_token_for_token_the_sft_sample(policy_run):
@@ -173,6 +175,25 @@ def test_generation_never_samples_a_vision_token(policy_run, processor):
     """TRL suppresses only <|image_pad|>; a sampled <|video_pad|> broke the training forward on a GPU."""
     suppressed = policy_run["trainer"].generation_config.suppress_tokens
     assert set(vision_token_ids(processor.tokenizer)) <= set(suppressed)
+
+
+def test_only_trls_engine_has_the_dataloader_decode_row_images(policy_run):
+    """The slots engine reads a row's images when its episode starts: its dataset decodes none (TRL's
+    dataloader would decode them for every episode of the step, outside the rollout)."""
+    example = policy_run["trainer"].train_dataset[0]
+    if policy_run["engine"] == "trl":
+        assert [im.size for im in example["images"]] == [(96, 64)]
+    else:
+        assert "images" not in example and json.loads(example["row"])["images"] == ["EO_GYM_DATA/aaaa0000/scene.jpg"]
+
+
+def test_trls_engine_refuses_the_variable_length_attention(policy_run, tiny_model_dir):
+    """TRL's padded generate cannot run eogym_varlen (no KV cache): refused when the trainer is built, not mid-step."""
+    run = policy_run
+    model = apply_lora(load_base_model(str(tiny_model_dir), "float32", "eogym_varlen"))
+    script_args = GRPOScriptArguments(dataset_path="unused", data_root="unused", rollout_engine="trl")
+    with pytest.raises(ValueError, match="rollout_engine=trl .* set --attn_implementation sdpa"):
+        build_trainer(model, run["trainer"].processing_class, run["data"], script_args, run["trainer"].args)
 
 
 def test_a_foreign_chat_template_is_refused(processor):

@@ -1,7 +1,7 @@
 """The slot-decoder rollout of GRPO (``eogym_sft.training.grpo_slots``) against TRL's own loop, on CPU with
 the tiny Qwen3-VL: the same scripted episodes give TRL's loss the same batch (ids, masks, images, pixels),
 which pins the private ``_generate`` contract the subclass relies on; the log-probabilities the decoder
-sampled from equal those of TRL's padded loss forward; the cache is sized by its budget."""
+sampled from equal those of the loss forward; the cache is sized by its budget."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def batches(tmp_path_factory, tiny_model_dir):
     for engine in ("trl", "slots"):
         script_args = GRPOScriptArguments(
             dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS,
-            min_pixels=MIN_PIXELS, rollout_engine=engine, rollout_max_length=2048,
+            min_pixels=MIN_PIXELS, rollout_engine=engine, max_episode_tokens=2048,
         )
         args = GRPOConfig(
             output_dir=str(tmp_path / engine), per_device_train_batch_size=2, num_generations=2, max_steps=1,
@@ -125,9 +125,10 @@ def test_the_decoder_is_kept_between_steps_and_emptied(batches):
     assert trainer._metrics["train"]["rollout/failed"] == [0.0]
 
 
-def test_sampled_logprobs_equal_the_padded_loss_forward(batches):
+def test_sampled_logprobs_equal_the_loss_forward(batches):
     """The decoder's logits (prefill at each turn's start over the KV cache, one-token decode within a turn)
-    give each trained token the log-probability TRL's padded forward gives it (float32 on CPU)."""
+    give each trained token the log-probability the engine's packed loss forward gives it (float32 on CPU;
+    tests/training/test_packed_logps.py checks that one against TRL's padded forward)."""
     batch, trainer, model = batches["slots"]["batch"], batches["slots"]["trainer"], batches["model"]
     model.eval()
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

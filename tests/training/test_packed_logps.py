@@ -1,0 +1,237 @@
+"""The packed GRPO loss forward (``eogym_sft.training.packed_logps`` through ``SlotGRPOTrainer``) against TRL
+1.16's own padded ``GRPOTrainer._get_per_token_logps_and_entropies`` on the tiny Qwen3-VL in float32: the same
+per-token log-probabilities and entropies, the same loss and gradients, on a batch with row images, tool
+crops in the completion, a row without images, a tool mask and a truncated (masked) episode.
+
+Tolerance: float32, ``atol=1e-6, rtol=1e-5``. On CPU (2026-12-01) the log-probabilities and entropies came out
+bit-equal and the gradients within 7e-9 (the loss sums the same terms in another order). The private contract pinned: TRL's method takes these arguments and
+returns ``(rows, logits_to_keep)`` with 0 where the label is masked; ``_compute_loss`` reads it."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from conftest import make_row, save_image
+from helpers import IM_END, perturb_lora_b
+from PIL import Image
+from trl import GRPOConfig, GRPOTrainer
+
+from eogym_sft.models.loading import apply_lora, load_base_model
+from eogym_sft.models.processor import load_processor
+from eogym_sft.models.tiny import IMAGE_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID
+from eogym_sft.training.grpo import GRPOScriptArguments, build_trainer, load_episodes
+from eogym_sft.training.packed_logps import pack_rows
+
+MIN_PIXELS, MAX_PIXELS = 1024, 4096
+TOL = {"atol": 1e-6, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eogym_varlen"])
+def setup(request, tmp_path_factory, tiny_model_dir):
+    """A slots trainer over a tiny LoRA model with the text tower on ``params`` attention (the padded
+    reference always runs SDPA: TRL's padded rows need the attention mask)."""
+    tmp_path = tmp_path_factory.mktemp("packed")
+    data_root = tmp_path / "data"
+    save_image(data_root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(make_row(n_steps=0)) + "\n")
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", request.param)), seed=0)
+    script_args = GRPOScriptArguments(
+        dataset_path="unused", data_root=str(data_root), tool_backends="replay", max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS,
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_steps=1,
+        max_completion_length=256, beta=0.0, use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
+    )
+    trainer = build_trainer(model, processor, load_episodes(path, data_root), script_args, args)
+    model.eval()  # LoRA dropout off: both paths see the same weights
+    return trainer, processor, request.param
+
+
+def _image(processor, width, height, seed):
+    g = torch.Generator().manual_seed(seed)
+    pixels = (torch.rand((height, width, 3), generator=g) * 255).to(torch.uint8).numpy()
+    picture = Image.fromarray(pixels)
+    grid = processor.image_processor(images=[picture], return_tensors="pt")["image_grid_thw"][0]
+    return picture, [VISION_START_TOKEN_ID] + [IMAGE_TOKEN_ID] * (int(grid.prod()) // 4) + [VISION_END_TOKEN_ID]
+
+
+def _text(processor, text):
+    return processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def episodes(processor, truncated_crop: bool):
+    """(prompt, completion, tool_mask, images, truncated) of three episodes: a row image and a crop in the
+    completion; no image at all; a row image and a truncated completion (with a crop if ``truncated_crop``)."""
+    scene, scene_ids = _image(processor, 64, 64, 0)
+    crop, crop_ids = _image(processor, 48, 32, 1)
+    call = _text(processor, "I crop the harbour.<tool_call>{}</tool_call>") + [IM_END]
+    tool = _text(processor, "\n<|im_start|>user\n<tool_response>\n") + crop_ids + _text(processor, "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    answer = _text(processor, "Final Answer: 3") + [IM_END]
+    question = _text(processor, "<|im_start|>user\n") + scene_ids + _text(processor, "How many ships?<|im_end|>\n<|im_start|>assistant\n")
+    plain = _text(processor, "<|im_start|>user\nHow many ships are in the harbour today?<|im_end|>\n<|im_start|>assistant\n")
+    cut = call + (tool if truncated_crop else []) + _text(processor, "I count")
+    return [
+        (question, call + tool + answer, [1] * len(call) + [0] * len(tool) + [1] * len(answer), [scene, crop], False),
+        (plain, answer, [1] * len(answer), [], False),
+        (question, cut, [1] * len(cut), [scene, crop] if truncated_crop else [scene], True),
+    ]
+
+
+def loss_inputs(trainer, processor, eps) -> dict:
+    """The tensors ``_generate_and_score_completions`` hands the loss for these episodes (left-padded prompts,
+    right-padded completions, a truncated episode masked, vision inputs of every image in row order)."""
+    pad = processor.tokenizer.pad_token_id
+    prompt_width, completion_width = max(len(e[0]) for e in eps), max(len(e[1]) for e in eps)
+    rows = len(eps)
+    prompt_ids = torch.full((rows, prompt_width), pad)
+    prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
+    completion_ids = torch.full((rows, completion_width), pad)
+    completion_mask = torch.zeros((rows, completion_width), dtype=torch.long)
+    tool_mask = torch.ones((rows, completion_width), dtype=torch.long)
+    for b, (prompt, completion, tools, _, truncated) in enumerate(eps):
+        prompt_ids[b, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[b, prompt_width - len(prompt):] = 1
+        completion_ids[b, :len(completion)] = torch.tensor(completion)
+        completion_mask[b, :len(completion)] = 0 if truncated else 1
+        tool_mask[b, :len(completion)] = torch.tensor(tools)
+    pictures = [p for e in eps for p in e[3]]
+    vision = processor.image_processor(images=pictures, return_tensors="pt")
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "tool_mask": tool_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.25]),
+        "num_items_in_batch": (completion_mask * tool_mask).sum(),
+        "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
+        "num_images": [len(e[3]) for e in eps], "mm_token_type_ids": (ids == IMAGE_TOKEN_ID).long(),
+    }
+
+
+def logps(trainer, inputs, padded: bool):
+    method = GRPOTrainer._get_per_token_logps_and_entropies if padded else type(trainer)._get_per_token_logps_and_entropies
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with _attention(trainer, "sdpa" if padded else None), torch.no_grad():
+        lp, ent, _ = method(
+            trainer, trainer.model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True,
+            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"], num_images=inputs["num_images"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+        )
+    return lp, ent
+
+
+class _attention:
+    """The text tower on another attention for a while (the padded reference needs SDPA's mask)."""
+
+    def __init__(self, trainer, name):
+        self.model = trainer.model.get_base_model()
+        self.name, self.was = name, self.model.config.text_config._attn_implementation
+
+    def __enter__(self):
+        if self.name:
+            self.model.set_attn_implementation({"text_config": self.name})
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation({"text_config": self.was})
+
+
+def test_packed_logps_and_entropies_equal_the_padded_forward(setup):
+    trainer, processor, _ = setup
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    padded, packed = logps(trainer, inputs, padded=True), logps(trainer, inputs, padded=False)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, **TOL)
+    real = torch.cat([inputs["completion_mask"][:2], inputs["completion_mask"][2:]]).bool()
+    assert packed[0][real].abs().min() > 0 and torch.equal(packed[0][~real], torch.zeros_like(packed[0][~real]))
+    assert inputs["num_images"] == [2, 0, 1] and int((inputs["tool_mask"][0] == 0).sum()) > 0
+
+
+def test_a_masked_completion_is_dropped_with_its_crop(setup):
+    """A truncated episode's completion with a crop inside: the padded path cannot run it (``get_rope_index``
+    skips the masked image tokens but not their grid, which TRL's own loop avoids by dropping the crop), the
+    packed path drops the completion and the crop: the other rows are what the padded path gives without it."""
+    trainer, processor, _ = setup
+    eps = episodes(processor, truncated_crop=True)
+    packed = logps(trainer, loss_inputs(trainer, processor, eps), padded=False)
+    alone = logps(trainer, loss_inputs(trainer, processor, eps[:2]), padded=True)
+    width = alone[0].shape[1]
+    for a, b in zip(packed, alone):
+        torch.testing.assert_close(a[:2, :width], b, **TOL)
+        assert torch.equal(a[2], torch.zeros_like(a[2])) and torch.equal(a[:2, width:], torch.zeros_like(a[:2, width:]))
+
+
+def test_pack_rows_restarts_positions_per_episode_and_labels_completions_only(setup):
+    trainer, processor, _ = setup
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=True))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    packed = pack_rows(
+        ids, mask, inputs["completion_ids"].shape[1], IMAGE_TOKEN_ID, 2, inputs["pixel_values"], inputs["image_grid_thw"],
+        inputs["num_images"], inputs["mm_token_type_ids"],
+    )
+    lengths = mask.sum(1).tolist()
+    row = packed.inputs["input_ids"][0]
+    assert row.shape[0] == sum(lengths)
+    starts = (packed.inputs["position_ids"][0, 0] == 0).nonzero().flatten().tolist()
+    assert starts == [0, lengths[0], lengths[0] + lengths[1]]
+    labelled = (packed.inputs["labels"][0] != -100).sum().item()
+    assert labelled == int(inputs["completion_mask"].sum()) == packed.source.numel()
+    assert torch.equal(row[packed.source + 1], ids[packed.rows, inputs["prompt_ids"].shape[1] + packed.cols])
+    grid = inputs["image_grid_thw"]
+    assert torch.equal(packed.inputs["image_grid_thw"], grid[:3])  # the truncated row's crop (the 4th image) is gone
+    assert packed.inputs["pixel_values"].shape[0] == int(grid[:3].prod(-1).sum())
+
+
+def test_the_loss_and_its_gradients_equal_the_padded_path(setup):
+    """``_compute_loss`` (TRL's) over the packed log-probabilities equals it over TRL's padded ones."""
+    trainer, processor, _ = setup
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for padded in (True, False):
+        model.zero_grad()
+        if padded:
+            trainer._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, trainer)
+        try:
+            with _attention(trainer, "sdpa" if padded else None):
+                loss = trainer._compute_loss(model, inputs)
+                loss.backward()
+        finally:
+            trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        results.append((loss.detach(), [p.grad.clone() for p in params]))
+    (loss_padded, grads_padded), (loss_packed, grads_packed) = results
+    torch.testing.assert_close(loss_packed, loss_padded, **TOL)
+    assert loss_packed.abs() > 0
+    for a, b in zip(grads_packed, grads_padded):
+        torch.testing.assert_close(a, b, **TOL)
+    assert sum(g.abs().sum() for g in grads_packed) > 0
+    model.zero_grad()
+
+
+def test_trls_padded_method_keeps_its_shape(setup):
+    """Pins TRL 1.16's private method the subclass replaces: its parameters, and a ``(rows, logits_to_keep)``
+    result with 0 where the label is masked (the truncated row)."""
+    import inspect
+
+    trainer, processor, _ = setup
+    params = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    assert params[:8] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy", "compute_aux_loss"]
+    ours = set(inspect.signature(type(trainer)._get_per_token_logps_and_entropies).parameters)
+    assert {"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids"} <= ours
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    lp, ent = logps(trainer, inputs, padded=True)
+    assert lp.shape == ent.shape == inputs["completion_ids"].shape
+    assert torch.equal(lp[2], torch.zeros_like(lp[2]))
+
+
+def test_other_vision_inputs_are_refused(setup):
+    trainer, processor, _ = setup
+    ids = torch.ones((1, 4), dtype=torch.long)
+    with pytest.raises(ValueError, match="Qwen-style vision inputs only"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, ids, 2, spatial_shapes=torch.ones(1, 2))
