@@ -12,8 +12,9 @@ checkerboard, and so the colour, is intact. The full image alone scores chance (
 
 Rows are EO-Gym's own format (``id``, ``images``, ``tools`` as OpenAI schemas, ``messages`` from the system
 prompt to ``Final Answer: <colour>``, ``gt_answer``, ``data_source``, ``question_type``, ``EO_task``). The
-gold trace calls the real crop tool with the quadrant's normalised AOI, and its tool result is what the
-environment's ``crop`` backend returns for that call (the backend writes the crop under ``image_cache/``).
+gold trace calls the real crop tool with the quadrant's normalised AOI (and no ``image_url``: the task's
+schema makes it optional, and the ``crop`` backend then crops the row's only image), and its tool result
+is what the environment's ``crop`` backend returns for that call (it writes the crop under ``image_cache/``).
 Pure functions but :func:`write_task`, which writes images and JSONL.
 """
 
