@@ -160,16 +160,19 @@ class AgentDemoConfig:
     min_pixels: int = 4096
     sft_steps: int = 60
     sft_learning_rate: float = 5e-3
-    grpo_steps: int = 8
-    grpo_learning_rate: float = 1e-3
-    num_generations: int = 4  # GRPO's group: episodes per question
-    grpo_questions_per_step: int = 2
+    grpo_steps: int = 6
+    grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
+    num_generations: int = 8  # GRPO's group: episodes per question (the recipe's); 4 leaves most groups without spread
+    grpo_questions_per_step: int = 1
     rft_steps: int = 60
     samples: int = 4  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 2  # episodes per training question for rejection sampling
     temperature: float = 0.7  # rollouts' sampling temperature (GRPO samples at 1.0, as the recipe does)
-    max_new_tokens: int = 96  # per turn: the gold call renders to 66 tokens with <|im_end|>, an answer to 5
+    max_new_tokens: int = 48  # per turn: the gold call renders to 40 tokens with <|im_end|>, an answer to 5
     max_turns: int = 3
+    # GRPO's max_completion_length: an episode's turns AND its tool results and their images (about 150
+    # tokens here); an episode longer than this counts as truncated and trains on nothing
+    completion_tokens: int = 512
     model_config: dict | None = None  # the architecture (default: the demo's 128-wide tiny Qwen3-VL)
     device: str = "cpu"  # "cpu" for the demo; "cuda" for the GPU stage (training and rollouts)
     embedding_std: float = 0.4  # of the tied embeddings: room for confident logits (save_agent_model)
@@ -202,14 +205,14 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
     from .training.grpo import GRPOScriptArguments
 
     script = GRPOScriptArguments(
-        dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop",
+        dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop", rollout_turn_tokens=cfg.max_new_tokens,
         max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(
         output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate, lr_scheduler_type="constant",
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.max_new_tokens * cfg.max_turns,
+        beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
@@ -279,7 +282,6 @@ def grpo_rewards(grpo_dir: str | Path) -> list[float]:
 def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
     """The agent loop on the ``colour_grid`` task; prints the table and writes ``agent_report.json``."""
     from .environment.tasks import write_task
-    from .evaluation.episodes_filter import filter_episodes
     from .guards import refuse_nonempty_output
     from .training import grpo
     from .training.sft import train
@@ -314,21 +316,17 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         arms.append(f"grpo={grpo_dir}")
         lap("grpo")
 
-    rft_info = None
     if cfg.rft_steps:
         sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, False, overwrite)
-        rft_data = output / "rft_sampling" / "correct.jsonl"
-        kept = filter_episodes(output / "rft_sampling" / "episodes.jsonl", rft_data, "correct", arm="sft")["kept"]
-        rft_info = {"episodes_sampled": sampled["counts"]["episodes"], "episodes_kept": kept, "rows_trained": None}
-        if kept:
-            union = output / "rft_sampling" / "train_plus_correct.jsonl"
-            union.write_text(train_rows.read_text() + rft_data.read_text())
+        union, rft_info = rejection_data(output / "rft_sampling", train_rows, sampled["counts"]["episodes"])
+        if union is None:  # nothing to train on: the arm is left out of the table, and the report says why
+            print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm", flush=True)
+        else:
             rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
             arms.append(f"rft={rft}")
-            rft_info["rows_trained"] = cfg.train_rows + kept
-        else:  # nothing to train on: the arm is left out of the table, and the report says why
-            print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm", flush=True)
         lap("rejection sampling")
+    else:
+        rft_info = None
 
     summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, True, overwrite)
     lap("held-out rollouts")
@@ -336,6 +334,23 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent_report(report, output))
     return report
+
+
+def rejection_data(sampling_dir: Path, gold: Path, sampled: int) -> tuple[Path | None, dict]:
+    """One round's training data: the gold traces plus the SFT arm's correct episodes in ``sampling_dir``
+    (``episodes --filter correct``), as ``train_plus_correct.jsonl``; None when no episode is correct."""
+    from .evaluation.episodes_filter import filter_episodes
+
+    correct = sampling_dir / "correct.jsonl"
+    kept = filter_episodes(sampling_dir / "episodes.jsonl", correct, "correct", arm="sft")["kept"]
+    info = {"episodes_sampled": sampled, "episodes_kept": kept, "rows_trained": None}
+    if not kept:
+        return None, info
+    union = sampling_dir / "train_plus_correct.jsonl"
+    gold_text = gold.read_text()
+    union.write_text(gold_text + correct.read_text())
+    info["rows_trained"] = sum(1 for line in gold_text.splitlines() if line.strip()) + kept
+    return union, info
 
 
 ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes", "stop_reasons")

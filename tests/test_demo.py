@@ -134,31 +134,76 @@ def test_agent_report_and_table(tmp_path):
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
 
 
-@pytest.mark.slow
-def test_the_agent_loop_runs_end_to_end_and_reports_every_stage(tmp_path):
-    """The whole loop wired up on the 16-wide tiny model, a few questions, a step or two each: the held-out
-    rollouts cover base, sft and grpo, GRPO's reward curve has one value per step, and a rejection-sampling
-    round with nothing to keep (a random model answers nothing) is recorded and leaves the rft arm out.
-    Whether the loop improves the model is docs/agent.md's measurement, not this test's."""
+def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path):
     import json
 
-    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
-    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
+    from eogym_sft.demo import rejection_data
 
-    cfg = AgentDemoConfig(
-        train_rows=2, held_out_rows=2, sft_steps=1, grpo_steps=2, num_generations=2, grpo_questions_per_step=1, rft_steps=1,
-        samples=2, rft_samples=1, max_new_tokens=8, max_turns=2, model_config=TINY_QWEN3_VL_CONFIG,
-    )
-    report = run_agent_demo(tmp_path / "agent", cfg=cfg)
-    assert set(report["arms"]) == {"base", "sft", "grpo"}
-    assert all(a["questions"] == 2 and a["episodes"] == 4 for a in report["arms"].values())
-    assert len(report["grpo_reward_per_step"]) == 2
-    assert report["rejection_sampling"] == {"episodes_sampled": 2, "episodes_kept": 0, "rows_trained": None}
-    assert {(p["a"], p["b"]) for p in report["paired"] if p["metric"] == "pass@1"} == {("base", "sft"), ("base", "grpo"), ("sft", "grpo")}
-    assert json.loads((tmp_path / "agent" / "agent_report.json").read_text())["arms"] == report["arms"]
+    gold = tmp_path / "gold.jsonl"
+    gold.write_text('{"id": "g1"}\n{"id": "g2"}\n')
+    episode = {"messages": [], "stop_reason": "final_answer", "correct": True, "arm": "sft"}
+    lines = [episode | {"id": "e1"}, episode | {"id": "e2", "correct": False}, episode | {"id": "e3", "arm": "base"},
+             episode | {"id": "e4", "stop_reason": "max_new_tokens"}, episode | {"id": "e5"}]
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    union, info = rejection_data(tmp_path, gold, sampled=5)
+    assert info == {"episodes_sampled": 5, "episodes_kept": 2, "rows_trained": 4}
+    assert [json.loads(x)["id"] for x in union.read_text().splitlines()] == ["g1", "g2", "e1", "e5"]
+    (tmp_path / "episodes.jsonl").write_text(json.dumps(lines[1]) + "\n")  # nothing right: nothing to train on
+    assert rejection_data(tmp_path, gold, sampled=1) == (None, {"episodes_sampled": 1, "episodes_kept": 0, "rows_trained": None})
+
+
+# The agent demo's loop, shortened (fewer questions and steps than `eogym-sft demo --agent`, the same code
+# and model), run once for the tests below: they assert what the demo shows, that the loop improves an agent.
+LEARNING_RUN = dict(train_rows=64, held_out_rows=16, sft_steps=40, grpo_steps=2, rft_steps=40, samples=2, rft_samples=1)
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+
+    output = tmp_path_factory.mktemp("agent") / "agent"
+    return output, AgentDemoConfig(**LEARNING_RUN), run_agent_demo(output, cfg=AgentDemoConfig(**LEARNING_RUN))
+
+
+def _paired(report, a, b, metric="pass@1"):
+    return next(p for p in report["paired"] if (p["a"], p["b"], p["metric"]) == (a, b, metric))
+
+
+@pytest.mark.slow
+def test_sft_teaches_the_tool_and_the_answer_on_held_out_questions(learned):
+    _, _, report = learned
+    base, sft = report["arms"]["base"], report["arms"]["sft"]
+    assert base["pass@1"] == 0.0 and base["tool_any"] == 0.0  # a random model calls nothing and answers nothing
+    assert sft["tool_any"] >= 0.8
+    gain = _paired(report, "base", "sft")
+    assert gain["delta"] >= 0.3 and gain["ci95_normal_approx"][0] > 0, gain
+
+
+@pytest.mark.slow
+def test_grpo_and_rejection_sampling_do_not_fall_below_sft(learned):
+    _, cfg, report = learned
+    assert len(report["grpo_reward_per_step"]) == cfg.grpo_steps
+    for arm in ("grpo", "rft"):
+        paired = _paired(report, "sft", arm)
+        assert paired["ci95_normal_approx"][1] >= 0, paired  # not significantly worse than SFT
+    kept = report["rejection_sampling"]
+    assert 0 < kept["episodes_kept"] <= kept["episodes_sampled"] == cfg.train_rows * cfg.rft_samples
+    assert kept["rows_trained"] == cfg.train_rows + kept["episodes_kept"]
+
+
+@pytest.mark.slow
+def test_the_report_covers_every_arm_and_stage_and_a_rerun_is_refused(learned):
+    import json
+
+    from eogym_sft.demo import run_agent_demo
+
+    output, cfg, report = learned
+    assert set(report["arms"]) == {"base", "sft", "grpo", "rft"}
+    assert all(a["questions"] == cfg.held_out_rows and a["episodes"] == cfg.held_out_rows * cfg.samples for a in report["arms"].values())
+    assert json.loads((output / "agent_report.json").read_text())["arms"] == report["arms"]
     assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
     with pytest.raises(FileExistsError, match="--overwrite"):
-        run_agent_demo(tmp_path / "agent", cfg=cfg)
+        run_agent_demo(output, cfg=cfg)
 
 
 def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):

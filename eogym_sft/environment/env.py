@@ -98,7 +98,9 @@ class EOGymEnvironment:
         if not isinstance(spec, str):
             return spec  # a user's own backend object
         if spec == "crop":
-            return CropBackend(self.data_root, cache)
+            images = self.row.get("images")
+            only = images[0] if isinstance(images, list) and len(images) == 1 and isinstance(images[0], str) else None
+            return CropBackend(self.data_root, cache, default_image=only)
         if spec == "replay":
             return ReplayBackend(self.row, self.rule, tolerance)
         if spec == "http":

@@ -12,8 +12,9 @@ checkerboard, and so the colour, is intact. The full image alone scores chance (
 
 Rows are EO-Gym's own format (``id``, ``images``, ``tools`` as OpenAI schemas, ``messages`` from the system
 prompt to ``Final Answer: <colour>``, ``gt_answer``, ``data_source``, ``question_type``, ``EO_task``). The
-gold trace calls the real crop tool with the quadrant's normalised AOI, and its tool result is what the
-environment's ``crop`` backend returns for that call (the backend writes the crop under ``image_cache/``).
+gold trace calls the real crop tool with the quadrant's normalised AOI (and no ``image_url``: the task's
+schema makes it optional, and the ``crop`` backend then crops the row's only image), and its tool result
+is what the environment's ``crop`` backend returns for that call (it writes the crop under ``image_cache/``).
 Pure functions but :func:`write_task`, which writes images and JSONL.
 """
 
@@ -30,29 +31,29 @@ from .backends.crop import CROP_TOOL
 SCENE_PX = 256  # the scene's side; a quadrant is 128 px, the crop shows it at native resolution
 COLOURS = {"red": (230, 30, 30), "green": (30, 210, 50), "blue": (40, 60, 235), "white": (245, 245, 245)}
 QUADRANTS = {  # name -> normalised AOI [x0, y0, x1, y1] of the crop that shows it
-    "top-left": [0.0, 0.0, 0.5, 0.5],
-    "top-right": [0.5, 0.0, 1.0, 0.5],
-    "bottom-left": [0.0, 0.5, 0.5, 1.0],
-    "bottom-right": [0.5, 0.5, 1.0, 1.0],
+    "top-left": [0, 0, 0.5, 0.5],
+    "top-right": [0.5, 0, 1, 0.5],
+    "bottom-left": [0, 0.5, 0.5, 1],
+    "bottom-right": [0.5, 0.5, 1, 1],
 }
 DATA_SOURCE = "eogym_sft.colour_grid"
 IMAGE_DIR = "EO_GYM_DATA/colour_grid"
-SYSTEM_PROMPT = (
-    "You are an expert remote-sensing analyst. The full image is too coarse to show fine texture: "
-    "crop the region the question names first. After the tool, reply on one line as: Final Answer: <answer>."
-)
+SYSTEM_PROMPT = "The image is too coarse to show texture: crop the quadrant asked about, then reply: Final Answer: <colour>."
+# The real tool's name and arguments; image_url may be left out (the crop backend then crops the row's
+# only image), so that the call a model must learn is the AOI alone: a small model learns to pick one
+# of four AOIs in a few dozen steps, while copying a row-specific path takes it far longer.
 CROP_SCHEMA = {
     "type": "function",
     "function": {
         "name": CROP_TOOL,
-        "description": "Crop an optical or SAR image by a normalized AOI and return the saved path.",
+        "description": "Crop an image to a normalized AOI.",
         "parameters": {
             "type": "object",
             "properties": {
-                "image_url": {"type": "string", "description": "Portable path of the image, e.g. EO_GYM_DATA/<id>/<name>.png."},
-                "aoi": {"type": "array", "items": {"type": "number"}, "description": "Normalized area of interest [x0, y0, x1, y1] in 0..1."},
+                "aoi": {"type": "array", "items": {"type": "number"}, "description": "[x0, y0, x1, y1] in 0..1"},
+                "image_url": {"type": "string", "description": "default: the question's image"},
             },
-            "required": ["image_url", "aoi"],
+            "required": ["aoi"],
         },
     },
 }
@@ -86,11 +87,8 @@ def read_colour(pixels: np.ndarray) -> str:
     return min(COLOURS, key=lambda n: float(((mean - np.array(COLOURS[n])) ** 2).sum()))
 
 
-def question_text(image_path: str, quadrant: str) -> str:
-    return (
-        f"<image>\nImage: {image_path}\nWhat colour is the texture in the {quadrant} quadrant? "
-        f"Answer with one of: {', '.join(COLOURS)}."
-    )
+def question_text(quadrant: str) -> str:
+    return f"<image>\nWhich colour, {', '.join(COLOURS)}, is the {quadrant} quadrant?"
 
 
 def task_spec(seed: int, index: int) -> dict:
@@ -104,14 +102,14 @@ def task_spec(seed: int, index: int) -> dict:
 def gold_row(spec: dict, crop_result: str) -> dict:
     """The EO-Gym row of a question, its gold trace calling the crop tool; ``crop_result`` is the tool's text."""
     quadrant, answer = spec["quadrant"], spec["colours"][spec["quadrant"]]
-    call = {"image_url": spec["image"], "aoi": QUADRANTS[quadrant]}
+    call = {"aoi": QUADRANTS[quadrant]}
     return {
         "id": spec["id"],
         "images": [spec["image"]],
         "tools": [CROP_SCHEMA],
         "messages": [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": question_text(spec["image"], quadrant)},
+            {"role": "user", "content": question_text(quadrant)},
             {
                 "role": "assistant",
                 "content": "",
@@ -146,8 +144,8 @@ def write_task(output: str | Path, rows: int, seed: int = 0, start: int = 0, nam
         path = output / spec["image"]
         path.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(scene_pixels(spec["colours"])).save(path, format="PNG")
-        env = EOGymEnvironment({"id": spec["id"], "tools": [CROP_SCHEMA]}, output, backends=("crop",))
-        result = env.call(CROP_TOOL, {"image_url": spec["image"], "aoi": QUADRANTS[spec["quadrant"]]})
+        env = EOGymEnvironment({"id": spec["id"], "images": [spec["image"]], "tools": [CROP_SCHEMA]}, output, backends=("crop",))
+        result = env.call(CROP_TOOL, {"aoi": QUADRANTS[spec["quadrant"]]})
         if not result.ok:
             raise RuntimeError(f"the crop backend refused the gold call of {spec['id']}: {result.text}")
         lines.append(json.dumps(gold_row(spec, result.text)))

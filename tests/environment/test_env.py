@@ -244,3 +244,24 @@ def test_find_row_skips_hostile_lines(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"[" * 100000 + b"\n" + b'{"n": ' + b"9" * 5000 + b"}\n" + b'{"id": "r1"}\n')
     assert find_row(path, "r1") == {"id": "r1"}
+
+
+def test_a_crop_without_image_url_takes_the_rows_only_image_where_the_schema_allows_it(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "EO_GYM_DATA").mkdir()
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 4), (10, 20, 30)).save(tmp_path / "EO_GYM_DATA" / name)
+    optional = {"type": "object", "properties": {"image_url": {"type": "string"}, "aoi": {"type": "array"}}, "required": ["aoi"]}
+    required = {**optional, "required": ["image_url", "aoi"]}
+
+    def row(images, parameters):
+        return {"id": "r", "images": images, "tools": [{"type": "function", "function": {"name": CROP, "parameters": parameters}}]}
+
+    one = EOGymEnvironment(row(["EO_GYM_DATA/a.png"], optional), tmp_path).call(CROP, {"aoi": [0, 0, 0.5, 1]})
+    named = EOGymEnvironment(row(["EO_GYM_DATA/a.png"], optional), tmp_path).call(CROP, {"image_url": "EO_GYM_DATA/a.png", "aoi": [0, 0, 0.5, 1]})
+    assert one.ok and one.text == named.text and json.loads(one.text)["bbox_px"] == [0, 0, 4, 4]
+    two = EOGymEnvironment(row(["EO_GYM_DATA/a.png", "EO_GYM_DATA/b.png"], optional), tmp_path).call(CROP, {"aoi": [0, 0, 0.5, 1]})
+    assert (two.ok, two.error) == (False, "bad_arguments") and "image_url" in two.text  # which one? never guessed
+    schema_says_no = EOGymEnvironment(row(["EO_GYM_DATA/a.png"], required), tmp_path).call(CROP, {"aoi": [0, 0, 0.5, 1]})
+    assert (schema_says_no.ok, schema_says_no.error) == (False, "bad_arguments") and "missing required argument(s): image_url" in schema_says_no.text

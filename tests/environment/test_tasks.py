@@ -42,7 +42,7 @@ def test_rows_are_eogym_rows_with_a_gold_crop_call(task):
         assert row["messages"][-1]["content"] == f"Final Answer: {row['gt_answer']}"
         assert row["tools"][0]["function"]["name"] == "crop_optical_or_sar_image"
         call = json.loads(row["messages"][2]["tool_calls"][0]["function"]["arguments"])
-        assert call == {"image_url": row["images"][0], "aoi": QUADRANTS[row["question_type"]]}
+        assert call == {"aoi": QUADRANTS[row["question_type"]]}  # image_url left out: the row's only image
         assert row["gt_answer"] in COLOURS and (root / row["images"][0]).is_file()
         trace = normalize_row(row)  # data prep reads it: the crop named by the result is shown to the model
         assert trace.images[0] == row["images"][0] and trace.images[1].startswith("image_cache/crops/")

@@ -11,6 +11,7 @@ from PIL import Image
 from eogym_sft.models.generation import (
     GraphedStep,
     Sampling,
+    draw,
     SlotDecoder,
     expand_image_pads,
     image_input,
@@ -113,6 +114,15 @@ def test_sampling_rules():
     assert Sampling().pick(logits, [5, 5], stop_ids=[1], banned_ids=[1, 0]) == [3, 2]  # never a banned token
     picks = {tuple(Sampling(temperature=1.0).pick(logits, [5, 5], [1], generator, banned_ids=[1])) for _ in range(50)}
     assert all(p[0] != 1 and p[1] != 1 for p in picks)
+
+
+def test_draw_samples_in_proportion_to_the_weights_and_never_a_zero_weight():
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0]]).repeat(40000, 1)  # zero weights first, between and last
+    picks = torch.tensor(draw(weights, torch.Generator().manual_seed(0)))
+    counts = torch.bincount(picks, minlength=5).tolist()
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert abs(counts[1] / 40000 - 0.25) < 0.01 and abs(counts[3] / 40000 - 0.75) < 0.01
+    assert draw(torch.tensor([[0.0, 0.0, 2.0]]), torch.Generator().manual_seed(1)) == [2]
 
 
 def test_vision_token_ids_are_the_qwen3_vl_vision_specials(processor):

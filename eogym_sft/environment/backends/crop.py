@@ -111,15 +111,18 @@ class CropBackend:
 
     name = "crop"
 
-    def __init__(self, data_root: str | os.PathLike, cache_dir: str | os.PathLike):
+    def __init__(self, data_root: str | os.PathLike, cache_dir: str | os.PathLike, default_image: str | None = None):
         self.data_root = Path(data_root).resolve()
         self.cache_dir = Path(cache_dir).resolve()
+        # a call without image_url crops this one (the row's only image); the row's schema decides
+        # whether image_url may be left out at all (the environment checks required arguments first)
+        self.default_image = default_image
 
     def answer(self, tool: str, arguments: dict) -> tuple[str, None]:
         if tool != CROP_TOOL:
             raise CannotAnswer(f"the crop backend only runs {CROP_TOOL}")
         aoi = parse_aoi(arguments.get("aoi"))
-        rel = arguments.get("image_url")
+        rel = arguments.get("image_url", self.default_image)
         if not isinstance(rel, str) or not rel:
             raise ToolCallError("bad_arguments", "image_url must be the path of an image, e.g. EO_GYM_DATA/<id>/<hash>.jpg")
         if len(rel) > MAX_PATH_CHARS:
