@@ -218,4 +218,4 @@ def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
     assert (training.beta, training.scale_rewards, training.temperature) == (0.0, "group", 1.0)
     assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
     assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
-    assert model.attn_implementation == "sdpa"
+    assert model.attn_implementation == "eogym_varlen"  # the packed loss forward, as the recipe (cuDNN's is CUDA only)

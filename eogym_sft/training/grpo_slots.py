@@ -398,6 +398,12 @@ class SlotGRPOTrainer(GRPOTrainer):
             except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
                 logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
                 samples.append(failed_sample(self.processing_class))
+        over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS for s, ep in zip(samples, episodes))
+        if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
+            logger.warning(
+                "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "
+                "their images count) and train on nothing: raise max_completion_length", over, len(episodes), self.max_completion_length,
+            )
         for env, ep in zip(self.environments, episodes):  # the reward reads these counts
             env.tool_calls = ep.calls
             env.tool_errors = ep.tool_errors - ep.tool_error_codes.get("invalid_call", 0)

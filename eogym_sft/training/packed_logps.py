@@ -17,6 +17,7 @@ checks log-probabilities, entropies, the loss and its gradients against TRL's pa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -127,11 +128,29 @@ def packed_logps_and_entropies(
     """Per-token log-probabilities (and entropies, and the MoE aux loss) of a packed micro-batch, laid out as
     TRL's ``(rows, logits_to_keep)``: one forward through TRL's fused LM head."""
     kwargs = {"output_router_logits": True} if compute_aux_loss else {}
-    with autocast():
+    with autocast(), labelled_rows_only():
         out = model(**packed.inputs, fused_lm_head=True, **kwargs)
     logps = _scatter(out.log_probs, packed, batch, logits_to_keep)
     entropies = _scatter(out.entropy, packed, batch, logits_to_keep) if compute_entropy else None
     return logps, entropies, out.aux_loss if compute_aux_loss else None
+
+
+@contextmanager
+def labelled_rows_only():
+    """TRL's fused LM head projects only the labelled rows where Triton runs (CUDA, XPU) and every row
+    elsewhere, so that compilers for those devices see one tile shape; on a CPU that is most of a GRPO
+    step (a packed row's prompt tokens outnumber its completion tokens many times). Within this context
+    it projects the labelled rows on every device: the same log-probabilities, on fewer rows. It swaps
+    the name TRL's forward reads, ``trl.trainer.utils._use_triton`` (pinned by
+    ``tests/training/test_packed_logps.py``), and never the kernels' own choice of Triton."""
+    import trl.trainer.utils as trl_utils
+
+    original = trl_utils._use_triton
+    trl_utils._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
 
 
 def _scatter(per_token: torch.Tensor, packed: PackedRows, batch: int, logits_to_keep: int) -> torch.Tensor:

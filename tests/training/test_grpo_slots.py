@@ -274,3 +274,25 @@ def test_an_episode_that_fails_trains_on_nothing_and_is_counted(batches):
     assert int((batch["tool_mask"][0] * batch["completion_mask"][0]).sum()) > 0
     assert batch["num_images"] == [2, 0]
     assert trainer._metrics["train"]["rollout/failed"][-1] == 0.5
+
+
+def test_an_episode_longer_than_max_completion_length_is_named_in_a_warning(batches, caplog):
+    """Each turn fits, the whole episode (its tool result and crop count) does not: it trains on nothing,
+    and the log says so and what to raise, instead of a reward curve that never moves."""
+    trainer, batch = batches["slots"]["trainer"], batches["slots"]["batch"]
+    trained = batch["tool_mask"][0][: int(batch["completion_mask"][0].sum())].tolist()
+    first_turn = trained.index(0)  # the call turn ends where the tool result begins
+    limit = first_turn + 8  # room for each turn (the answer is shorter), not for the result between them
+    assert limit < len(trained)
+    example = trainer.train_dataset[0]
+    batches["model"].train()
+    saved = trainer.max_completion_length
+    trainer.max_completion_length = limit
+    try:
+        with caplog.at_level("WARNING", logger="eogym_sft.training.grpo_slots"), torch.no_grad():
+            trainer._generate_and_score_completions([example, example])
+    finally:
+        trainer.max_completion_length = saved
+    warned = [r.getMessage() for r in caplog.records if "longer than max_completion_length" in r.getMessage()]
+    assert warned == [f"1 of 2 episodes ended on their own but are longer than max_completion_length={limit} (tool results and "
+                      "their images count) and train on nothing: raise max_completion_length"]

@@ -235,3 +235,32 @@ def test_other_vision_inputs_are_refused(setup):
     ids = torch.ones((1, 4), dtype=torch.long)
     with pytest.raises(ValueError, match="Qwen-style vision inputs only"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, ids, 2, spatial_shapes=torch.ones(1, 2))
+
+
+def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(setup, monkeypatch):
+    """Pins the name :func:`labelled_rows_only` swaps: TRL's fused forward decides from
+    ``trl.trainer.utils._use_triton`` whether to hand its kernel the labelled rows or every row."""
+    import trl.trainer.utils as trl_utils
+
+    from eogym_sft.training.packed_logps import labelled_rows_only
+
+    trainer, processor, _ = setup
+    rows_scored = []
+    kernel = trl_utils._ChunkedLogProbFunction
+
+    class Spy:
+        @staticmethod
+        def apply(hidden, *args):
+            rows_scored.append(hidden.shape[0])
+            return kernel.apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    labels = torch.tensor([[-100, -100, -100, -100, 9, 10]])
+    with torch.no_grad():
+        everywhere = trainer.model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+        with labelled_rows_only():
+            labelled = trainer.model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs
+    assert rows_scored == [5, 2]  # shifted by one: 5 positions predict a next token, 2 of them are labelled
+    torch.testing.assert_close(labelled, everywhere, **TOL)
+    assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
