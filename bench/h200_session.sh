@@ -50,7 +50,7 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
-  python -m pytest -q -p no:cacheprovider tests/models/test_attention.py tests/training/test_collator.py tests/models/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/training/test_collator.py tests/models/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench_1)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms A,B,B-b1,B-b1-GC,B-GC --json $OUT/train_1gpu_part1.json
@@ -126,7 +126,7 @@ recipe20_b)
     > $OUT/recipe20_second.log 2>&1 & recipe=$!
   for _ in $(seq 100); do grep -q "'loss'" $OUT/recipe20_second.log && break; sleep 2; done
   echo "GPU 0 starts at ${SECONDS}s"
-  CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider tests/models/test_attention.py tests/models/test_loading.py \
+  CUDA_VISIBLE_DEVICES=0 timeout $((400 - SECONDS)) python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/models/test_loading.py \
     > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   tail -3 $OUT/gpu_tests.log
   CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/attention_probe.py --lengths 6000,6000 --iters 10 \
@@ -139,7 +139,7 @@ cudnn_1gpu)
   # cudnn_x2 on one GPU when no 2-GPU host is lent: the kernels' GPU test and the probe on unequal lengths
   # (~1.5 min, estimate), then arm B-flash against B in one process (1 warm-up + 3 timed steps each). ~9 min.
   make_bench_data; mkdir -p /tmp/logs
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/models/test_attention.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py \
     -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout 90 python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
@@ -153,7 +153,7 @@ windows_1gpu)
   # The per-sample op reading the packed rows in place (windows, +inf log-sum-exp after each sample in the backward)
   # with the boundaries on the host: its GPU tests (cuDNN against flash, outputs and gradients; the compiled layer,
   # where the boundaries arrive), then the probe on 3,500 + 8,500 tokens with flash's kernel beside it. ~4 min (estimate).
-  timeout 150 python -m pytest -q -p no:cacheprovider tests/models/test_attention.py \
+  timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py \
     -k "match_the_varlen_kernel or (compiled_layers_on_cuda and cudnn) or on_a_gpu" > $OUT/gpu_tests.log 2>&1 || echo "GPU tests: exit $?"
   grep -E "passed|failed|FAILED|Error" $OUT/gpu_tests.log | tail -8
   timeout $((280 - SECONDS)) python bench/attention_probe.py --lengths 3500,8500 --iters 10 --json $OUT/attention_3500_8500.json \
@@ -221,7 +221,7 @@ grpo)
   # the CUDA-graph test of the kept decoder first
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   make_model
-  python -m pytest -q -p no:cacheprovider tests/training/test_grpo_slots.py -k cuda_graphs 2>&1 | tail -3 || echo "grpo GPU test failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" tests/training/test_grpo_slots.py -k cuda_graphs 2>&1 | tail -3 || echo "grpo GPU test failed"
   CUDA_VISIBLE_DEVICES=0 timeout 480 python bench/grpo_step.py --model $model --arms trl,slots,recipe --questions 2 --generations 8 \
     --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_bench \
     --json $OUT/grpo_engines.json > $OUT/grpo_engines.log 2>&1 || echo "grpo: exit $?"
@@ -229,7 +229,7 @@ grpo)
   ;;
 closed_loop_1gpu)
   make_model; make_data 48
-  python -m pytest -q -p no:cacheprovider -m gpu tests/models/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/models/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
   [ -f /tmp/cl_adapters/b/adapter_config.json ] || python -c "
 from eogym_sft.models.loading import apply_lora, load_base_model
 import torch
