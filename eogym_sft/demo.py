@@ -218,7 +218,9 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
     )
     model = ModelConfig(
-        model_name_or_path=str(model_dir), dtype="float32", attn_implementation="eogym_varlen", use_peft=True,
+        model_name_or_path=str(model_dir), dtype="float32", use_peft=True,
+        # the packed loss forward's attention; CUDA's varlen kernels take bf16 only, so in float32 there SDPA
+        attn_implementation="eogym_varlen" if cfg.device == "cpu" else "sdpa",
         lora_r=16, lora_alpha=32, lora_dropout=0.05, lora_target_modules=list(LORA_TARGETS),
     )
     return script, training, model
