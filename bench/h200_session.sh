@@ -274,7 +274,8 @@ agent_1gpu)
   CUDA_VISIBLE_DEVICES=0 timeout 540 python -c "
 from eogym_sft.demo import AgentDemoConfig, run_agent_demo
 run_agent_demo('/tmp/agent_gpu', overwrite=True, cfg=AgentDemoConfig(device='cuda', train_rows=384, held_out_rows=128,
-    sft_steps=300, grpo_steps=60, grpo_questions_per_step=2, num_generations=8, grpo_learning_rate=1e-4, rft_steps=300))" > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
+    sft_steps=300, grpo_steps=60, grpo_questions_per_step=2, num_generations=8, grpo_learning_rate=1e-4, rft_steps=300,
+    samples=4, rft_samples=2))" > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
   cp /tmp/agent_gpu/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
   grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
   ;;

@@ -152,9 +152,10 @@ def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path)
     assert rejection_data(tmp_path, gold, sampled=1) == (None, {"episodes_sampled": 1, "episodes_kept": 0, "rows_trained": None})
 
 
-# The agent demo's loop, shortened (fewer questions and steps than `eogym-sft demo --agent`, the same code
-# and model), run once for the tests below: they assert what the demo shows, that the loop improves an agent.
-LEARNING_RUN = dict(train_rows=64, held_out_rows=16, sft_steps=40, grpo_steps=2, rft_steps=40, samples=2, rft_samples=1)
+# The agent demo's loop as `eogym-sft demo --agent` runs it (the same code, model, questions and SFT), shortened
+# where the assertions allow (16 held-out questions, 2 GRPO steps, no rejection-sampling round: its data is
+# test_rejection_data_...'s), run once for the tests below: they assert what the demo shows.
+LEARNING_RUN = dict(held_out_rows=16, grpo_steps=2, rft_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +181,12 @@ def test_sft_teaches_the_tool_and_the_answer_on_held_out_questions(learned):
 
 
 @pytest.mark.slow
-def test_grpo_and_rejection_sampling_do_not_fall_below_sft(learned):
+def test_grpo_does_not_fall_below_sft(learned):
     _, cfg, report = learned
     assert len(report["grpo_reward_per_step"]) == cfg.grpo_steps
-    for arm in ("grpo", "rft"):
-        paired = _paired(report, "sft", arm)
-        assert paired["ci95_normal_approx"][1] >= 0, paired  # not significantly worse than SFT
-    kept = report["rejection_sampling"]
-    assert 0 < kept["episodes_kept"] <= kept["episodes_sampled"] == cfg.train_rows * cfg.rft_samples
-    assert kept["rows_trained"] == cfg.train_rows + kept["episodes_kept"]
+    paired = _paired(report, "sft", "grpo")
+    assert paired["ci95_normal_approx"][1] >= 0, paired  # not significantly worse than SFT
+    assert report["arms"]["grpo"]["tool_any"] >= 0.8
 
 
 @pytest.mark.slow
@@ -198,10 +196,10 @@ def test_the_report_covers_every_arm_and_stage_and_a_rerun_is_refused(learned):
     from eogym_sft.demo import run_agent_demo
 
     output, cfg, report = learned
-    assert set(report["arms"]) == {"base", "sft", "grpo", "rft"}
+    assert set(report["arms"]) == {"base", "sft", "grpo"} and report["rejection_sampling"] is None
     assert all(a["questions"] == cfg.held_out_rows and a["episodes"] == cfg.held_out_rows * cfg.samples for a in report["arms"].values())
     assert json.loads((output / "agent_report.json").read_text())["arms"] == report["arms"]
-    assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
+    assert set(report["seconds"]) == {"task and model", "sft", "grpo", "held-out rollouts", "total"}
     with pytest.raises(FileExistsError, match="--overwrite"):
         run_agent_demo(output, cfg=cfg)
 
