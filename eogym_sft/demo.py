@@ -158,11 +158,11 @@ class AgentDemoConfig:
     seed: int = 0
     max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
     min_pixels: int = 4096
-    sft_steps: int = 100  # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.78
+    sft_steps: int = 100  # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.78 and 0.73
     sft_learning_rate: float = 5e-3
     grpo_steps: int = 6
     grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
-    num_generations: int = 8  # GRPO's group: episodes per question (the recipe's); 4 leaves most groups without spread
+    num_generations: int = 8  # GRPO's group: episodes per question, the recipe's 8
     grpo_questions_per_step: int = 1
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
