@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -200,27 +201,22 @@ class SlotDecoder:
         """Make slot ``slot`` hold ``ids`` (image pads expanded for ``images``, all images of the
         conversation in order) and return the logits ``(vocab,)`` for the token after them.
 
-        Only the tokens past the longest prefix that the slot already holds are computed; a prefix never
-        ends inside an image, and at least the last token is always recomputed for its logits. Every
-        ``<|image_pad|>`` has the same id, so the prefix also ends at the first image that is not the very
-        :class:`ImageInput` object the slot holds there (the episode's picture cache hands out one object
-        per image: same object, same pixels); ``last_prefill_tokens`` is what this call computed."""
+        Only the tokens past the longest prefix held by this slot or by any other are computed (another
+        slot's keys and values are copied: the samples of one question share their prompt, so it is
+        encoded once); a prefix never ends inside an image, and at least the last token is always
+        recomputed for its logits. Every ``<|image_pad|>`` has the same id, so the prefix also ends at the
+        first image that is not the very :class:`ImageInput` object the slot holds there (the episode's
+        picture cache hands out one object per image: same object, same pixels); ``last_prefill_tokens``
+        is what this call computed."""
         if len(ids) >= self.max_len:
             raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
-        held = self.tokens[slot]
-        start = 0
-        limit = min(len(held), len(ids) - 1)
-        while start < limit and held[start] == ids[start]:
-            start += 1
-        while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
-            start -= 1  # never split an image: its tokens are encoded together
         starts = image_starts(ids, images, self.image_token_id)
-        image_index = 0  # the first image at or after `start`
-        while image_index < len(images) and starts[image_index] < start:
-            if not self._holds_image(slot, image_index, images[image_index]):
-                start = starts[image_index]  # same token ids, another image: recompute from here
-                break
-            image_index += 1
+        source, start = max(((s, self._reusable(s, ids, images, starts)) for s in self._by_preference(slot)), key=lambda x: x[1])
+        if source != slot and start:
+            for keys, values in zip(self.keys, self.values):
+                keys[slot, :, :start] = keys[source, :, :start]
+                values[slot, :, :start] = values[source, :, :start]
+        image_index = sum(1 for at in starts if at < start)  # the first image at or after `start`
         positions = rope_positions(ids, images, self.image_token_id, self.merge)
         chunk = ids[start:]
         logits = self._forward_chunk(slot, start, chunk, positions[:, start:], images[image_index:])
@@ -229,6 +225,29 @@ class SlotDecoder:
         self.next_pos[slot] = int(positions.max()) + 1
         self.last_prefill_tokens = len(chunk)
         return logits
+
+    def _by_preference(self, slot: int) -> list[int]:
+        """The slot itself first (no copy on a tie), then the others."""
+        return [slot] + [s for s in range(self.slots) if s != slot]
+
+    def _reusable(self, slot: int, ids: list[int], images: list[ImageInput], starts: list[int]) -> int:
+        """How many leading tokens of ``ids`` slot ``slot``'s cache holds as they would be computed now:
+        the common prefix, cut back to before an image it would split or an image that is not the same
+        object, and short of the last token (whose logits are wanted)."""
+        held = self.tokens[slot]
+        limit = min(len(held), len(ids) - 1)
+        if not limit:
+            return 0
+        same = np.asarray(held[:limit]) == np.asarray(ids[:limit])
+        start = limit if same.all() else int(np.argmin(same))
+        while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
+            start -= 1  # never split an image: its tokens are encoded together
+        for index, at in enumerate(starts):
+            if at >= start:
+                break
+            if not self._holds_image(slot, index, images[index]):
+                return at  # same token ids, another image: recompute from here
+        return start
 
     def _holds_image(self, slot: int, index: int, image: ImageInput) -> bool:
         held = self.images[slot]

@@ -176,6 +176,30 @@ def test_a_refilled_slot_recomputes_from_the_first_image_that_differs(model, pro
     torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
 
 
+def test_a_slot_copies_the_prompt_another_slot_holds_and_gives_its_own_logits(model, processor):
+    """The samples of one question: the second slot copies the first's keys and values of the shared prompt
+    and computes only what differs; its logits equal a decoder that computed everything. A prompt with
+    another image object of the same size shares only the text before the image."""
+    pictures = _pictures()
+    images = [image_input(processor, p) for p in pictures]
+    first, second = _two_turns(processor, images)
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    decoder.prefill(0, second, images)
+    logits = decoder.prefill(1, first, images[:1])  # a prefix of slot 0's sequence
+    assert decoder.last_prefill_tokens == 1
+    fresh = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64).prefill(0, first, images[:1])
+    torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+    order, stepped = decoder.decode({1: 7})  # the copied cache decodes as a computed one
+    reference = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64)
+    reference.prefill(0, first, images[:1])
+    torch.testing.assert_close(stepped, reference.decode({0: 7})[1], atol=1e-5, rtol=1e-5)
+    other = image_input(processor, Image.effect_noise((64, 48), 30).convert("RGB"))  # same size, other pixels
+    logits = decoder.prefill(2, first, [other])
+    assert decoder.last_prefill_tokens == len(first) - first.index(IMAGE_TOKEN_ID)
+    fresh = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64).prefill(0, first, [other])
+    torch.testing.assert_close(logits, fresh, atol=1e-5, rtol=1e-5)
+
+
 def test_clearing_graphs_drops_their_pool():
     """Capturing into the pool of freed graphs trips the CUDA allocator's use_count assert: an arm switch
     (reset) must start a fresh pool."""
