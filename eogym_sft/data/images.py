@@ -19,6 +19,7 @@ import functools
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -141,12 +142,15 @@ class ImageCache:
 
     ``load(path)`` makes an entry (by default the decoded RGB image of :func:`load_rgb`) and ``cost(entry)``
     says how much of ``budget`` it takes (by default its pixels). The entry just loaded always stays, even
-    over budget. Two threads asking for the same new path may both load it; the second result is kept.
+    over budget. A path is loaded once however many threads ask for it at the same time, and they all get
+    the same object: the slot decoder tells images apart by identity (a prompt's cache is shared between
+    the samples of a question only when their images are the very same objects).
     """
 
     def __init__(self, budget: int = 200_000_000, load=load_rgb, cost=_pixels):
         self.budget, self.load, self.cost = budget, load, cost
         self._entries: OrderedDict = OrderedDict()
+        self._loading: dict = {}  # path -> Future of the load one thread is running
         self._used = 0
         self._lock = threading.Lock()
 
@@ -155,13 +159,25 @@ class ImageCache:
             if path in self._entries:
                 self._entries.move_to_end(path)
                 return self._entries[path]
-        entry = self.load(path)  # outside the lock: decoding is the slow part, and threads share it
+            pending = self._loading.get(path)
+            owner = pending is None
+            if owner:
+                pending = self._loading[path] = Future()
+        if not owner:
+            return pending.result()  # the owner's entry, or its exception raised again
+        try:
+            entry = self.load(path)  # outside the lock: decoding is the slow part, and threads share it
+        except BaseException as err:
+            with self._lock:
+                del self._loading[path]
+            pending.set_exception(err)
+            raise
         with self._lock:
-            if path in self._entries:
-                self._used -= self.cost(self._entries.pop(path))
+            del self._loading[path]
             self._entries[path] = entry
             self._used += self.cost(entry)
             while self._used > self.budget and len(self._entries) > 1:
                 _, old = self._entries.popitem(last=False)
                 self._used -= self.cost(old)
+        pending.set_result(entry)
         return entry

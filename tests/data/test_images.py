@@ -275,3 +275,36 @@ def test_image_cache_default_decodes_rgb_within_a_pixel_budget(tmp_path):
     assert a.mode == "RGB" and cache.get(tmp_path / "a.png") is a
     cache.get(tmp_path / "b.png")  # 100 + 200 pixels > 250: a goes
     assert cache.get(tmp_path / "a.png") is not a
+
+
+def test_threads_asking_for_one_path_at_once_share_one_load_and_one_object(tmp_path):
+    import threading
+    import time
+
+    loads = []
+
+    def slow_load(path):
+        loads.append(path)
+        time.sleep(0.2)  # the other threads ask while this one decodes
+        if path.name == "bad":
+            raise ValueError("unreadable")
+        return object()
+
+    cache = ImageCache(budget=10, load=slow_load, cost=lambda entry: 1)
+    got, errors = [], []
+
+    def ask(name):
+        try:
+            got.append((name, cache.get(tmp_path / name)))
+        except ValueError as err:
+            errors.append(str(err))
+
+    threads = [threading.Thread(target=ask, args=(name,)) for name in ["a"] * 4 + ["bad"] * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(p.name for p in loads) == ["a", "bad"]  # one load a path
+    assert len({id(entry) for name, entry in got if name == "a"}) == 1 and len(got) == 4
+    assert errors == ["unreadable", "unreadable"]  # every asker sees the failure
+    assert cache.get(tmp_path / "a") is got[0][1]
