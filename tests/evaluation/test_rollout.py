@@ -130,6 +130,26 @@ def test_scripted_policy_runs_tools_reuses_the_cache_and_round_trips_through_pre
     assert len(sample["images"]) == 2
 
 
+def test_samples_in_parallel_slots_encode_their_prompt_once(processor, data_root, row_factory, tiny):
+    """Two samples of one question start together in two slots: the second slot copies the first's prompt
+    (same token ids, the same image objects from the shared picture cache) and computes one token."""
+    row = row_factory()
+    episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in range(2)]
+    decoder = SlotDecoder(tiny, slots=2, max_len=2048)
+    computed, prefill = [], decoder.prefill
+
+    def counted(slot, ids, images):
+        logits = prefill(slot, ids, images)
+        computed.append((slot, len(ids), decoder.last_prefill_tokens))
+        return logits
+
+    decoder.prefill = counted
+    run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, lambda ep: None)
+    fresh = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
+    prompt = len(fresh.prompt(processor, data_root)[0])
+    assert computed[:2] == [(0, prompt, prompt), (1, prompt, 1)]
+
+
 class _JudgeHandler(BaseHTTPRequestHandler):
     """A local chat-completions server: CORRECT when the candidate contains the reference; the first
     request for a candidate "flaky" fails with 500, "broken" always does, "chatty" gets an unusable reply."""
