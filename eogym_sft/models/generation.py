@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -117,6 +116,21 @@ def _text_parts(model):
     """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.model, base.lm_head
+
+
+def common_prefix(a: list, b: list, limit: int) -> int:
+    """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: a bisection over list-slice
+    comparisons (C loops), which a prefill runs against every slot's tokens (thousands each)."""
+    if a[:limit] == b[:limit]:
+        return limit
+    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class SlotDecoder:
@@ -238,8 +252,7 @@ class SlotDecoder:
         limit = min(len(held), len(ids) - 1)
         if not limit:
             return 0
-        same = np.asarray(held[:limit]) == np.asarray(ids[:limit])
-        start = limit if same.all() else int(np.argmin(same))
+        start = common_prefix(held, ids, limit)
         while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
             start -= 1  # never split an image: its tokens are encoded together
         for index, at in enumerate(starts):

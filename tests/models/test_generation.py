@@ -6,11 +6,14 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from eogym_sft.models.generation import (
     GraphedStep,
     Sampling,
+    common_prefix,
     draw,
     SlotDecoder,
     expand_image_pads,
@@ -114,6 +117,14 @@ def test_sampling_rules():
     assert Sampling().pick(logits, [5, 5], stop_ids=[1], banned_ids=[1, 0]) == [3, 2]  # never a banned token
     picks = {tuple(Sampling(temperature=1.0).pick(logits, [5, 5], [1], generator, banned_ids=[1])) for _ in range(50)}
     assert all(p[0] != 1 and p[1] != 1 for p in picks)
+
+
+@given(st.lists(st.integers(0, 2), max_size=40), st.lists(st.integers(0, 2), max_size=40))
+def test_common_prefix_is_the_length_of_the_equal_start(a, b):
+    limit = min(len(a), len(b))
+    naive = next((i for i in range(limit) if a[i] != b[i]), limit)
+    assert common_prefix(a, b, limit) == naive
+    assert common_prefix(a, b, min(limit, 3)) == min(naive, 3)
 
 
 def test_draw_samples_in_proportion_to_the_weights_and_never_a_zero_weight():
