@@ -284,7 +284,7 @@ validate_1gpu)
   # old = its former settings (padded SDPA batches of 4, collated in the main process, eager layers), new = its
   # defaults (packed batches of 8 through eogym_varlen_cudnn, 8 DataLoader workers, compiled layers), new-2arms =
   # new with the base arm too (each batch collated once). The target: new >= 3x old's tokens/s.
-  # ~5-6 min with making the 4B model (estimate: old ~90 s, new ~25 s + ~25 s compiling, new-2arms ~50 s)
+  # measured 2026-12-01: old 104 s, new 31 s, new-2arms 41 s of scoring; the call with setup and making the 4B model 6 min
   make_model
   CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/validate_throughput.py --model $model --rows 80 --batch-size 8 \
     --old-batch-size 4 --paths old,new,new-2arms --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 \
