@@ -250,6 +250,17 @@ def eval_mode(model):
         model.train(was_training)
 
 
+def loss_token_mask(inputs: dict) -> torch.Tensor | None:
+    """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
+    log-probability: without logs-probs from the sampling policy (``num_iterations=1``, no vLLM), TRL takes
+    the old policy's as the current ones detached, so every other position is multiplied by 0 and is never
+    read. With them (``old_per_token_logps``), an unscored position's ratio ``exp(0 - old)`` may overflow to
+    inf, and inf * 0 is NaN: None, every completion token scored."""
+    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None or inputs.get("sampling_per_token_logps") is not None:
+        return None
+    return inputs["completion_mask"] * inputs["tool_mask"]
+
+
 class SlotGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose episodes come from the slot decoder (module docstring).
 
@@ -264,6 +275,7 @@ class SlotGRPOTrainer(GRPOTrainer):
         self.logits_processors = list(logits_processors)
         self._decoder: SlotDecoder | None = None
         self._inputs: list[dict] | None = None
+        self._loss_mask: torch.Tensor | None = None
         self.sampling = self._sampling()
         stage = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", 0)
         if stage == 3:
@@ -295,6 +307,14 @@ class SlotGRPOTrainer(GRPOTrainer):
         finally:
             self._inputs = None
 
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, its forward scoring only the tokens the loss counts (:func:`loss_token_mask`)."""
+        self._loss_mask = loss_token_mask(inputs)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_mask = None
+
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None, **other,
@@ -307,6 +327,9 @@ class SlotGRPOTrainer(GRPOTrainer):
             raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
         image_processor = self.processing_class.image_processor
         batch_size = batch_size or input_ids.size(0)
+        scored = self._loss_mask
+        if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
+            scored = None  # not the loss's own batch: score every completion token
         logps, entropies, aux = [], [], []
         first_image = 0
         for start in range(0, input_ids.size(0), batch_size):
@@ -322,6 +345,7 @@ class SlotGRPOTrainer(GRPOTrainer):
                 input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
                 getattr(image_processor, "merge_size", 2), pixels, grid, images,
                 None if mm_token_type_ids is None else mm_token_type_ids[start:end],
+                None if scored is None else scored[start:end],
             )
             lp, ent, aux_loss = packed_logps_and_entropies(
                 model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast

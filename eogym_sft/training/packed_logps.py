@@ -13,6 +13,11 @@ only: on CUDA it projects only the labelled rows, so no vocabulary-wide logits o
 The result is laid out as TRL's padded path lays it out, ``(rows, logits_to_keep)`` with 0 where the
 padded path's label is masked, so the rest of TRL's loss is unchanged; ``tests/training/test_packed_logps.py``
 checks log-probabilities, entropies, the loss and its gradients against TRL's padded forward.
+
+The loss forward scores only the tokens the loss counts (``completion_mask * tool_mask``): a tool result
+and its crop's image tokens are context, never trained, and on a multi-turn episode they outnumber the
+model's own tokens (a crop at the recipe's cap is up to 980 image tokens, a turn tens), so projecting them
+through the vocabulary-wide head was most of the head's work.
 """
 
 from __future__ import annotations
@@ -62,11 +67,14 @@ def pack_rows(
     image_grid_thw: torch.Tensor | None = None,
     num_images: list[int] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    score_mask: torch.Tensor | None = None,
 ) -> PackedRows:
     """Pack TRL's padded ``(rows, prompt + completion)`` batch into one row (module docstring).
 
     ``pixel_values``/``image_grid_thw`` are the batch's images in row order (``num_images`` a row), as TRL
-    builds them for Qwen-style models; the images of a dropped (masked) completion are dropped with it."""
+    builds them for Qwen-style models; the images of a dropped (masked) completion are dropped with it.
+    ``score_mask`` (``(rows, logits_to_keep)``, optional): the completion tokens to score; the others (tool
+    results, their images) stay in the row as context but get no log-probability (0 in the result)."""
     device = input_ids.device
     batch, width = input_ids.shape
     prompt_width = width - logits_to_keep
@@ -98,7 +106,8 @@ def pack_rows(
             type_parts.append(mm_token_type_ids[b][keep[b]])
         # Completion tokens kept: their index in the packed row, and their column in TRL's layout.
         index_in_row = keep[b].long().cumsum(0) - 1
-        completion = keep[b, prompt_width:].nonzero().flatten()
+        wanted = keep[b, prompt_width:] if score_mask is None else keep[b, prompt_width:] & score_mask[b].bool()
+        completion = wanted.nonzero().flatten()
         packed = offset + index_in_row[prompt_width + completion]
         scored = packed > offset  # a sample's first token has nothing before it to be predicted from
         labels = torch.full((n,), IGNORE, dtype=torch.long, device=device)

@@ -264,3 +264,57 @@ def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(set
     assert rows_scored == [5, 2]  # shifted by one: 5 positions predict a next token, 2 of them are labelled
     torch.testing.assert_close(labelled, everywhere, **TOL)
     assert trl_utils._use_triton(torch.device("cpu")) is False  # restored
+
+
+def test_the_loss_forward_scores_only_the_tokens_the_loss_counts(setup, monkeypatch):
+    """The tool result and its crop are context: ``_compute_loss``'s forward hands TRL's head only the
+    model's own tokens (``completion_mask * tool_mask``), and the loss is the padded path's (the test above)."""
+    import trl.trainer.utils as trl_utils
+
+    trainer, processor, _ = setup
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    rows_scored = []
+    kernel = trl_utils._ChunkedLogProbFunction
+
+    class Spy:
+        @staticmethod
+        def apply(hidden, *args):
+            rows_scored.append(hidden.shape[0])
+            return kernel.apply(hidden, *args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    with torch.no_grad():
+        trainer._compute_loss(trainer.model, inputs)
+    counted = int((inputs["completion_mask"] * inputs["tool_mask"]).sum())
+    assert rows_scored == [counted] and counted < int(inputs["completion_mask"].sum())
+    assert trainer._loss_mask is None  # only for the loss's own forward
+
+
+def test_with_the_sampling_policys_logps_every_completion_token_is_scored():
+    """``exp(0 - old)`` at an unscored position may be inf, and inf * 0 is NaN: with old log-probs
+    (``num_iterations > 1``, vLLM) the forward scores every completion token, as TRL's."""
+    from eogym_sft.training.grpo_slots import loss_token_mask
+
+    completion, tools = torch.tensor([[1, 1, 1, 0]]), torch.tensor([[1, 0, 1, 1]])
+    base = {"completion_mask": completion, "tool_mask": tools}
+    assert torch.equal(loss_token_mask(base), torch.tensor([[1, 0, 1, 0]]))
+    assert loss_token_mask({"completion_mask": completion}) is None
+    assert loss_token_mask(base | {"old_per_token_logps": torch.zeros(1, 4)}) is None
+    assert loss_token_mask(base | {"sampling_per_token_logps": torch.zeros(1, 4)}) is None
+
+
+def test_pack_rows_labels_exactly_the_tokens_of_the_score_mask(setup):
+    """Every row's labels are its kept completion tokens inside ``score_mask`` (a random one here, so that each
+    row's is different), each at its own column; the unscored ones stay in the row as context."""
+    trainer, processor, _ = setup
+    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    score_mask = (torch.rand((3, width), generator=torch.Generator().manual_seed(0)) < 0.5).long()
+    args = (ids, mask, width, IMAGE_TOKEN_ID, 2, inputs["pixel_values"], inputs["image_grid_thw"], inputs["num_images"], inputs["mm_token_type_ids"])
+    packed, everything = pack_rows(*args, score_mask=score_mask), pack_rows(*args)
+    assert torch.equal(packed.inputs["input_ids"], everything.inputs["input_ids"])
+    want = (inputs["completion_mask"] * score_mask).bool()
+    assert torch.equal(torch.sparse_coo_tensor(torch.stack([packed.rows, packed.cols]), torch.ones_like(packed.rows), want.shape).to_dense().bool(), want)
+    assert (packed.inputs["labels"][0] != -100).sum() == int(want.sum()) < int(inputs["completion_mask"].sum())
