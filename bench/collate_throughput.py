@@ -66,9 +66,8 @@ def handover(pixel_values: torch.Tensor) -> None:
 
 
 def run(batches: list[list[dict]], max_pixels: int, min_pixels: int) -> dict:
-    processor = build_offline_processor()
-    collators = {arm: EOGymCollator(processor, padding_free=True, max_length=None, max_pixels=max_pixels,
-                                    min_pixels=min_pixels, pixel_dtype=dtype) for arm, dtype in ARMS.items()}
+    processor = build_offline_processor(max_pixels, min_pixels)  # the collator resizes with the processor's cap
+    collators = {arm: EOGymCollator(processor, padding_free=True, max_length=None, pixel_dtype=dtype) for arm, dtype in ARMS.items()}
     times = {arm: {"collate_ms": [], "handover_ms": [], "pixel_mib": []} for arm in ARMS}
     for i, examples in enumerate(batches):
         order = list(collators.items())

@@ -65,6 +65,26 @@ def processor():
 
 
 @pytest.fixture(scope="session")
+def capped_processor(processor):
+    """``capped_processor(max_pixels, min_pixels)``: the session processor with that pixel cap, set where
+    ``load_processor`` sets it (``image_processor.size``). A copy (one per cap) with its own image processor:
+    the shared ``processor`` keeps its cap; the tokenizer, which the cap does not touch, is shared."""
+    import copy
+
+    copies = {}
+
+    def capped(max_pixels: int, min_pixels: int):
+        if (max_pixels, min_pixels) not in copies:
+            capped_copy = copy.copy(processor)
+            capped_copy.image_processor = copy.deepcopy(processor.image_processor)
+            capped_copy.image_processor.size = {"longest_edge": max_pixels, "shortest_edge": min_pixels}
+            copies[max_pixels, min_pixels] = capped_copy
+        return copies[max_pixels, min_pixels]
+
+    return capped
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A folder usable as ``--model``: a tiny random Qwen3-VL and the offline processor."""
     from eogym_sft.models.tiny import save_tiny_model

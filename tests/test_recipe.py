@@ -228,7 +228,7 @@ def test_every_lora_weight_changes_and_nothing_else(first_run, tiny_model_dir):
     assert checked == len(base)
 
 
-def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, tiny_model_dir, processor):
+def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, tiny_model_dir, capped_processor):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
@@ -254,11 +254,7 @@ def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, ti
     examples = [dataset[0], dataset[1]]
     for padding_free in (False, True):
         collator = EOGymCollator(
-            processor,
-            data_root=str(out.parent / "data"),
-            min_pixels=MIN_PIXELS,
-            max_pixels=MAX_PIXELS,
-            padding_free=padding_free,
+            capped_processor(MAX_PIXELS, MIN_PIXELS), data_root=str(out.parent / "data"), padding_free=padding_free
         )
         batch = collator(examples)
         assert "pixel_values" in batch

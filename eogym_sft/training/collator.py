@@ -55,17 +55,18 @@ class EOGymCollator:
 
     Labels are the token ids on assistant content, tool calls and the closing ``<|im_end|>``, and
     ``-100`` everywhere else (system, tools block, user, tool results, image tokens, padding). Images are
-    resized by the processor to at most ``max_pixels`` (and at least ``min_pixels``). A sample over
-    ``max_length`` tokens is an error: truncating would cut images apart; split it with data prep.
+    resized by the processor's image processor with its own pixel cap (``image_processor.size``:
+    ``longest_edge`` is the most pixels an image keeps, ``shortest_edge`` the fewest). The processor is the one
+    carrier of that cap, shared by data prep, training and evaluation: give it one with
+    :func:`eogym_sft.models.processor.load_processor` (``max_pixels=``, ``min_pixels=``; 1,003,520 px, 980
+    visual tokens, by default). A sample over ``max_length`` tokens is an error: truncating would cut images
+    apart; split it with data prep.
 
     Args:
-        processor (`ProcessorMixin`): a Qwen3-VL processor (tokenizer, image processor, chat template).
+        processor (`ProcessorMixin`): a Qwen3-VL processor (tokenizer, image processor with its pixel cap,
+            chat template).
         data_root (`str`, *optional*): folder that relative image paths are resolved under (and may not
             leave). If `None`, paths are opened as given.
-        max_pixels (`int`, *optional*): pixel cap per image. If `None`, the processor's own
-            (``image_processor.size["longest_edge"]``): the processor carries the cap, so give it one with
-            :func:`eogym_sft.models.processor.load_processor` (1,003,520 px, 980 visual tokens, by default).
-        min_pixels (`int`, *optional*): pixel floor per image; if `None`, the processor's ``shortest_edge``.
         max_length (`int`, *optional*): longest sample allowed, image tokens included (`None`: no limit).
         padding_free (`bool`, *optional*, defaults to `False`): pack the batch into one row, with
             per-sample position ids instead of an attention mask.
@@ -107,8 +108,6 @@ class EOGymCollator:
 
     processor: ProcessorMixin
     data_root: str | None = None
-    max_pixels: int | None = None
-    min_pixels: int | None = None
     max_length: int | None = SampleConfig.max_length
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
@@ -121,9 +120,6 @@ class EOGymCollator:
         self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.merge_size = self.processor.image_processor.merge_size
-        size = self.processor.image_processor.size
-        self.max_pixels = size["longest_edge"] if self.max_pixels is None else self.max_pixels
-        self.min_pixels = size["shortest_edge"] if self.min_pixels is None else self.min_pixels
         self.with_token_types = "mm_token_type_ids" in self.processor.model_input_names
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -182,8 +178,8 @@ class EOGymCollator:
         pixel_values = grid = None
         counts: list[int] = []
         if images:
-            size = {"longest_edge": self.max_pixels, "shortest_edge": self.min_pixels}
-            out = self.processor.image_processor(images=images, size=size, return_tensors="pt")
+            # No size= here: the image processor resizes with its own size, the cap data prep planned with.
+            out = self.processor.image_processor(images=images, return_tensors="pt")
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
             if self.pixel_dtype is not None:  # per sample: the batch's concatenation then moves half the bytes
                 pixel_values = pixel_values.to(self.pixel_dtype)
@@ -214,15 +210,18 @@ class EOGymCollator:
         expected = example.get("image_hw")
         if expected is None:
             return
-        patch = self.processor.image_processor.patch_size
+        image_processor = self.processor.image_processor
+        patch, size = image_processor.patch_size, image_processor.size
         got = [[h * patch, w * patch] for _, h, w in grid.tolist()]
         if got != [list(hw) for hw in expected]:
             # ImageError (a ValueError): with skip_bad_images, an image file changed since prep is skipped.
             raise ImageError(
                 "image_changed",
                 ", ".join(map(str, example.get("images") or [])),
-                f"{name}: images resize to {got} but data prep planned {list(map(list, expected))}; "
-                "prepare and train with the same max_pixels/min_pixels, on the same files",
+                f"{name}: images resize to {got} but data prep planned {list(map(list, expected))}: the processor's "
+                f"pixel cap (max_pixels={size['longest_edge']}, min_pixels={size['shortest_edge']}) differs from "
+                "prep's, or the files changed since prep; give the processor prep's cap with "
+                "eogym_sft.models.processor.load_processor(model, max_pixels=..., min_pixels=...)",
             )
 
     def _expand(self, ids: list[int], mask: list[int], counts: list[int]) -> tuple[list[int], list[int]]:

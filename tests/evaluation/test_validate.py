@@ -33,6 +33,12 @@ def arms_dir(tmp_path_factory, processor):
     return root
 
 
+@pytest.fixture(scope="module")
+def processor_at_cap(capped_processor):
+    """The offline processor carrying this module's pixel cap, which the collator resizes with."""
+    return capped_processor(**PIXELS)
+
+
 def _examples():
     red, blue = Image.new("RGB", (64, 32), "red"), Image.new("RGB", (48, 48), "blue")
     return [
@@ -44,14 +50,14 @@ def _examples():
     ]
 
 
-def test_packed_varlen_scores_equal_the_padded_sdpa_path(arms_dir, processor):
+def test_packed_varlen_scores_equal_the_padded_sdpa_path(arms_dir, processor_at_cap):
     from eogym_sft.models.loading import load_base_model
 
     sdpa = lean_towards_im_end(load_base_model(str(arms_dir / "base"), "float32", "sdpa")).eval()
     varlen = lean_towards_im_end(load_base_model(str(arms_dir / "base"), "float32", "eogym_varlen")).eval()
     examples = _examples()
-    want = score_dataset(sdpa, EOGymCollator(processor, **PIXELS), examples, batch_size=2, progress=False)
-    got = score_dataset(varlen, EOGymCollator(processor, **PIXELS, padding_free=True), examples, batch_size=3, progress=False)
+    want = score_dataset(sdpa, EOGymCollator(processor_at_cap), examples, batch_size=2, progress=False)
+    got = score_dataset(varlen, EOGymCollator(processor_at_cap, padding_free=True), examples, batch_size=3, progress=False)
     assert list(got) == list(want)
     assert {"token_class/tool_call", "token_class/final_answer", "EO_task/Change", "question_type/unknown"} <= set(want)
     assert 0 < want["overall"]["token_accuracy"] < 1
@@ -61,16 +67,16 @@ def test_packed_varlen_scores_equal_the_padded_sdpa_path(arms_dir, processor):
     # a sample whose image fails leaves its packed batch, named, and the figures as they were
     broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
     skipped = []
-    collator = EOGymCollator(processor, **PIXELS, padding_free=True, skip_bad_images=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True, skip_bad_images=True)
     again = score_dataset(varlen, collator, [broken, *examples], batch_size=3, progress=False, skipped=skipped)
     assert [(r["sample_id"], r["reason"]) for r in skipped] == [("gone-1#w0", "missing_image")]
     assert {g: (v["tokens"], v["token_accuracy"]) for g, v in again.items()} == {g: (v["tokens"], v["token_accuracy"]) for g, v in got.items()}
 
 
-def test_sample_spans_of_a_packed_batch(processor):
+def test_sample_spans_of_a_packed_batch(processor_at_cap):
     examples = _examples()[:3]
-    packed = EOGymCollator(processor, **PIXELS, padding_free=True)(examples)
-    lengths = [EOGymCollator(processor, **PIXELS)([ex])["input_ids"].shape[1] for ex in examples]
+    packed = EOGymCollator(processor_at_cap, padding_free=True)(examples)
+    lengths = [EOGymCollator(processor_at_cap)([ex])["input_ids"].shape[1] for ex in examples]
     starts = [0, lengths[0], lengths[0] + lengths[1]]
     assert sample_spans(packed, 3, packed=True) == [[(s, s + n) for s, n in zip(starts, lengths)]]
     with pytest.raises(ValueError, match="shows 3 position restarts"):
@@ -128,11 +134,11 @@ def varlen_arms(arms_dir):
     return load_inference_model(str(arms_dir / "base"), arms, "cpu", torch.float32, attn_implementation="eogym_varlen"), arms
 
 
-def test_supervised_positions_found_on_the_host_give_the_same_scores(varlen_arms, processor):
+def test_supervised_positions_found_on_the_host_give_the_same_scores(varlen_arms, processor_at_cap):
     from eogym_sft.evaluation.validate import supervised_positions, supervised_scores
 
     model, _ = varlen_arms
-    batch = EOGymCollator(processor, **PIXELS, padding_free=True)(_examples()[:3])
+    batch = EOGymCollator(processor_at_cap, padding_free=True)(_examples()[:3])
     where = supervised_positions(batch["labels"])
     assert torch.equal(where, (batch["labels"][:, 1:] != -100).nonzero()) and len(where) > 0
     on_device = supervised_scores(model, batch)
@@ -141,11 +147,11 @@ def test_supervised_positions_found_on_the_host_give_the_same_scores(varlen_arms
         assert torch.equal(a, b)
 
 
-def test_dataloader_workers_give_the_numbers_of_the_main_process(varlen_arms, processor):
+def test_dataloader_workers_give_the_numbers_of_the_main_process(varlen_arms, processor_at_cap):
     model, _ = varlen_arms
     broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
     examples = [*_examples(), broken]
-    collator = EOGymCollator(processor, **PIXELS, padding_free=True, skip_bad_images=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True, skip_bad_images=True)
     runs = {}
     for workers in (0, 2):
         skipped, stats = [], {}
@@ -155,12 +161,12 @@ def test_dataloader_workers_give_the_numbers_of_the_main_process(varlen_arms, pr
     assert runs[0][1] == ["gone-1#w0"] and runs[0][2] > runs[0][0]["overall"]["tokens"] > 0
 
 
-def test_arms_share_each_batch_and_score_as_one_arm_at_a_time(varlen_arms, processor):
+def test_arms_share_each_batch_and_score_as_one_arm_at_a_time(varlen_arms, processor_at_cap):
     from eogym_sft.evaluation.validate import score_arms
     from eogym_sft.models.loading import use_arm
 
     model, arms = varlen_arms
-    collator = EOGymCollator(processor, **PIXELS, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     examples = _examples()
     alone = {}
     for arm in arms:
@@ -175,7 +181,7 @@ def test_arms_share_each_batch_and_score_as_one_arm_at_a_time(varlen_arms, proce
     assert stats["tokens"] == 2 * one_pass["tokens"]  # every token counted once per arm
 
 
-def test_compiled_layers_give_the_eager_numbers_on_every_arm(arms_dir, varlen_arms, processor):
+def test_compiled_layers_give_the_eager_numbers_on_every_arm(arms_dir, varlen_arms, processor_at_cap):
     """The decoder layers compiled as validate compiles them on CUDA (the recipe's regional compile), the
     arms switched batch by batch: the eager numbers exactly, one graph per arm for batches of any length.
     Dynamo traces the layers as on the GPU; the graphs then run as traced, without Inductor, whose fused
@@ -184,7 +190,7 @@ def test_compiled_layers_give_the_eager_numbers_on_every_arm(arms_dir, varlen_ar
     from eogym_sft.models.loading import compile_language_layers, load_inference_model
 
     eager, arms = varlen_arms
-    collator = EOGymCollator(processor, **PIXELS, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     examples = _examples()
     want = score_arms(eager, arms, collator, examples, batch_size=2, progress=False)
     graphs = []

@@ -249,11 +249,11 @@ def _examples():
     ]
 
 
-def test_score_dataset_matches_full_logits(processor, biased_model):
+def test_score_dataset_matches_full_logits(processor, capped_processor, biased_model):
     from eogym_sft.evaluation.validate import score_dataset
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=4096)
+    collator = EOGymCollator(capped_processor(4096, 1024))
     examples = _examples()
     report = score_dataset(biased_model, collator, examples, batch_size=2, progress=False)
 
@@ -296,11 +296,11 @@ def test_score_dataset_matches_full_logits(processor, biased_model):
     assert sum(report[g]["tokens"] for g in report if g.startswith("EO_task/")) == report["overall"]["tokens"]
 
 
-def test_score_dataset_leaves_out_a_sample_whose_image_fails(processor, biased_model):
+def test_score_dataset_leaves_out_a_sample_whose_image_fails(capped_processor, biased_model):
     from eogym_sft.evaluation.validate import score_dataset
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=4096, skip_bad_images=True)
+    collator = EOGymCollator(capped_processor(4096, 1024), skip_bad_images=True)
     broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")
     examples = _examples()
     want = score_dataset(biased_model, collator, examples, batch_size=2, progress=False)

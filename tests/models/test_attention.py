@@ -25,6 +25,12 @@ def sharp_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def processor_at_cap(capped_processor):
+    """The offline processor carrying this module's pixel cap, which the collator resizes with."""
+    return capped_processor(MAX_PIXELS, MIN_PIXELS)
+
+
+@pytest.fixture(scope="module")
 def models(sharp_model_dir):
     from eogym_sft.models.loading import load_base_model
 
@@ -53,7 +59,7 @@ def test_varlen_model_uses_varlen_for_text_only(models):
     assert varlen.config.vision_config._attn_implementation == "sdpa"
 
 
-def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_model_dir, models, processor):
+def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_model_dir, models, processor_at_cap):
     """``load_base_model(..., "eogym_varlen_cudnn")`` switches the text tower only, finds the boundaries
     (its hook acts for both names), and on CPU computes exactly what ``eogym_varlen`` does."""
     from eogym_sft.models.loading import load_base_model
@@ -63,17 +69,17 @@ def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_mode
     cudnn = load_base_model(str(sharp_model_dir), dtype="float32", attn_implementation="eogym_varlen_cudnn").eval()
     assert cudnn.config.text_config._attn_implementation == "eogym_varlen_cudnn"
     assert cudnn.config.vision_config._attn_implementation == "sdpa"
-    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)(_examples())
+    batch = EOGymCollator(processor_at_cap, padding_free=True)(_examples())
     with torch.no_grad():
         assert torch.equal(cudnn(**batch, use_cache=False).logits, varlen(**batch, use_cache=False).logits)
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_varlen_gives_the_sdpa_loss(models, processor, padding_free):
+def test_varlen_gives_the_sdpa_loss(models, processor_at_cap, padding_free):
     from eogym_sft.training.collator import EOGymCollator
 
     sdpa, varlen = models
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     batch = collator(_examples())
     with torch.no_grad():
         want = sdpa(**batch, use_cache=False)
@@ -411,13 +417,13 @@ def _layer_kwargs(model, batch, layer=None) -> dict:
     return seen
 
 
-def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
+def test_boundaries_reach_the_layers_from_the_text_positions(models, processor_at_cap):
     """``load_base_model(..., "eogym_varlen")`` finds the packed samples once, before the layers, from the
     text row of the collator's 4-row position ids; a model switched to SDPA gets nothing added."""
     from eogym_sft.training.collator import EOGymCollator
 
     _, varlen = models
-    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)(_examples())
+    batch = EOGymCollator(processor_at_cap, padding_free=True)(_examples())
     starts = (batch["position_ids"][0, 0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
     assert len(starts) == 4  # three samples
     seen = _layer_kwargs(varlen, batch)
@@ -437,7 +443,7 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attn", ["eogym_varlen", "eogym_varlen_cudnn"])
-def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor, attn):
+def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, processor_at_cap, attn):
     """On each GPU kernel (torch's varlen_attn; cuDNN's, sample by sample) and Inductor: no graph break in a
     compiled layer, one graph for micro-batches of several lengths and sample counts (one sample included),
     and the eager loss up to bf16 rounding. (The demo's tiny model:
@@ -456,7 +462,7 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
     build_tiny_model(seed=3, config=DEMO_QWEN3_VL_CONFIG).save_pretrained(tmp_path)
     sharp_model_dir = tmp_path
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     batches = [{k: v.cuda() for k, v in collator(examples).items()} for examples in (_examples(), _examples()[1:], _examples()[:1])]
 
     def lora_model():  # the same non-zero adapter each time (PEFT draws LoRA A from the global RNG)
@@ -470,7 +476,7 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
     # flash's kernel, and right-padded batches (flash's kernel under either name), on the GPU
     boundaries = _layer_kwargs(eager, batches[0])["cu_seq_lens_q"]
     assert boundaries.device.type == ("cpu" if attn == "eogym_varlen_cudnn" else "cuda")
-    padded = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=False)(_examples())
+    padded = EOGymCollator(processor_at_cap, padding_free=False)(_examples())
     assert _layer_kwargs(eager, {k: v.cuda() for k, v in padded.items()})["cu_seq_lens_q"].device.type == "cuda"
     torch._dynamo.reset()
     counters.clear()

@@ -152,6 +152,12 @@ def test_load_base_model(tiny_model_dir):
     assert inspect.signature(load_base_model).parameters["trust_remote_code"].default is False
 
 
+@pytest.fixture(scope="module")
+def processor_at_cap(capped_processor):
+    """The offline processor with a cap that keeps the packed batches' images at a few visual tokens."""
+    return capped_processor(16384, 1024)
+
+
 def _packed_batch(processor):
     from helpers import chat_example
     from PIL import Image
@@ -159,7 +165,7 @@ def _packed_batch(processor):
     from eogym_sft.training.collator import EOGymCollator
 
     examples = [chat_example("Flooded?", "Final Answer: no"), chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
-    return EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)(examples)
+    return EOGymCollator(processor, padding_free=True)(examples)
 
 
 def _varlen(model):
@@ -199,7 +205,7 @@ def _loss_and_grads(model, batch):
 
 
 @pytest.fixture(scope="module")
-def compiled_run(processor):
+def compiled_run(processor_at_cap):
     """One compiled model (compiling is most of these tests' time) and its eager twin: the loss and gradients
     of both on a packed batch, the compiled model's cache entries after micro-batches of other lengths, then
     after rounds of a training step and an evaluation (no grad, eval mode) on other lengths again."""
@@ -213,13 +219,13 @@ def compiled_run(processor):
 
     torch._dynamo.reset()
     counters.clear()
-    batch = _packed_batch(processor)
+    batch = _packed_batch(processor_at_cap)
     eager, compiled = _tiny_lora_model(compiled=False), _tiny_lora_model(compiled=True)
     run = {"eager": _loss_and_grads(eager, batch), "compiled": _loss_and_grads(compiled, batch)}
     # Packed micro-batches change length every step, and layer 0's input is the frozen embeddings.
     layer = next(m for n, m in compiled.named_modules() if DECODER_LAYER_RE.search(n))
     entries = lambda: len(_debug_get_cache_entry_list(type(layer).forward.__code__))  # noqa: E731
-    collator = EOGymCollator(processor, min_pixels=1024, max_pixels=16384, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     run["lengths"], run["entries"] = [batch["input_ids"].shape[1]], [entries()]
     run["later_losses"] = []  # (eager, compiled) on micro-batches of other lengths, run by the same graph
     for k in range(2):
@@ -285,7 +291,7 @@ def test_compiled_layer_is_traced_once(compiled_run):
     assert compiled_run["attempts"] == ["compile_attempt_0"]
 
 
-def test_compile_language_layers_sets_constant_floats_only_inside_the_layers(processor):
+def test_compile_language_layers_sets_constant_floats_only_inside_the_layers(processor_at_cap):
     """The private torch behaviour the constant floats rely on: ``Module.compile`` keeps its compiled call in
     ``_compiled_call_impl``, which ``Module.__call__`` runs, so Dynamo's ``specialize_float`` is on while each
     layer compiles, and back to what it was outside them. A torch that moves either fails here."""
@@ -303,7 +309,7 @@ def test_compile_language_layers_sets_constant_floats_only_inside_the_layers(pro
     torch._dynamo.reset()
     compile_language_layers(model, backend=recording_backend)
     with torch.no_grad():
-        model(**_packed_batch(processor), use_cache=False)
+        model(**_packed_batch(processor_at_cap), use_cache=False)
     torch._dynamo.reset()
     assert seen and all(seen)
     assert torch._dynamo.config.specialize_float == before
@@ -316,7 +322,7 @@ def test_compile_language_layers_needs_decoder_layers():
         compile_language_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-def test_vision_tower_runs_without_autograd(processor):
+def test_vision_tower_runs_without_autograd(processor_at_cap):
     """The frozen tower builds no graph even with input gradients on (gradient checkpointing): nothing
     of it is stored for, or recomputed in, the backward pass."""
     from eogym_sft.models.tiny import build_tiny_model
@@ -326,7 +332,7 @@ def test_vision_tower_runs_without_autograd(processor):
     seen = []
     model.get_base_model().model.visual.register_forward_hook(lambda module, args, out: seen.append(out))
     model.train()
-    loss = model(**_packed_batch(processor), use_cache=False).loss
+    loss = model(**_packed_batch(processor_at_cap), use_cache=False).loss
     assert loss.requires_grad and len(seen) == 1
     outputs = [t for t in torch.utils._pytree.tree_leaves(seen[0]) if isinstance(t, torch.Tensor)]
     assert outputs and not any(t.requires_grad for t in outputs)

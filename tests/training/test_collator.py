@@ -86,21 +86,19 @@ def three_examples() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def capped_processor():
-    """The offline processor carrying this module's pixel cap: data prep reads the cap from the processor."""
-    from eogym_sft.models.tiny import build_offline_processor
-
-    return build_offline_processor(MAX_PIXELS, MIN_PIXELS)
+def processor_at_cap(capped_processor):
+    """The offline processor carrying this module's pixel cap: data prep and the collator read it from there."""
+    return capped_processor(MAX_PIXELS, MIN_PIXELS)
 
 
 @pytest.fixture(scope="module")
-def collator(processor):
-    return EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+def collator(processor_at_cap):
+    return EOGymCollator(processor_at_cap)
 
 
 @pytest.fixture(scope="module")
-def packing_collator(processor):
-    return EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+def packing_collator(processor_at_cap):
+    return EOGymCollator(processor_at_cap, padding_free=True)
 
 
 @pytest.fixture(scope="module")
@@ -280,16 +278,14 @@ def test_padded_and_padding_free_give_the_same_loss(collator, packing_collator, 
         assert abs(loss_leaky.item() - loss_packed.item()) > 1e-3
 
 
-def test_pixels_in_the_models_dtype_give_the_model_the_same_values(packing_collator, processor, tiny_model_dir):
+def test_pixels_in_the_models_dtype_give_the_model_the_same_values(packing_collator, processor_at_cap, tiny_model_dir):
     """``pixel_dtype``: the processor's float32 pixels cast per sample, bit for bit; a bf16 Qwen3-VL gives the same
     loss for them as for float32 pixels, which its vision tower casts to bf16 first thing."""
     from transformers import AutoModelForImageTextToText
 
     examples = three_examples()
     f32 = packing_collator(examples)
-    bf16_collator = EOGymCollator(
-        processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True, pixel_dtype=torch.bfloat16
-    )
+    bf16_collator = EOGymCollator(processor_at_cap, padding_free=True, pixel_dtype=torch.bfloat16)
     bf16 = bf16_collator(examples)
     assert f32["pixel_values"].dtype == torch.float32 and bf16["pixel_values"].dtype == torch.bfloat16
     assert torch.equal(bf16["pixel_values"], f32["pixel_values"].to(torch.bfloat16))
@@ -310,7 +306,7 @@ def _save(root: Path, rel: str, image: Image.Image) -> str:
     return rel
 
 
-def test_trl_shaped_examples_match_prepared_samples(processor, capped_processor, tmp_path):
+def test_trl_shaped_examples_match_prepared_samples(processor, processor_at_cap, tmp_path):
     from eogym_sft.data.prepare import PrepConfig, prepare_line
 
     scene = _save(tmp_path, "EO_GYM_DATA/s1/scene.png", _image(64, 64, 1))
@@ -338,12 +334,12 @@ def test_trl_shaped_examples_match_prepared_samples(processor, capped_processor,
         ],
     }
     cfg = PrepConfig(data_root=str(tmp_path))
-    result = prepare_line(capped_processor, cfg, "rows.jsonl", 1, json.dumps(row).encode())
+    result = prepare_line(processor_at_cap, cfg, "rows.jsonl", 1, json.dumps(row).encode())
     assert result.status == "kept", result
     (prepared,) = result.samples
     assert prepared["images"] == [scene, crop] and prepared["image_hw"] == [[64, 64], [64, 96]]
 
-    collator = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    collator = EOGymCollator(processor_at_cap, data_root=str(tmp_path))
     from_prepared = collator([prepared])
     pil = [Image.open(tmp_path / scene), Image.open(tmp_path / crop)]
     as_list = {"messages": tool_use_messages(), "images": pil, "tools": [TOOL]}
@@ -389,19 +385,17 @@ def test_image_count_mismatch_names_the_sample(collator):
         collator([short_example(1, []), unnamed])
 
 
-def test_over_max_length_is_an_error_that_points_to_data_prep(processor):
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_length=64)
-    length = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)([tool_use_example()])[
-        "input_ids"
-    ].shape[1]
+def test_over_max_length_is_an_error_that_points_to_data_prep(processor_at_cap):
+    collator = EOGymCollator(processor_at_cap, max_length=64)
+    length = EOGymCollator(processor_at_cap)([tool_use_example()])["input_ids"].shape[1]
     assert length > 64
     with pytest.raises(ValueError, match=rf"long-1: {length} tokens is over max_length=64.*eogym-sft prepare"):
         collator([dict(tool_use_example(), id="long-1")])
-    exact = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, max_length=length)
+    exact = EOGymCollator(processor_at_cap, max_length=length)
     assert exact([tool_use_example()])["input_ids"].shape[1] == length  # the limit itself is allowed
 
 
-def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, capped_processor, tmp_path):
+def test_prepared_image_sizes_must_match_the_processors_pixel_cap(processor_at_cap, capped_processor, tmp_path):
     from eogym_sft.data.prepare import PrepConfig, prepare_line
 
     scene = _save(tmp_path, "EO_GYM_DATA/s1/big.png", _image(128, 128, 4))
@@ -414,15 +408,35 @@ def test_prepared_image_sizes_must_match_the_collator_pixel_cap(processor, cappe
         ],
     }
     cfg = PrepConfig(data_root=str(tmp_path))
-    (sample,) = prepare_line(capped_processor, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
+    (sample,) = prepare_line(processor_at_cap, cfg, "rows.jsonl", 1, json.dumps(row).encode()).samples
     assert sample["image_hw"] == [[128, 128]]
-    same = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    same = EOGymCollator(processor_at_cap, data_root=str(tmp_path))
     assert same([sample])["image_grid_thw"].tolist() == [[1, 8, 8]]
-    smaller_cap = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=4096)
+    smaller_cap = EOGymCollator(capped_processor(4096, MIN_PIXELS), data_root=str(tmp_path))
     with pytest.raises(
-        ValueError, match=r"big-1#w0: images resize to \[\[64, 64\]\] but data prep planned \[\[128, 128\]\]"
+        ValueError,
+        match=r"big-1#w0: images resize to \[\[64, 64\]\] but data prep planned \[\[128, 128\]\]: the processor's "
+        r"pixel cap \(max_pixels=4096, min_pixels=1024\) differs from prep's.*load_processor\(model, max_pixels=",
     ):
         smaller_cap([sample])
+
+
+def test_images_are_resized_to_the_processors_cap_and_the_collator_takes_none_of_its_own(capped_processor):
+    """The processor carries the cap: its ``longest_edge`` bounds an image's pixels, its ``shortest_edge`` lifts a
+    small one; a cap handed to the collator is refused, not quietly preferred or ignored."""
+    large, small = short_example(1, [_image(320, 256)]), short_example(1, [_image(16, 16)])
+    grids = {
+        cap: [EOGymCollator(capped_processor(*cap))([ex])["image_grid_thw"].tolist() for ex in (large, small)]
+        for cap in [(16384, 1024), (4096, 1024), (16384, 4096)]
+    }
+    assert grids == {  # smart_resize at 32 px: 320x256 scaled by 1/sqrt(5) or 1/sqrt(20); 16x16 up to 32 or 64 px
+        (16384, 1024): [[[1, 6, 8]], [[1, 2, 2]]],
+        (4096, 1024): [[[1, 2, 4]], [[1, 2, 2]]],
+        (16384, 4096): [[[1, 6, 8]], [[1, 4, 4]]],
+    }
+    for field in ("max_pixels", "min_pixels"):
+        with pytest.raises(TypeError, match=field):
+            EOGymCollator(capped_processor(4096, 1024), **{field: 4096})
 
 
 # ---- images that fail after data prep ---------------------------------------------------------------
@@ -442,14 +456,12 @@ def _prepared_with_images(processor, root: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor, capped_processor, tmp_path, padding_free):
+def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor_at_cap, tmp_path, padding_free):
     from eogym_sft.data.images import ImageError
 
-    samples = _prepared_with_images(capped_processor, tmp_path)
-    strict = EOGymCollator(processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
-    skipping = EOGymCollator(
-        processor, data_root=str(tmp_path), min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free, skip_bad_images=True
-    )
+    samples = _prepared_with_images(processor_at_cap, tmp_path)
+    strict = EOGymCollator(processor_at_cap, data_root=str(tmp_path), padding_free=padding_free)
+    skipping = EOGymCollator(processor_at_cap, data_root=str(tmp_path), padding_free=padding_free, skip_bad_images=True)
     want = strict([samples[1]])
     cut = tmp_path / "EO_GYM_DATA/s0/scene.png"
     cut.write_bytes(cut.read_bytes()[:200])  # cut short after prep
@@ -465,6 +477,6 @@ def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor, ca
     # every sample skipped: one untrained padding token, so that the step still runs on every rank
     empty = skipping([samples[0], samples[2]])
     assert len(empty.pop("skipped_samples")) == 2
-    pad = processor.tokenizer.pad_token_id
+    pad = processor_at_cap.tokenizer.pad_token_id
     assert empty["input_ids"].tolist() == [[pad]] and empty["labels"].tolist() == [[-100]]
     assert empty["position_ids"].tolist() == [[[0]]] * 4 and "pixel_values" not in empty

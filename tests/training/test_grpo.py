@@ -99,7 +99,7 @@ def policy_run(request, tmp_path_factory, tiny_model_dir):
     row = make_row(n_steps=1)
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
     trace = normalize_row(row)
-    collator = EOGymCollator(processor, data_root=str(data_root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    collator = EOGymCollator(processor, data_root=str(data_root))
     sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
     wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
@@ -227,7 +227,7 @@ def _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool: int):
     without.update(id="no_image", images=[])
     without["messages"][1]["content"] = "How many ships are in the harbour?"
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    collator = EOGymCollator(processor, data_root=str(data_root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    collator = EOGymCollator(processor, data_root=str(data_root))
     trace = normalize_row(with_image)
     sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
     labels = sft["labels"][0].tolist()

@@ -35,7 +35,7 @@ def batches(tmp_path_factory, tiny_model_dir):
         save_image(data_root, rel, width, height)
     row = make_row(n_steps=1)
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    collator = EOGymCollator(processor, data_root=str(data_root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    collator = EOGymCollator(processor, data_root=str(data_root))
     trace = normalize_row(row)
     sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
     wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
@@ -227,7 +227,7 @@ def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny
     episode, root = gold_episode
     processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
     sample = _sample(episode, root, processor)
-    collator = EOGymCollator(processor, data_root=str(root), max_pixels=MAX_PIXELS, min_pixels=MIN_PIXELS)
+    collator = EOGymCollator(processor, data_root=str(root))
     trace = normalize_row(episode.row)
     sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
     ids, labels = sft["input_ids"][0].tolist(), sft["labels"][0].tolist()

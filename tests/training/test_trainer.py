@@ -38,7 +38,13 @@ def _examples():
 
 
 @pytest.fixture(scope="module")
-def trainer(processor, tmp_path_factory):
+def processor_at_cap(capped_processor):
+    """The offline processor carrying this module's pixel cap, which the collator resizes with."""
+    return capped_processor(MAX_PIXELS, MIN_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def trainer(processor_at_cap, tmp_path_factory):
     from trl import SFTConfig
 
     from eogym_sft.models.loading import apply_lora
@@ -57,22 +63,22 @@ def trainer(processor, tmp_path_factory):
         dataset_kwargs={"skip_prepare_dataset": True},
         per_device_train_batch_size=3,
     )
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    collator = EOGymCollator(processor_at_cap)
     from datasets import Dataset
 
     train = Dataset.from_list([{"messages": json.dumps(ex["messages"])} for ex in _examples()[1:]])  # needed, unused
     trainer = EOGymSFTTrainer(
-        model=model, args=args, data_collator=collator, train_dataset=train, processing_class=processor
+        model=model, args=args, data_collator=collator, train_dataset=train, processing_class=processor_at_cap
     )
     trainer.model.eval()  # no LoRA dropout: the two losses see the same network
     return trainer
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_compute_loss_equals_the_full_logits_loss(trainer, processor, padding_free):
+def test_compute_loss_equals_the_full_logits_loss(trainer, processor_at_cap, padding_free):
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     batch = collator(_examples())
     trainer._token_counts.clear()
     with torch.no_grad():
@@ -89,10 +95,10 @@ def test_compute_loss_equals_the_full_logits_loss(trainer, processor, padding_fr
     assert abs(summed.item() - full.loss.item() / 4) < 1e-5
 
 
-def test_compute_loss_gradients_match(trainer, processor):
+def test_compute_loss_gradients_match(trainer, processor_at_cap):
     from eogym_sft.training.collator import EOGymCollator
 
-    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(_examples())
+    batch = EOGymCollator(processor_at_cap)(_examples())
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     want = torch.autograd.grad(trainer.model(**batch, use_cache=False).loss, params)
     got = torch.autograd.grad(trainer.compute_loss(trainer.model, batch), params)
@@ -101,10 +107,10 @@ def test_compute_loss_gradients_match(trainer, processor):
     assert any(w.abs().sum() > 0 for w in want)
 
 
-def test_logged_token_accuracy_is_token_weighted(trainer, processor):
+def test_logged_token_accuracy_is_token_weighted(trainer, processor_at_cap):
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    collator = EOGymCollator(processor_at_cap)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
     trainer._token_counts.clear()
     trainer._metrics["eval"].clear()
@@ -127,7 +133,7 @@ def test_logged_token_accuracy_is_token_weighted(trainer, processor):
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor, padding_free):
+def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor_at_cap, padding_free):
     """On the last batch accelerate repeats samples to even out the ranks and reports how many are real
     (``remainder``); the accuracy counts keep exactly those, one row per sample, in padded and packed batches."""
     from eogym_sft.training.collator import EOGymCollator
@@ -136,7 +142,7 @@ def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor, 
         end_of_dataloader = True
         remainder = 1  # one real sample, the others repeated
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     examples = _examples()
     alone = collator(examples[:1])
     with torch.no_grad():
@@ -154,10 +160,10 @@ def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor, 
     assert first_only[1] > 0
 
 
-def test_train_counts_stay_on_device_until_the_log(trainer, processor):
+def test_train_counts_stay_on_device_until_the_log(trainer, processor_at_cap):
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
     dropouts = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)]
     saved = [m.p for m in dropouts]
@@ -186,14 +192,14 @@ def test_train_counts_stay_on_device_until_the_log(trainer, processor):
     assert trainer._train_steps == []
 
 
-def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(trainer, processor, monkeypatch):
+def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(trainer, processor_at_cap, monkeypatch):
     """The Trainer adds ``floating_point_ops`` of every micro-batch to ``total_flos``; ours gives its figure with
     the model's parameters counted on the first call only."""
     from transformers import Trainer
 
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=True)
+    collator = EOGymCollator(processor_at_cap, padding_free=True)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
     want = [Trainer.floating_point_ops(trainer, b) for b in batches]
     calls = []
@@ -250,13 +256,13 @@ def test_batch_rebalance_gives_token_balanced_micro_batches(processor, tmp_path)
 
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer, processor, padding_free):
+def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer, processor_at_cap, padding_free):
     """A step's samples in one micro-batch or dealt into several (the recipe's token-balanced 2 x 32 in
     place of the published 4 x 16): with the step's supervised-token count as the denominator, as the
     Trainer passes it, the accumulated gradient is the same."""
     from eogym_sft.training.collator import EOGymCollator
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)
+    collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     examples = _examples()
     params = [p for p in trainer.model.parameters() if p.requires_grad]
 
@@ -275,11 +281,11 @@ def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer,
     assert any(w.abs().sum() > 0 for w in whole)
 
 
-def test_skipped_samples_are_logged_counted_and_listed(trainer, processor, caplog):
+def test_skipped_samples_are_logged_counted_and_listed(trainer, processor_at_cap, caplog):
     from eogym_sft.training.collator import EOGymCollator
     from eogym_sft.training.trainer import SKIPPED_FILE, skipped_counts
 
-    collator = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, skip_bad_images=True)
+    collator = EOGymCollator(processor_at_cap, skip_bad_images=True)
     bad = dict(chat_example("Ships?", "Final Answer: 1", ["gone/scene.png"]), sample_id="scene-9#w0")
     batch = collator([bad])  # every sample skipped: a step that trains nothing, but runs
     assert batch["skipped_samples"][0]["sample_id"] == "scene-9#w0"
@@ -331,14 +337,14 @@ def test_padding_free_config_trains_on_packed_image_batches(processor, tmp_path)
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor, loss_type, padding_free):
+def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor_at_cap, loss_type, padding_free):
     """TRL's own SFTTrainer.compute_loss (its fused LM head over every position) on the same batch: the same
     loss for each loss_type, and the same entropy as its `entropy` metric."""
     from trl import SFTTrainer
 
     from eogym_sft.training.collator import EOGymCollator
 
-    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, padding_free=padding_free)(_examples())
+    batch = EOGymCollator(processor_at_cap, padding_free=padding_free)(_examples())
     trainer._token_counts.clear()
     trainer._entropy_sums.clear()
     trainer._metrics["eval"].clear()
@@ -357,12 +363,12 @@ def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor, loss
             assert ours.item() < trainer.model(**batch, use_cache=False).loss.item() / 2
 
 
-def test_label_smoothing_and_compute_loss_func_are_trls_full_logits_loss(trainer, processor):
+def test_label_smoothing_and_compute_loss_func_are_trls_full_logits_loss(trainer, processor_at_cap):
     from transformers.trainer_pt_utils import LabelSmoother
 
     from eogym_sft.training.collator import EOGymCollator
 
-    batch = EOGymCollator(processor, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)(_examples())
+    batch = EOGymCollator(processor_at_cap)(_examples())
     with torch.no_grad():
         full = trainer.model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
         smoothed = LabelSmoother(epsilon=0.1)(full, batch["labels"], shift_labels=True)
