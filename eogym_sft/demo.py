@@ -281,6 +281,17 @@ def grpo_rewards(grpo_dir: str | Path) -> list[float]:
     return [h["reward"] for h in history if "reward" in h]
 
 
+def reward_by_part(rewards: list[float], parts: int = 4) -> list[float]:
+    """GRPO's training reward averaged over ``parts`` consecutive runs of steps (the last takes the remainder):
+    one step's reward is one group's, so the per-step curve follows the questions drawn; the parts' means
+    show whether the policy's reward rises. Fewer steps than ``parts``: the steps themselves."""
+    if len(rewards) < parts:
+        return list(rewards)
+    size = len(rewards) // parts
+    bounds = [k * size for k in range(parts)] + [len(rewards)]
+    return [sum(rewards[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
+
+
 def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
     """The agent loop on the ``colour_grid`` task; prints the table and writes ``agent_report.json``."""
     from .environment.tasks import write_task
@@ -370,6 +381,7 @@ def agent_report(summary: dict, rewards: list[float], rft: dict | None, seconds:
         "arms": arms,
         "paired": summary["paired"],
         "grpo_reward_per_step": rewards,
+        "grpo_reward_by_quarter": reward_by_part(rewards),
         "rejection_sampling": rft,
         "seconds": seconds | {"total": round(sum(seconds.values()), 1)},
         "settings": asdict(cfg),
@@ -393,6 +405,8 @@ def format_agent_report(report: dict, output: Path) -> str:
     rewards = report["grpo_reward_per_step"]
     if rewards:
         lines.append("  GRPO training reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
+        if len(rewards) >= 8:
+            lines.append("  GRPO training reward by quarter of its steps: " + " ".join(f"{r:.3f}" for r in report["grpo_reward_by_quarter"]))
     if report["rejection_sampling"]:
         r = report["rejection_sampling"]
         lines.append(f"  rejection sampling: kept {r['episodes_kept']} correct of {r['episodes_sampled']} SFT episodes on training questions"

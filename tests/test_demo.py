@@ -132,6 +132,15 @@ def test_agent_report_and_table(tmp_path):
     assert "  sft      0.750   1.000   0.750     1.000     1.000" in text
     assert "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
+    assert report["grpo_reward_by_quarter"] == [0.2, 0.5] and "by quarter" not in text  # fewer steps than quarters
+
+
+def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps():
+    from eogym_sft.demo import reward_by_part
+
+    assert reward_by_part([0.0, 1.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0]) == [0.5, 0.5, 1.0, 1 / 3]  # the last takes the rest
+    assert reward_by_part([0.25, 0.75], parts=4) == [0.25, 0.75]
+    assert reward_by_part([]) == []
 
 
 def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path):
