@@ -162,9 +162,9 @@ def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path)
 
 
 # The agent demo's loop as `eogym-sft demo --agent` runs it (the same code, model, questions and SFT), shortened
-# where the assertions allow (16 held-out questions, 2 GRPO steps, no rejection-sampling round: its data is
-# test_rejection_data_...'s), run once for the tests below: they assert what the demo shows.
-LEARNING_RUN = dict(held_out_rows=16, grpo_steps=2, rft_steps=0)
+# where the assertions allow (16 held-out questions of 1 episode, 2 GRPO steps, no rejection-sampling round: its
+# data is test_rejection_data_...'s), run once for the tests below: they assert what the demo shows.
+LEARNING_RUN = dict(held_out_rows=16, samples=1, grpo_steps=2, rft_steps=0)
 
 
 @pytest.fixture(scope="module")
