@@ -32,7 +32,7 @@ def run_arm(demo: Path, arm: str, output: Path) -> dict:
         wall = time.perf_counter() - start
     finally:
         grpo_slots.loss_token_mask = original
-    state = sorted(Path(out).glob("checkpoint-*/trainer_state.json"))[-1]
+    state = max(Path(out).glob("checkpoint-*/trainer_state.json"), key=lambda f: int(f.parent.name.split("-")[1]))
     history = json.loads(state.read_text())["log_history"]
     return {"arm": arm, "wall_s": round(wall, 1), "step_time": [h["step_time"] for h in history if "step_time" in h],
             "reward": [h["reward"] for h in history if "reward" in h]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from pathlib import Path
 
 SAMPLE_DIR = Path(__file__).resolve().with_name("sample")  # the bundled sample: data root and JSONL
@@ -289,7 +290,7 @@ def reward_by_part(rewards: list[float], parts: int = 4) -> list[float]:
         return list(rewards)
     size = len(rewards) // parts
     bounds = [k * size for k in range(parts)] + [len(rewards)]
-    return [sum(rewards[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
+    return [sum(rewards[a:b]) / (b - a) for a, b in pairwise(bounds)]
 
 
 def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:

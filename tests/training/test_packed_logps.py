@@ -237,14 +237,10 @@ def test_other_vision_inputs_are_refused(setup):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, ids, 2, spatial_shapes=torch.ones(1, 2))
 
 
-def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(setup, monkeypatch):
-    """Pins the name :func:`labelled_rows_only` swaps: TRL's fused forward decides from
-    ``trl.trainer.utils._use_triton`` whether to hand its kernel the labelled rows or every row."""
+def head_rows(monkeypatch) -> list[int]:
+    """The rows each call of TRL's fused-head kernel is handed, appended as the calls come."""
     import trl.trainer.utils as trl_utils
 
-    from eogym_sft.training.packed_logps import labelled_rows_only
-
-    trainer, processor, _ = setup
     rows_scored = []
     kernel = trl_utils._ChunkedLogProbFunction
 
@@ -255,6 +251,18 @@ def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(set
             return kernel.apply(hidden, *args)
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    return rows_scored
+
+
+def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(setup, monkeypatch):
+    """Pins the name :func:`labelled_rows_only` swaps: TRL's fused forward decides from
+    ``trl.trainer.utils._use_triton`` whether to hand its kernel the labelled rows or every row."""
+    import trl.trainer.utils as trl_utils
+
+    from eogym_sft.training.packed_logps import labelled_rows_only
+
+    trainer, processor, _ = setup
+    rows_scored = head_rows(monkeypatch)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     labels = torch.tensor([[-100, -100, -100, -100, 9, 10]])
     with torch.no_grad():
@@ -269,20 +277,9 @@ def test_trls_fused_head_scores_only_labelled_rows_inside_labelled_rows_only(set
 def test_the_loss_forward_scores_only_the_tokens_the_loss_counts(setup, monkeypatch):
     """The tool result and its crop are context: ``_compute_loss``'s forward hands TRL's head only the
     model's own tokens (``completion_mask * tool_mask``), and the loss is the padded path's (the test above)."""
-    import trl.trainer.utils as trl_utils
-
     trainer, processor, _ = setup
     inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
-    rows_scored = []
-    kernel = trl_utils._ChunkedLogProbFunction
-
-    class Spy:
-        @staticmethod
-        def apply(hidden, *args):
-            rows_scored.append(hidden.shape[0])
-            return kernel.apply(hidden, *args)
-
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Spy)
+    rows_scored = head_rows(monkeypatch)
     with torch.no_grad():
         trainer._compute_loss(trainer.model, inputs)
     counted = int((inputs["completion_mask"] * inputs["tool_mask"]).sum())
