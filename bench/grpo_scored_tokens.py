@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def run_arm(demo: Path, arm: str, output: Path) -> dict:
-    from eogym_sft.demo import AgentDemoConfig, _grpo_configs
+    from eogym_sft.demo import AgentDemoConfig, _grpo_configs, grpo_per_step
     from eogym_sft.training import grpo, grpo_slots
 
     original = grpo_slots.loss_token_mask
@@ -32,10 +32,7 @@ def run_arm(demo: Path, arm: str, output: Path) -> dict:
         wall = time.perf_counter() - start
     finally:
         grpo_slots.loss_token_mask = original
-    state = max(Path(out).glob("checkpoint-*/trainer_state.json"), key=lambda f: int(f.parent.name.split("-")[1]))
-    history = json.loads(state.read_text())["log_history"]
-    return {"arm": arm, "wall_s": round(wall, 1), "step_time": [h["step_time"] for h in history if "step_time" in h],
-            "reward": [h["reward"] for h in history if "reward" in h]}
+    return {"arm": arm, "wall_s": round(wall, 1), "step_time": grpo_per_step(out, "step_time"), "reward": grpo_per_step(out)}
 
 
 def main(argv=None) -> list[dict]:

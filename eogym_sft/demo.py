@@ -159,7 +159,7 @@ class AgentDemoConfig:
     seed: int = 0
     max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
     min_pixels: int = 4096
-    sft_steps: int = 100  # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.78 and 0.73
+    sft_steps: int = 100  # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.73-0.78 in three
     sft_learning_rate: float = 5e-3
     grpo_steps: int = 6
     grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
@@ -273,13 +273,14 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     return output
 
 
-def grpo_rewards(grpo_dir: str | Path) -> list[float]:
-    """The mean training reward of each GRPO step, from the last checkpoint's ``trainer_state.json``."""
+def grpo_per_step(grpo_dir: str | Path, key: str = "reward") -> list[float]:
+    """``key`` of each GRPO step (the mean training reward by default), from the last checkpoint's
+    ``trainer_state.json``."""
     states = sorted(Path(grpo_dir).glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not states:
         raise FileNotFoundError(f"no checkpoint-*/trainer_state.json under {grpo_dir}: the GRPO run saved no state")
     history = json.loads(states[-1].read_text())["log_history"]
-    return [h["reward"] for h in history if "reward" in h]
+    return [h[key] for h in history if key in h]
 
 
 def reward_by_part(rewards: list[float], parts: int = 4) -> list[float]:
@@ -326,7 +327,7 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     rewards: list[float] = []
     if cfg.grpo_steps:
         grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo", overwrite))
-        rewards = grpo_rewards(grpo_dir)
+        rewards = grpo_per_step(grpo_dir)
         arms.append(f"grpo={grpo_dir}")
         lap("grpo")
 

@@ -99,18 +99,18 @@ def test_agent_sft_trains_on_every_training_row_and_never_on_held_out(tmp_path):
     assert (script.max_pixels, script.min_pixels) == (128 * 128, 4096) and training.max_steps == 7 and training.use_cpu
 
 
-def test_grpo_rewards_come_from_the_last_checkpoint(tmp_path):
+def test_grpo_per_step_reads_the_last_checkpoint(tmp_path):
     import json
 
-    from eogym_sft.demo import grpo_rewards
+    from eogym_sft.demo import grpo_per_step
 
     for step, rewards in ((2, [0.1, 0.2]), (10, [0.1, 0.2, 0.3])):
         (tmp_path / f"checkpoint-{step}").mkdir()
         history = [{"reward": r, "step": i + 1} for i, r in enumerate(rewards)] + [{"train_runtime": 1.0}]
         (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
-    assert grpo_rewards(tmp_path) == [0.1, 0.2, 0.3]
+    assert grpo_per_step(tmp_path) == [0.1, 0.2, 0.3] and grpo_per_step(tmp_path, "step") == [1, 2, 3]
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        grpo_rewards(tmp_path / "checkpoint-2")
+        grpo_per_step(tmp_path / "checkpoint-2")
 
 
 def test_agent_report_and_table(tmp_path):

@@ -252,7 +252,7 @@ def eval_mode(model):
 
 def loss_token_mask(inputs: dict) -> torch.Tensor | None:
     """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
-    log-probability: without logs-probs from the sampling policy (``num_iterations=1``, no vLLM), TRL takes
+    log-probability: without log-probs from the sampling policy (``num_iterations=1``, no vLLM), TRL takes
     the old policy's as the current ones detached, so every other position is multiplied by 0 and is never
     read. With them (``old_per_token_logps``), an unscored position's ratio ``exp(0 - old)`` may overflow to
     inf, and inf * 0 is NaN: None, every completion token scored."""
@@ -327,9 +327,9 @@ class SlotGRPOTrainer(GRPOTrainer):
             raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
         image_processor = self.processing_class.image_processor
         batch_size = batch_size or input_ids.size(0)
-        scored = self._loss_mask
-        if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
-            scored = None  # not the loss's own batch: score every completion token
+        score_mask = self._loss_mask
+        if score_mask is not None and score_mask.shape != (input_ids.size(0), logits_to_keep):
+            score_mask = None  # not the loss's own batch: score every completion token
         logps, entropies, aux = [], [], []
         first_image = 0
         for start in range(0, input_ids.size(0), batch_size):
@@ -345,7 +345,7 @@ class SlotGRPOTrainer(GRPOTrainer):
                 input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
                 getattr(image_processor, "merge_size", 2), pixels, grid, images,
                 None if mm_token_type_ids is None else mm_token_type_ids[start:end],
-                None if scored is None else scored[start:end],
+                None if score_mask is None else score_mask[start:end],
             )
             lp, ent, aux_loss = packed_logps_and_entropies(
                 model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast

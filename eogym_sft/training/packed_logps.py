@@ -7,8 +7,8 @@ the rest into one row whose position ids restart at 0 for each episode, as the S
 ``padding_free`` mode does, and runs the model once on it. The text tower's variable-length attention
 (``eogym_varlen*``, :mod:`eogym_sft.models.attention`) keeps the episodes apart by those position ids; under
 SDPA transformers builds the block-diagonal mask from them (correct, but a dense mask). Log-probabilities are
-computed by TRL's fused LM head (``fused_lm_head=True``, added by ``GRPOTrainer``) for the completion tokens
-only: on CUDA it projects only the labelled rows, so no vocabulary-wide logits of prompt tokens exist.
+computed by TRL's fused LM head (``fused_lm_head=True``, added by ``GRPOTrainer``) for the labelled tokens only,
+on every device (:func:`labelled_rows_only`), so no vocabulary-wide logits of prompt tokens exist.
 
 The result is laid out as TRL's padded path lays it out, ``(rows, logits_to_keep)`` with 0 where the
 padded path's label is masked, so the rest of TRL's loss is unchanged; ``tests/training/test_packed_logps.py``
@@ -109,13 +109,13 @@ def pack_rows(
         wanted = keep[b, prompt_width:] if score_mask is None else keep[b, prompt_width:] & score_mask[b].bool()
         completion = wanted.nonzero().flatten()
         packed = offset + index_in_row[prompt_width + completion]
-        scored = packed > offset  # a sample's first token has nothing before it to be predicted from
+        predictable = packed > offset  # a sample's first token has nothing before it to be predicted from
         labels = torch.full((n,), IGNORE, dtype=torch.long, device=device)
-        labels[(packed - offset)[scored]] = ids[(packed - offset)[scored]]
+        labels[(packed - offset)[predictable]] = ids[(packed - offset)[predictable]]
         label_parts.append(labels)
-        src.append(packed[scored] - 1)
-        rows.append(torch.full_like(completion[scored], b))
-        cols.append(completion[scored])
+        src.append(packed[predictable] - 1)
+        rows.append(torch.full_like(completion[predictable], b))
+        cols.append(completion[predictable])
         offset += n
     inputs = {
         "input_ids": torch.cat(ids_parts)[None],
