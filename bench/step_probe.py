@@ -20,6 +20,8 @@ from collections import Counter
 
 import torch
 
+from eogym_sft.training.loss import PROFILER_RANGE as LOSS_RANGE  # the SFT loss's forward ops
+
 RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"  # torch._logging's artifact logger for `recompiles`
 
 
@@ -204,7 +206,7 @@ VISION_RANGE = "eogym::vision_tower"
 HEAD_RANGE = "eogym::lm_head"
 TEXT_RANGE = "eogym::language_model"  # the decoder layers' forward, named in the trace (no component of its own)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
-LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_forward_kernel", "_backward_kernel")
+LOSS_WORDS = ("log_softmax", "nll_loss", "cross_entropy", "crossentropy", "logsumexp", "_forward_kernel", "_backward_kernel")
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa")
 # Kernel names by family, for the kernels Inductor launches without an aten op above them (its Triton
 # kernels, and in compiled backward graphs much else): checked in order, so flash kernels are attention.
@@ -267,7 +269,7 @@ def classify(event, lora_rank: int, vocab: int) -> str:
         if HEAD_RANGE in above or vocab in dims or 32768 in dims or vocab % 32768 in dims:  # TRL's head tiles by 32,768
             return "lm_head_and_loss"
         return "lora_matmul" if lora_rank in dims else "base_matmul"
-    if HEAD_RANGE in above or any(w in name for w in LOSS_WORDS):
+    if HEAD_RANGE in above or LOSS_RANGE in above or any(w in name for w in LOSS_WORDS):
         return "lm_head_and_loss"
     if any(w in name for w in ATTENTION_WORDS):
         return "attention"

@@ -258,6 +258,7 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     """
     import torch
 
+    from .models.processor import save_processor
     from .models.tiny import (
         DEMO_QWEN3_VL_CONFIG,
         build_offline_processor,
@@ -269,7 +270,7 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     with torch.no_grad():
         embeddings.mul_(cfg.embedding_std / embeddings.std())
     model.save_pretrained(output)
-    build_offline_processor().save_pretrained(output)
+    save_processor(build_offline_processor(), output)
     return output
 
 

@@ -263,3 +263,15 @@ def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_pat
     assert rows["bfloat16"]["pixel_mib"] * 2 == rows["float32"]["pixel_mib"] > 0
     assert all(row["collate_ms"] > 0 and row["handover_ms"] > 0 for row in rows.values())
     assert json.loads(out.read_text())["images_per_sample"] == [2, 1]
+
+
+def test_sft_loss_bench_times_both_losses_on_the_same_logits(tmp_path):
+    """``bench/sft_loss.py``: both arms, alternating, on the same logits; they agree to float32 rounding."""
+    import sft_loss
+
+    out = tmp_path / "loss.json"
+    report = sft_loss.main(["--positions", "16", "--vocab", "64", "--repeats", "2", "--json", str(out)])
+    assert set(report["arms"]) == {"one-softmax", "log_softmax"}
+    assert all(len(arm["seconds"]) == 2 and arm["peak_gib"] is None for arm in report["arms"].values())  # CPU: no peak
+    assert set(report["max_abs_diff"]) == {"loss", "entropy", "grad"} and max(report["max_abs_diff"].values()) < 1e-5
+    assert report["speedup"] > 0 and json.loads(out.read_text())["settings"]["positions"] == 16

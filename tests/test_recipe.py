@@ -398,7 +398,7 @@ def test_samples_per_step_is_resolved_from_the_world_size(first_run):
 
 
 @pytest.mark.slow
-def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
+def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, capped_processor):
     """A real training process killed with SIGKILL once checkpoint-2 is complete, then resumed with
     ``last``, ends bit-identical to a run that was never interrupted. One training image is cut short
     after prep (the file changed on disk): both runs skip its sample, name it and count it alike."""
@@ -409,11 +409,10 @@ def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny
 
     from eogym_sft.data.datasets import load_or_prepare
     from eogym_sft.data.prepare import PrepConfig
-    from eogym_sft.models.processor import load_processor
 
     data = write_rows(tmp_path / "data")
     prepared = tmp_path / "prepared"
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
     prep = PrepConfig(data_root=str(data.parent))
     load_or_prepare(str(data), str(tiny_model_dir), processor, prep, prepared)
     broken = data.parent / "EO_GYM_DATA/s0/scene.png"  # train_0000000_tiny's scene
@@ -489,19 +488,18 @@ def test_explicit_accumulation_that_disagrees_with_samples_per_step_is_an_error(
     assert training.gradient_accumulation_steps == 32  # agrees with 64 samples at 2 a micro-batch
 
 
-def test_the_recipes_drop_checks_refuse_by_default_and_allow_drops_goes_on(tmp_path, tiny_model_dir, processor):
+def test_the_recipes_drop_checks_refuse_by_default_and_allow_drops_goes_on(tmp_path, tiny_model_dir, processor, capped_processor):
     """Through the recipe's own prep settings: 4 of 6 rows whose images are gone stop data prep (naming the
     recipe's flag), and ``--allow_drops true`` prepares the other 2; the same for images gone after prep."""
     from eogym_sft.data.datasets import load_or_prepare
     from eogym_sft.data.prepare import TooManyDropped
-    from eogym_sft.models.processor import load_processor
     from eogym_sft.training.sft import ALLOW_FLAG, prep_config, refuse_unusable_data
 
     data = write_rows(tmp_path / "data")
     for i in range(4):
         (data.parent / f"EO_GYM_DATA/s{i}/scene.png").unlink()
     recipe = load_recipe()
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
 
     def settings(*extra):
         script, training, _ = recipe.parse_args(
@@ -526,17 +524,16 @@ def test_the_recipes_drop_checks_refuse_by_default_and_allow_drops_goes_on(tmp_p
     refuse_unusable_data(dataset, str(data.parent), str(data), 1.0)  # what allow_drops passes: goes on
 
 
-def test_skipped_samples_are_counted_and_listed_exactly_and_an_overwrite_starts_a_new_list(tiny_model_dir, tmp_path):
+def test_skipped_samples_are_counted_and_listed_exactly_and_an_overwrite_starts_a_new_list(tiny_model_dir, tmp_path, capped_processor):
     """Two train samples whose scene changed on disk after prep are skipped when their batch is loaded:
     ``eogym_run.json`` counts exactly 2 and ``skipped_samples.jsonl`` lists both; a rerun with
     ``--overwrite_output_dir true`` starts a new list instead of appending to the old one."""
     from eogym_sft.data.datasets import load_or_prepare
     from eogym_sft.data.prepare import PrepConfig
-    from eogym_sft.models.processor import load_processor
 
     data = write_rows(tmp_path / "data")
     prepared = tmp_path / "prepared"
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
     load_or_prepare(str(data), str(tiny_model_dir), processor, PrepConfig(data_root=str(data.parent)), prepared)
     broken = [data.parent / f"EO_GYM_DATA/s{i}/scene.png" for i in (0, 1)]  # two of the five train traces
     for path in broken:

@@ -1,9 +1,11 @@
-"""Load a Qwen3-VL processor with the pixel cap set, and fingerprint it."""
+"""Load a Qwen3-VL processor with the pixel cap set, save it so that it loads fast, and fingerprint it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 from ..config import ImageConfig
 from ..guards import check_model_source
@@ -21,6 +23,29 @@ def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pi
     processor = AutoProcessor.from_pretrained(model_name_or_path)
     processor.image_processor.size = {"longest_edge": max_pixels, "shortest_edge": min_pixels}
     return processor
+
+
+def save_processor(processor, directory: str | os.PathLike) -> None:
+    """``processor.save_pretrained(directory)``, with the tokenizer's added tokens kept in its
+    ``tokenizer_config.json``.
+
+    transformers 5.24 leaves ``added_tokens_decoder`` out of that file for tokenizers-backed tokenizers,
+    and a load that does not find it reads the added tokens by parsing the whole ``tokenizer.json`` (11 MB
+    for Qwen3) a second time: 1.58 s a load against 1.03 s (2-core box). Hub folders of Qwen3-VL carry the
+    field, so this saves what they hold."""
+    from ..atomic import write_text_atomic
+
+    processor.save_pretrained(directory)
+    path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    config["added_tokens_decoder"] = {
+        str(index): {"content": token.content, "single_word": token.single_word, "lstrip": token.lstrip,
+                     "rstrip": token.rstrip, "normalized": token.normalized, "special": token.special}
+        for index, token in sorted(processor.tokenizer.added_tokens_decoder.items())
+    }
+    write_text_atomic(path, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def processor_fingerprint(processor) -> str:

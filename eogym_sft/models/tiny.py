@@ -12,6 +12,7 @@ import importlib.util
 from pathlib import Path
 
 from ..config import ImageConfig
+from .processor import save_processor
 
 # Qwen3-VL's special token ids (shared by every Qwen3 tokenizer).
 IMAGE_TOKEN_ID = 151655
@@ -144,5 +145,5 @@ def save_tiny_model(output_dir: str | Path, seed: int = 0, config: dict | None =
     for the full-size architecture."""
     output_dir = Path(output_dir)
     build_tiny_model(seed, config, dtype, device).save_pretrained(output_dir)
-    build_offline_processor().save_pretrained(output_dir)
+    save_processor(build_offline_processor(), output_dir)
     return output_dir

@@ -90,6 +90,7 @@ def write_run_info(output_dir: str | Path, configs: dict, data_stats: dict, proc
 def save_run(trainer, processor, configs: dict, data_stats: dict) -> str:
     """Save the adapter, the processor (with its pixel cap) and ``eogym_run.json`` side by side in the
     trainer's ``output_dir``; return that folder."""
+    from ..models.processor import save_processor
     from .trainer import (
         skipped_counts,  # the trainer is built already: no import cost here
     )
@@ -97,6 +98,6 @@ def save_run(trainer, processor, configs: dict, data_stats: dict) -> str:
     output_dir = trainer.args.output_dir
     trainer.save_model(output_dir)
     if trainer.accelerator.is_main_process:
-        processor.save_pretrained(output_dir)
+        save_processor(processor, output_dir)
         write_run_info(output_dir, configs, data_stats, processor, skipped_counts(trainer.state.log_history))
     return output_dir

@@ -42,6 +42,7 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_predictions
+from .loss import cross_entropy_with_entropy
 from .sampler import TokenBalancedSampler
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,10 @@ class EOGymSFTTrainer(SFTTrainer):
         outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
         logits = outputs.logits.float()
         picked = targets[:, keep]
-        # cross_entropy is nll_loss over log_softmax: computed here once, the logged entropy reuses it (the
-        # same numbers as two calls, one vocabulary-wide pass fewer). Flat [positions, vocab]: softmax over a
-        # transposed (strided) vocab dim is several times slower.
-        log_p = logits.flatten(0, 1).log_softmax(-1)
-        per_token = torch.nn.functional.nll_loss(log_p, picked.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(picked.shape)
+        # One softmax gives the loss and the logged entropy (training/loss.py). Flat [positions, vocab]: a softmax
+        # over a transposed (strided) vocab dim is several times slower.
+        per_token, entropy = cross_entropy_with_entropy(logits.flatten(0, 1), picked.flatten())
+        per_token, entropy = per_token.view(picked.shape), entropy.view(picked.shape)
         if self.args.loss_type == "dft":  # TRL's dynamic fine-tuning: each token's loss times its (constant) probability
             per_token = per_token * torch.exp(-per_token).detach()
         valid = picked != IGNORE_INDEX
@@ -140,7 +140,7 @@ class EOGymSFTTrainer(SFTTrainer):
             loss = loss * self.accelerator.num_processes
         with torch.no_grad():
             right = correct_predictions(logits, picked)
-            entropy = _entropy(log_p.detach()).view(picked.shape) * valid
+            entropy = entropy * valid
             if mode == "train":
                 self._train_steps.append(torch.stack([right.sum(), valid.sum(), _real_tokens(inputs)]))
                 self._train_entropy.append(entropy.sum())
@@ -235,11 +235,6 @@ def skipped_counts(log_history: list[dict]) -> dict:
         "train": sum(h.get("skipped_samples", 0) for h in log_history),
         "eval": sum(h.get("eval_skipped_samples", 0) for h in log_history),
     }
-
-
-def _entropy(log_p: torch.Tensor) -> torch.Tensor:
-    """Entropy of each row's next-token distribution, from its log-probabilities ``[positions, vocab]``."""
-    return -(log_p.exp() * log_p).sum(-1)
 
 
 def _real_tokens(inputs) -> torch.Tensor:

@@ -223,9 +223,9 @@ def _sample(episode, root, processor, max_completion_length=4096):
     return episode_sample(episode, processor, root, "produced", picture_cache(processor), max_completion_length)
 
 
-def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny_model_dir):
+def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny_model_dir, capped_processor):
     episode, root = gold_episode
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
     sample = _sample(episode, root, processor)
     collator = EOGymCollator(processor, data_root=str(root))
     trace = normalize_row(episode.row)
@@ -243,9 +243,9 @@ def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny
     assert cut.truncated and len(cut.images) == 1  # the crop is dropped whole, with its pixels
 
 
-def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir):
+def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir, capped_processor):
     episode, root = gold_episode
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
     episode.stop = "max_new_tokens"
     try:
         sample = _sample(episode, root, processor)
