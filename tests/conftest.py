@@ -59,11 +59,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files that hold a ``slow`` test run first: with one file a pytest-xdist worker, the long runs then overlap
-    the many short files instead of leaving one worker alone with them at the end. Stable: the order within
-    each group stays."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    """Files by the seconds of their slow tests (``@pytest.mark.slow(seconds)``, about what each took on the
+    2-core box, fixtures it builds included), longest first, then the rest in collection order: with one file
+    a pytest-xdist worker, the long runs then start first and the short files fill in around them instead of
+    leaving one worker alone with a long one at the end. Stable: the order within a file stays."""
+    seconds: dict = {}
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None:
+            seconds[item.path] = seconds.get(item.path, 0) + (marker.args[0] if marker.args else 1)
+    items.sort(key=lambda item: -seconds.get(item.path, 0))
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ def tiny_config(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.slow(12)
 def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, tmp_path):
     """One arm of train_throughput.py (its main() only adds the generated 4000-px sample, slow to decode on CPU)."""
     import train_throughput
@@ -102,7 +102,7 @@ def recipe_halves(tiny_model_dir, tmp_path_factory):
     return {"first": first, "second": second, "checkpoints_after_first": checkpoints, "dir": tmp_path}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(49)
 def test_recipe_bench_times_the_recipe_itself(recipe_halves):
     report = recipe_halves["first"]
     recipe = report["recipe"]

@@ -12,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(18)
 def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir, tmp_path):
     sys.path.insert(0, str(BENCH))
     from grpo_step import format_table, main

@@ -55,7 +55,7 @@ def test_demo_refuses_a_used_output_folder(tmp_path):
         run_demo(tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(48)
 def test_the_demo_learns_what_it_holds_out(tmp_path):
     """The demo's model and recipe settings beat the base on traces never trained on (the full demo, with
     smaller images and fewer steps so that it runs in about half a minute)."""
@@ -179,7 +179,7 @@ def _paired(report, a, b, metric="pass@1"):
     return next(p for p in report["paired"] if (p["a"], p["b"], p["metric"]) == (a, b, metric))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(84)
 def test_sft_teaches_the_tool_and_the_answer_on_held_out_questions(learned):
     _, _, report = learned
     base, sft = report["arms"]["base"], report["arms"]["sft"]

@@ -32,7 +32,7 @@ def as_argv(line: str) -> list[str]:
     return [sys.executable, *argv[1:]]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(45)
 def test_the_cpu_quickstart_in_training_md_runs_first_time(tmp_path):
     """docs/training.md's first command, in a fresh folder that sees the checkout's recipes/ and sample (as
     its root does): it trains, evaluates and saves, and prints no warning of ours."""

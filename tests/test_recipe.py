@@ -397,7 +397,7 @@ def test_samples_per_step_is_resolved_from_the_world_size(first_run):
     assert info["config"]["training"]["gradient_accumulation_steps"] == 1 and info["config"]["script"]["samples_per_step"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow(25)
 def test_kill_9_after_a_checkpoint_then_resume_equals_the_uninterrupted_run(tiny_model_dir, tmp_path, capped_processor):
     """A real training process killed with SIGKILL once checkpoint-2 is complete, then resumed with
     ``last``, ends bit-identical to a run that was never interrupted. One training image is cut short

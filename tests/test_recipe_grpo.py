@@ -39,7 +39,7 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert model.attn_implementation == "eogym_varlen_cudnn"  # the packed loss forward of the slots engine
 
 
-@pytest.mark.slow
+@pytest.mark.slow(15)
 @pytest.mark.parametrize("engine", ["trl", "slots"])
 def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     root = tmp_path / "data"
@@ -74,7 +74,7 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     assert info["processor"]["size"] == {"longest_edge": 4096, "shortest_edge": 1024}
 
 
-@pytest.mark.slow
+@pytest.mark.slow(5)
 def test_grpo_resumes_only_its_own_run_and_refuses_a_used_output_dir(tmp_path, tiny_model_dir):
     """The SFT recipe's resume rules hold for GRPO: a finished run is a no-op on `last`, another run's
     checkpoint is refused with what differs, and a new run does not write into a used output_dir."""

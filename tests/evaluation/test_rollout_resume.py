@@ -57,7 +57,7 @@ def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.is_file() else 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(22)
 def test_a_killed_run_resumes_to_the_uninterrupted_summary(tmp_path, data_root, row_factory, tiny_model_dir):
     from eogym_sft.cli import main
 
@@ -100,7 +100,7 @@ def test_episode_log_cuts_a_half_written_line(tmp_path):
         read_log(path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(31)
 def test_two_ranks_under_torchrun_give_one_process_summary(tmp_path, data_root, row_factory, tiny_model_dir):
     from eogym_sft.cli import main
 

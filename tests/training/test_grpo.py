@@ -255,7 +255,7 @@ def _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool: int):
     return trainer.state.log_history[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(12)
 def test_a_mixed_batch_with_truncated_crops_trains(tmp_path, tiny_model_dir, caplog):
     """Images in one question and none in the other (crashed: ``NoneType`` in the processor), and the crop
     episodes cut 3 tokens after their crop (crashed: a shape mismatch in ``get_rope_index``). The cut
@@ -271,7 +271,7 @@ def test_a_mixed_batch_with_truncated_crops_trains(tmp_path, tiny_model_dir, cap
     assert progress[-1].startswith("GRPO: generated 4 episodes, ") and progress[-1].endswith("tokens/s)")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(9)
 def test_an_episode_whose_tool_result_no_longer_fits_counts_as_truncated(tmp_path, tiny_model_dir):
     """TRL drops a tool result that does not fit and ends the episode on the call's <|im_end|>: that
     episode was cut, and like every cut episode it is left out of the loss."""
