@@ -1,11 +1,18 @@
-"""Start-up noise from other libraries that says nothing to a user of this one, silenced by name."""
+"""Noise from other libraries that says nothing to a user of this one, silenced by name."""
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
+from contextlib import contextmanager
 
 DEEPSPEED_PROBE = "Setting accelerator to CPU"
+# transformers 5.24 renamed gradient checkpointing to activation checkpointing; PEFT (when it wraps a model) and TRL
+# (around every generation of GRPO) still use the old names: a FutureWarning each, about nothing our settings do.
+OLD_CHECKPOINTING_NAMES = ("is_gradient_checkpointing", "gradient_checkpointing_disable", "gradient_checkpointing_enable")
+# TRL's notice on every GRPOTrainer given an `environment_factory`, which the GRPO recipe is built on (docs/rl.md)
+TRL_EXPERIMENTAL_ENVIRONMENT = "You are using 'environment_factory', which is an experimental feature"
 
 
 class _DropDeepSpeedProbe(logging.Filter):
@@ -23,3 +30,21 @@ def quiet_deepspeed_probe() -> None:
     logger = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropDeepSpeedProbe) for f in logger.filters):
         logger.addFilter(_DropDeepSpeedProbe())
+
+
+@contextmanager
+def old_checkpointing_names_quietly(names=OLD_CHECKPOINTING_NAMES):
+    """Drop transformers' FutureWarning for each of ``names`` (its deprecated gradient-checkpointing API) inside."""
+    with warnings.catch_warnings():
+        for name in names:
+            warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
+        yield
+
+
+@contextmanager
+def grpo_quietly():
+    """GRPO's upstream notices about our own choices, dropped inside: TRL's experimental-feature notice for
+    ``environment_factory`` and the FutureWarnings of TRL's generation reading transformers' old names."""
+    with old_checkpointing_names_quietly():
+        warnings.filterwarnings("ignore", message=TRL_EXPERIMENTAL_ENVIRONMENT, category=UserWarning)
+        yield

@@ -19,6 +19,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from trl import GRPOConfig, ModelConfig, TrlParser  # noqa: E402
 
+from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
 from eogym_sft.training.grpo import GRPOScriptArguments, train  # noqa: E402
 
 
@@ -30,4 +31,5 @@ def parse_args(argv: list[str]):
 
 
 if __name__ == "__main__":
+    quiet_deepspeed_probe()
     train(*parse_args(sys.argv[1:]))

@@ -42,3 +42,21 @@ def test_a_deepspeed_run_keeps_the_probe(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     quiet_deepspeed_probe()
     assert logger.filters == []
+
+
+def test_grpo_quietly_drops_the_named_notices_and_keeps_the_rest():
+    import warnings
+
+    from eogym_sft.quiet import OLD_CHECKPOINTING_NAMES, TRL_EXPERIMENTAL_ENVIRONMENT, grpo_quietly
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with grpo_quietly():
+            for name in OLD_CHECKPOINTING_NAMES:
+                warnings.warn(f"`{name}` is deprecated and will be removed in v6.", FutureWarning)
+            warnings.warn(TRL_EXPERIMENTAL_ENVIRONMENT + ". This API may change.", UserWarning)
+            warnings.warn("`something_else` is deprecated", FutureWarning)
+            warnings.warn("a user warning of another kind", UserWarning)
+        warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)  # outside: kept
+    assert [str(w.message) for w in caught] == [
+        "`something_else` is deprecated", "a user warning of another kind", "`is_gradient_checkpointing` is deprecated"]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..quiet import old_checkpointing_names_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,10 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     return model
 
 
-@contextmanager
 def peft_quietly():
     """PEFT's ``PeftModel`` reads transformers' deprecated ``is_gradient_checkpointing`` (transformers >= 5.24
     names it ``is_activation_checkpointing``): a FutureWarning on every adapter, about nothing our settings do."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
+    return old_checkpointing_names_quietly(("is_gradient_checkpointing",))
 
 
 def lora_target_regex(targets=LORA_TARGETS) -> str:

@@ -556,6 +556,7 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     from ..data.datasets import file_sha256
     from ..models.loading import apply_lora, continue_lora, load_base_model
     from ..models.processor import load_processor
+    from ..quiet import grpo_quietly
     from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
     from .run_info import save_run
 
@@ -580,9 +581,10 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
         model = continue_lora(model, script_args.sft_adapter)
     else:
         model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
-    trainer.add_callback(CheckpointIdentity(identity))
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    with grpo_quietly():
+        trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
+        trainer.add_callback(CheckpointIdentity(identity))
+        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
     output_dir = save_run(trainer, processor, configs, stats)
     logger.info("adapter saved to %s", output_dir)
