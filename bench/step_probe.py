@@ -20,7 +20,9 @@ from collections import Counter
 
 import torch
 
-from eogym_sft.training.loss import PROFILER_RANGE as LOSS_RANGE  # the SFT loss's forward ops
+from eogym_sft.training.loss import (
+    PROFILER_RANGE as LOSS_RANGE,  # the SFT loss's forward ops
+)
 
 RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"  # torch._logging's artifact logger for `recompiles`
 

@@ -47,7 +47,11 @@ def test_a_deepspeed_run_keeps_the_probe(monkeypatch):
 def test_grpo_quietly_drops_the_named_notices_and_keeps_the_rest():
     import warnings
 
-    from eogym_sft.quiet import OLD_CHECKPOINTING_NAMES, TRL_EXPERIMENTAL_ENVIRONMENT, grpo_quietly
+    from eogym_sft.quiet import (
+        OLD_CHECKPOINTING_NAMES,
+        TRL_EXPERIMENTAL_ENVIRONMENT,
+        grpo_quietly,
+    )
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
