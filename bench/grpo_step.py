@@ -410,7 +410,7 @@ def main(argv=None) -> dict:
     arms = [run_arm(args, arm, model, lora_start, data, root, workdir) for arm in args.arms.split(",")]
     by_arm = {r["arm"]: r for r in arms}
     result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "versions": {m.__name__: m.__version__ for m in map(__import__, ("torch", "transformers", "trl", "peft"))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import machine_info
-from prep_throughput import write_result
+from eval_throughput import machine_info  # noqa: E402
+from prep_throughput import write_result  # noqa: E402
 
-from eogym_sft.metrics.token_accuracy import IGNORE_INDEX
-from eogym_sft.training.loss import cross_entropy_with_entropy
+from eogym_sft.metrics.token_accuracy import IGNORE_INDEX  # noqa: E402
+from eogym_sft.training.loss import cross_entropy_with_entropy  # noqa: E402
 
 
 def log_softmax_arm(logits: torch.Tensor, targets: torch.Tensor):
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
                 runs[arm].append(last[arm]["seconds"])
     a, b = last["one-softmax"], last["log_softmax"]
     result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
         "settings": {"positions": args.positions, "vocab": args.vocab, "logits_dtype": str(dtype), "repeats": args.repeats},
         "arms": {arm: {"median_s": sorted(s)[len(s) // 2], "seconds": s, "peak_gib": last[arm]["peak_gib"]} for arm, s in runs.items()},
