@@ -23,6 +23,12 @@ class CrossEntropyWithEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int):
+        # In the logits' precision: under bf16 autocast (the recipe's) the entropy's bmm would run in bf16
+        with torch.autocast(logits.device.type, enabled=False):
+            return CrossEntropyWithEntropy._forward(ctx, logits, targets, ignore_index)
+
+    @staticmethod
+    def _forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int):
         peak, top = logits.max(-1, keepdim=True)
         probs = torch.softmax(logits, -1)
         log_normalizer = (peak - probs.gather(-1, top).log()).squeeze(-1)

@@ -48,6 +48,17 @@ def test_float32_with_large_logits_stays_within_rounding_of_torch():
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_under_bf16_autocast_everything_stays_in_the_logits_precision():
+    """The recipe trains under bf16 autocast, which would run the entropy's product in bf16 (0.05 off here)."""
+    logits, targets = _rows(seed=2, rows=64, vocab=5000)
+    logits = logits.float()
+    loss, entropy = cross_entropy_with_entropy(logits, targets)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_autocast, entropy_autocast = cross_entropy_with_entropy(logits, targets)
+    assert entropy_autocast.dtype == loss_autocast.dtype == torch.float32
+    assert torch.equal(loss_autocast, loss) and torch.equal(entropy_autocast, entropy)
+
+
 def test_no_grad_and_no_rows():
     logits, targets = _rows()
     with torch.no_grad():
