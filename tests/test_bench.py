@@ -274,4 +274,4 @@ def test_sft_loss_bench_times_both_losses_on_the_same_logits(tmp_path):
     assert set(report["arms"]) == {"one-softmax", "log_softmax"}
     assert all(len(arm["seconds"]) == 2 and arm["peak_gib"] is None for arm in report["arms"].values())  # CPU: no peak
     assert set(report["max_abs_diff"]) == {"loss", "entropy", "grad"} and max(report["max_abs_diff"].values()) < 1e-5
-    assert report["speedup"] > 0 and json.loads(out.read_text())["settings"]["positions"] == 16
+    assert report["same_argmax"] and report["speedup"] > 0 and json.loads(out.read_text())["settings"]["positions"] == 16

@@ -108,3 +108,24 @@ def test_grpo_resumes_only_its_own_run_and_refuses_a_used_output_dir(tmp_path, t
     assert run("--resume_from_checkpoint", "last") == str(out)  # finished: nothing to train
     with pytest.raises(ValueError, match="learning_rate"):
         run("--resume_from_checkpoint", "last", "--learning_rate", "1e-3")
+
+
+def test_run_as_a_script_it_drops_deepspeeds_cpu_probe_before_training(tmp_path, monkeypatch):
+    """``python recipes/eo_gym_4b_grpo.py ...`` (its ``__main__``): DeepSpeed's "Setting accelerator to CPU"
+    filter is on the DeepSpeed logger before ``train`` runs (the run itself is the test above)."""
+    import logging
+    import runpy
+    import sys
+
+    from eogym_sft.training import grpo
+    from eogym_sft.quiet import _DropDeepSpeedProbe
+
+    logger = logging.getLogger("DeepSpeed")
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    seen = []
+    monkeypatch.setattr(grpo, "train", lambda *args: seen.append([type(f) for f in logger.filters]))
+    script = REPO / "recipes" / "eo_gym_4b_grpo.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false"])
+    runpy.run_path(str(script), run_name="__main__")
+    assert seen == [[_DropDeepSpeedProbe]]

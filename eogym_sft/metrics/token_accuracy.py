@@ -20,7 +20,12 @@ def correct_predictions(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     ``logits[..., i, :]`` scores ``targets[..., i]``: already shifted. The trainer's logged accuracy and
     ``validate`` both count with this function.
     """
-    return (logits.argmax(-1) == targets) & (targets != ignore_index)
+    return correct_argmax(logits.argmax(-1), targets, ignore_index)
+
+
+def correct_argmax(predicted: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """:func:`correct_predictions` from the logits' argmax ``predicted`` already taken (the SFT loss takes it)."""
+    return (predicted == targets) & (targets != ignore_index)
 
 
 def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

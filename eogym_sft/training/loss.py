@@ -10,15 +10,16 @@ PROFILER_RANGE = "eogym::cross_entropy"  # bench/step_probe.py counts the ops un
 
 
 class CrossEntropyWithEntropy(torch.autograd.Function):
-    """Per row of ``logits [N, V]``: the cross-entropy against ``targets`` (0 where ``ignore_index``) and
-    the entropy of the row's softmax (no gradient).
+    """Per row of ``logits [N, V]``: the cross-entropy against ``targets`` (0 where ``ignore_index``), the
+    entropy of the row's softmax and its argmax (neither with a gradient; the argmax is the max the softmax
+    needs anyway, and token accuracy reads it).
 
     One softmax, where ``log_softmax`` + ``nll_loss`` and a separate entropy take three exponentials per
     logit (the entropy's, and ``log_softmax``'s backward's): the softmax is kept, the log-normalizer is
     ``max - log(softmax[argmax])`` (``softmax[argmax]`` is ``1 / sum(exp(logits - max))``), the entropy
     ``log_normalizer - softmax . logits``, and the backward ``(softmax - one_hot) * grad``, written into the
     kept softmax. No vocabulary-wide temporary besides the softmax: half the peak memory of the three-pass
-    path, 1.1x as fast on a GPU and 2.6x on a CPU (``bench/sft_loss.py``, docs/benchmarks.md).
+    path, 1.1x as fast on a GPU and 3.2-3.6x on a CPU with the argmax (``bench/sft_loss.py``, docs/benchmarks.md).
     """
 
     @staticmethod
@@ -37,11 +38,12 @@ class CrossEntropyWithEntropy(torch.autograd.Function):
         index = targets.masked_fill(~valid, 0)
         loss = (log_normalizer - logits.gather(-1, index[:, None]).squeeze(-1)).masked_fill_(~valid, 0.0)
         ctx.save_for_backward(probs, index, valid)
-        ctx.mark_non_differentiable(entropy)
-        return loss, entropy
+        top = top.squeeze(-1)
+        ctx.mark_non_differentiable(entropy, top)
+        return loss, entropy, top
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_entropy):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_entropy, _grad_top):
         probs, index, valid = ctx.saved_tensors
         grad = (grad_loss * valid)[:, None]
         grad_logits = probs.mul_(grad)
@@ -50,7 +52,7 @@ class CrossEntropyWithEntropy(torch.autograd.Function):
 
 
 def cross_entropy_with_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX):
-    """``(loss, entropy)`` per row of ``logits [N, V]`` (see :class:`CrossEntropyWithEntropy`): the loss
+    """``(loss, entropy, argmax)`` per row of ``logits [N, V]`` (see :class:`CrossEntropyWithEntropy`): the loss
     equals ``cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")`` and its gradient."""
     with torch.profiler.record_function(PROFILER_RANGE):
         return CrossEntropyWithEntropy.apply(logits, targets, ignore_index)

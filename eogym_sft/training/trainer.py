@@ -41,7 +41,7 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
-from ..metrics.token_accuracy import IGNORE_INDEX, correct_predictions
+from ..metrics.token_accuracy import IGNORE_INDEX, correct_argmax
 from .loss import cross_entropy_with_entropy
 from .sampler import TokenBalancedSampler
 
@@ -126,10 +126,9 @@ class EOGymSFTTrainer(SFTTrainer):
         outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
         logits = outputs.logits.float()
         picked = targets[:, keep]
-        # One softmax gives the loss and the logged entropy (training/loss.py). Flat [positions, vocab]: a softmax
+        # One softmax gives the loss, the logged entropy and the argmax accuracy counts (training/loss.py). Flat [positions, vocab]: a softmax
         # over a transposed (strided) vocab dim is several times slower.
-        per_token, entropy = cross_entropy_with_entropy(logits.flatten(0, 1), picked.flatten())
-        per_token, entropy = per_token.view(picked.shape), entropy.view(picked.shape)
+        per_token, entropy, predicted = (t.view(picked.shape) for t in cross_entropy_with_entropy(logits.flatten(0, 1), picked.flatten()))
         if self.args.loss_type == "dft":  # TRL's dynamic fine-tuning: each token's loss times its (constant) probability
             per_token = per_token * torch.exp(-per_token).detach()
         valid = picked != IGNORE_INDEX
@@ -139,7 +138,7 @@ class EOGymSFTTrainer(SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         with torch.no_grad():
-            right = correct_predictions(logits, picked)
+            right = correct_argmax(predicted, picked)
             entropy = entropy * valid
             if mode == "train":
                 self._train_steps.append(torch.stack([right.sum(), valid.sum(), _real_tokens(inputs)]))
