@@ -50,6 +50,7 @@ from step_probe import (  # noqa: E402
 )
 
 from eogym_sft.config import ImageConfig  # noqa: E402
+from eogym_sft.training.trainer import stop_dataloader_workers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
 PEAK_FLOPS = 790e12  # the H200 bf16 dense figure that MFU is computed against (docs/benchmarks.md, MFU formula)
@@ -291,6 +292,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         with RecompileLog() as recompiles, CacheBypassLog() as bypasses:
             trainer.train()
     finally:
+        stop_dataloader_workers(trainer)  # the TRL arms' SFTTrainer does not (ours does in train())
         for handle in hooks:
             handle.remove()
         _restore(base, trainer.model)

@@ -414,6 +414,43 @@ def test_workers_keep_a_whole_step_in_flight(processor, tmp_path, workers, accum
     assert trainer.args.dataloader_prefetch_factor == expected
 
 
+def test_train_stops_persistent_dataloader_workers_before_it_returns(processor, tmp_path):
+    """The recipe's persistent workers (training and cached evaluation loaders) have exited by themselves, exit
+    code 0, when ``train`` returns: left to the cycle collector they would each be killed after a 5 s wait. This
+    also pins the private torch and transformers attributes ``stop_dataloader_workers`` reads."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig
+
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.training.trainer import EOGymSFTTrainer, stop_dataloader_workers
+
+    workers = []
+
+    class Watch(TrainerCallback):  # the live worker processes of both loaders, seen from inside the run
+        def on_evaluate(self, args, state, control, **kwargs):
+            iterators = [loader._iterator for loader in (kwargs["train_dataloader"], *trainer._eval_dataloaders.values())]
+            workers.extend(w for it in iterators if it is not None for w in it._workers if w not in workers)
+
+    rows = [json.dumps(chat_example(f"Question {i}?", "Final Answer: yes")["messages"]) for i in range(4)]
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", remove_unused_columns=False, max_steps=2,
+        dataset_kwargs={"skip_prepare_dataset": True}, per_device_train_batch_size=1, per_device_eval_batch_size=2,
+        eval_strategy="steps", eval_steps=1, save_strategy="no", logging_steps=100,
+        dataloader_num_workers=1, dataloader_persistent_workers=True,
+    )
+    data = Dataset.from_dict({"messages": rows})
+    trainer = EOGymSFTTrainer(model=build_tiny_model(), args=args, data_collator=EOGymCollator(processor), train_dataset=data,
+                              eval_dataset=data, processing_class=processor, callbacks=[Watch()])
+    trainer.train()
+    assert len(workers) == 2 and [w.exitcode for w in workers] == [0, 0]  # one a loader, each exited on its own
+    assert stop_dataloader_workers(trainer) == 0  # nothing left to stop
+    assert "eval_loss" in trainer.evaluate()  # the cached evaluation loader starts new workers
+    assert len(workers) == 3 and workers[2].is_alive()
+    assert stop_dataloader_workers(trainer) == 1 and workers[2].exitcode == 0
+
+
 # What the trainer relies on in TRL and transformers beyond their public API. If an upgrade changes
 # any of it, these fail, rather than the trainer silently doing something else.
 
