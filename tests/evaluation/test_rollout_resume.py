@@ -63,7 +63,14 @@ def test_a_killed_run_resumes_to_the_uninterrupted_summary(tmp_path, data_root, 
 
     data = _data(tmp_path, row_factory, 6)
     killed, whole = tmp_path / "killed", tmp_path / "whole"
-    with serve(lambda body, handler: scripted_policy(body), delay_s=0.25) as (url, _):
+    slow = [True]  # replies take 0.25 s until the kill, so that it lands mid-run; the runs after it need no wait
+
+    def policy(body, handler):
+        if slow[0]:
+            time.sleep(0.25)
+        return scripted_policy(body)
+
+    with serve(policy) as (url, _):
         args = _command(tiny_model_dir, data, data_root, killed, url, "--no-base")
         log = open(tmp_path / "stderr.txt", "w")
         proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=log)
@@ -73,6 +80,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_summary(tmp_path, data_root, 
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         log.close()
+        slow[0] = False
         assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
         written = _lines(killed / "episodes.jsonl")
         assert 2 <= written < 6 and not (killed / "summary.json").exists()
