@@ -82,9 +82,12 @@ def runs_table(result: dict, subtitle: str, columns: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def sample_data(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
-    """The EO-Gym-shaped sample of ``bench/prep_throughput.py`` (same generator, same seed rules)."""
-    return generate_sample(workdir / "sample", rows, seed)
+def run_data(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
+    """The JSONL and data root a bench of :func:`add_run_args` runs on: ``--data`` and ``--data-root``, or else
+    ``--rows`` rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (seed ``--seed``) under ``workdir``."""
+    if args.data:
+        return Path(args.data), Path(args.data_root)
+    return generate_sample(workdir / "sample", args.rows, args.seed)
 
 
 def add_random_lora(model, seed: int):
@@ -148,13 +151,24 @@ def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate"
     }
 
 
+def add_run_args(parser: argparse.ArgumentParser, name: str, data_help: str) -> None:
+    """The arguments every GPU bench of evaluation, validation and rollouts takes: the data (a generated
+    sample by default), the device and dtype, the seed, the work folder and where the JSON goes."""
+    parser.add_argument("--data", default=None, help=data_help)
+    parser.add_argument("--data-root", default=".", help="data root of --data")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
+    parser.add_argument("--json", default=f"{name}.json", help="where to write the result")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym_sft.models.tiny.save_tiny_model)")
-    parser.add_argument("--data", default=None, help="EO-Gym JSONL to evaluate (default: a generated sample)")
-    parser.add_argument("--data-root", default=".", help="data root of --data")
+    add_run_args(parser, "eval_throughput", "EO-Gym JSONL to evaluate (default: a generated sample)")
     parser.add_argument("--rows", type=int, default=32, help="rows of the generated sample, or rows read from --data")
     parser.add_argument("--batch-size", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -162,31 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-lora-arm", action="store_true", help="time the base arm only")
     parser.add_argument("--paths", nargs="+", default=["generate", "slots"], choices=("generate", "slots"),
                         help="generation paths to time: batched generate, the slot decoder (evaluate's for greedy turns)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)"
-    )
-    parser.add_argument("--json", default="eval_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
 
-    from eogym_sft.evaluation.offline import (
-        Arm,
-        EvalConfig,
-        generate_turns,
-        load_model,
-        plan_turns,
-        read_traces,
-        resolve_device,
-    )
+    from eogym_sft.evaluation.offline import Arm, EvalConfig, generate_turns, load_model, plan_turns, read_traces, resolve_device
     from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_eval_bench_") as workdir:
-        if args.data:
-            data, root = Path(args.data), Path(args.data_root)
-        else:
-            data, root = sample_data(workdir, args.rows, args.seed)
+        data, root = run_data(args, workdir)
         cfg = EvalConfig(
             model=args.model,
             data=[str(data)],

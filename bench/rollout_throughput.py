@@ -55,8 +55,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import machine_info, runs_table  # noqa: E402 (the bench folder)
-from prep_throughput import generate_sample, scratch_dir, write_result  # noqa: E402
+from eval_throughput import add_run_args, machine_info, run_data, runs_table  # noqa: E402 (the bench folder)
+from prep_throughput import scratch_dir, write_result  # noqa: E402
 
 SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?think>")
 
@@ -264,32 +264,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", default=None, choices=("default", "reduce-overhead"), help="also time the slot arm with a compiled decode step")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time the slot arm with its decode step replayed from CUDA graphs")
     parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
-    parser.add_argument("--data", default=None, help="EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
-    parser.add_argument("--data-root", default=".", help="data root of --data")
+    add_run_args(parser, "rollout_throughput", "EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
     parser.add_argument("--adapter", default=None, help="LoRA adapter folder: each slot arm runs the base, then this adapter")
     parser.add_argument("--arms", default="serial,batched,slots", help="comma-separated subset of serial,batched,slots")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
-    parser.add_argument("--json", default="rollout_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
 
     import torch
 
-    from eogym_sft.models.loading import (
-        load_inference_model,
-        parse_arms,
-        resolve_device,
-        use_arm,
-    )
+    from eogym_sft.models.loading import load_inference_model, parse_arms, resolve_device, use_arm
     from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:
-        if args.data:
-            jsonl, data_root = Path(args.data), Path(args.data_root)
-        else:
-            jsonl, data_root = generate_sample(workdir / "sample", args.rows, args.seed)
+        jsonl, data_root = run_data(args, workdir)
         device, dtype = resolve_device(args.device, args.dtype)
         processor = load_processor(args.model)
         rows = [json.loads(line) for line in jsonl.read_text().splitlines()]

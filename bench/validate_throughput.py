@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import add_random_lora, machine_info  # noqa: E402 (the bench folder)
-from prep_throughput import generate_sample, scratch_dir, write_result  # noqa: E402
+from eval_throughput import add_random_lora, add_run_args, machine_info, run_data  # noqa: E402 (the bench folder)
+from prep_throughput import scratch_dir, write_result  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -120,17 +120,11 @@ def load_model(model_dir: str, settings: dict, dtype, device, seed: int):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym-sft tiny-model)")
-    parser.add_argument("--data", default=None, help="EO-Gym JSONL or a prepared folder (default: a generated sample)")
-    parser.add_argument("--data-root", default=".", help="data root of --data")
+    add_run_args(parser, "validate_throughput", "EO-Gym JSONL or a prepared folder (default: a generated sample)")
     parser.add_argument("--rows", type=int, default=100, help="rows of the generated sample")
     parser.add_argument("--paths", default="old,new,new-2arms", help=f"comma-separated, from {', '.join(PATHS)}; old first")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per packed batch (the new paths)")
     parser.add_argument("--old-batch-size", type=int, default=4, help="samples per padded batch (old path)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
-    parser.add_argument("--json", default="validate_throughput.json", help="where to write the result")
     args = parser.parse_args(argv)
     paths = args.paths.split(",")
     if paths[0] != "old" or any(p not in PATHS for p in paths):
@@ -144,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     from eogym_sft.training.collator import EOGymCollator
 
     with scratch_dir(args.workdir, "eogym_validate_bench_") as workdir:
-        data, root = (Path(args.data), Path(args.data_root)) if args.data else generate_sample(workdir / "sample", args.rows, args.seed)
+        data, root = run_data(args, workdir)
         device, dtype = resolve_device(args.device, args.dtype)
         sample = SampleConfig()
         processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)

@@ -99,3 +99,26 @@ class ScriptedPolicy:
             if len(seq) > len(self.longest.get(episode, [])):
                 self.longest[episode] = seq
         return forced
+
+
+def gold_and_wrong_group(folder, model_dir, max_pixels: int, min_pixels: int) -> dict:
+    """A GRPO group of two on one row with a crop (its scene and crops saved under ``folder / "data"``): what
+    the row's SFT sample trains (its gold trajectory) and a wrong one-turn answer, as scripts and header for
+    :class:`ScriptedPolicy`, with the row, its SFT sample, the processor and the data root."""
+    from conftest import make_row, save_image
+
+    from eogym_sft.data.traces import normalize_row
+    from eogym_sft.models.processor import load_processor
+    from eogym_sft.training.collator import EOGymCollator
+
+    data_root = folder / "data"
+    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
+        save_image(data_root, rel, width, height)
+    row = make_row(n_steps=1)
+    processor = load_processor(str(model_dir), max_pixels, min_pixels)
+    trace = normalize_row(row)
+    sft = EOGymCollator(processor, data_root=str(data_root))([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
+    wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
+    header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    return {"row": row, "data_root": data_root, "processor": processor, "sft": sft,
+            "scripts": [trained_spans(sft["labels"][0]), [wrong]], "header": header}

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy, perturb_lora_b, trained_spans
+from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, trained_spans
 
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.models.generation import vision_token_ids
@@ -93,17 +93,9 @@ def policy_run(request, tmp_path_factory, tiny_model_dir):
     """One GRPO step on one row, on each rollout engine; the scripted policy writes the row's gold
     trajectory (a crop, the right answer) in one episode of the group and a wrong one-turn answer in the other."""
     tmp_path = tmp_path_factory.mktemp("grpo")
-    data_root = tmp_path / "data"
-    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
-        save_image(data_root, rel, width, height)
-    row = make_row(n_steps=1)
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    trace = normalize_row(row)
-    collator = EOGymCollator(processor, data_root=str(data_root))
-    sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
-    wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
-    header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
+    group = gold_and_wrong_group(tmp_path, tiny_model_dir, MAX_PIXELS, MIN_PIXELS)
+    row, data_root, processor, sft = group["row"], group["data_root"], group["processor"], group["sft"]
+    policy = ScriptedPolicy(group["scripts"], group["header"])
 
     # A non-zero adapter: with LoRA B at zero (PEFT's start) one step could not move LoRA A. TRL's generate needs
     # SDPA; the slots engine's loss forward runs packed on the recipe's variable-length attention.

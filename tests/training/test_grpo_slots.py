@@ -10,12 +10,11 @@ import json
 import pytest
 import torch
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy, perturb_lora_b, trained_spans
+from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b
 
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.models.generation import SlotDecoder
 from eogym_sft.models.loading import apply_lora, load_base_model
-from eogym_sft.models.processor import load_processor
 from eogym_sft.training.collator import EOGymCollator
 from eogym_sft.training.grpo import GRPOScriptArguments, build_trainer, load_episodes
 from eogym_sft.training.grpo_slots import SlotGRPOTrainer
@@ -30,16 +29,8 @@ def batches(tmp_path_factory, tiny_model_dir):
     """One generation batch (the gold trajectory with a crop, a wrong one-turn answer) through
     ``_generate_and_score_completions`` of a trainer on each engine, same model, same scripted policy."""
     tmp_path = tmp_path_factory.mktemp("grpo_slots")
-    data_root = tmp_path / "data"
-    for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:
-        save_image(data_root, rel, width, height)
-    row = make_row(n_steps=1)
-    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
-    collator = EOGymCollator(processor, data_root=str(data_root))
-    trace = normalize_row(row)
-    sft = collator([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
-    wrong = processor.tokenizer("Final Answer: 5", add_special_tokens=False)["input_ids"] + [IM_END]
-    header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    group = gold_and_wrong_group(tmp_path, tiny_model_dir, MAX_PIXELS, MIN_PIXELS)
+    row, data_root, processor = group["row"], group["data_root"], group["processor"]
     model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(row) + "\n")
@@ -57,7 +48,7 @@ def batches(tmp_path_factory, tiny_model_dir):
             max_completion_length=1024, beta=0.0, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
             seed=0, generation_kwargs={"do_sample": False},
         )
-        policy = ScriptedPolicy([trained_spans(sft["labels"][0]), [wrong]], header)
+        policy = ScriptedPolicy(group["scripts"], group["header"])
         modes = ModeRecorder(model)
         trainer = build_trainer(model, processor, data, script_args, args, logits_processors=[policy, modes])
         model.train()
