@@ -26,7 +26,8 @@ runs=$work/runs.tsv
 for round in $(seq 1 "$rounds"); do
   for commit in "$base" "$head"; do
     cd "$work/$commit"
-    pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    pip install -q --no-deps --no-build-isolation -e . >"$work/$commit.install.log" 2>&1 \
+      || { echo "suite_time.sh: the editable install of $commit failed: $work/$commit.install.log" >&2; exit 1; }
     CI=true python -m pytest -q -p no:cacheprovider >"$work/$commit.$round.log" 2>&1 || true
     summary=$(tail -1 "$work/$commit.$round.log")   # "633 passed, 8 skipped, 51 warnings in 190.36s (0:03:10)"
     passed=$(grep -oE '[0-9]+ passed' <<<"$summary" | cut -d' ' -f1 || true)
