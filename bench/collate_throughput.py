@@ -33,7 +33,7 @@ from prep_throughput import generate_sample, machine_info  # noqa: E402
 
 from eogym_sft.config import SampleConfig  # noqa: E402
 from eogym_sft.models.tiny import build_offline_processor  # noqa: E402
-from eogym_sft.training.collator import EOGymCollator  # noqa: E402
+from eogym_sft.data.collator import EOGymCollator  # noqa: E402
 
 ARMS = {"float32": None, "bfloat16": torch.bfloat16}
 

@@ -50,7 +50,7 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
-  python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/training/test_collator.py tests/models/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/data/test_collator.py tests/agent/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench_1)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms A,B,B-b1,B-b1-GC,B-GC --json $OUT/train_1gpu_part1.json
@@ -229,7 +229,7 @@ grpo)
   ;;
 closed_loop_1gpu)
   make_model; make_data 48
-  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/models/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
   [ -f /tmp/cl_adapters/b/adapter_config.json ] || python -c "
 from eogym_sft.models.loading import apply_lora, load_base_model
 import torch

@@ -25,7 +25,7 @@ Arms:
   conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
 * ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
   for its last episode before the next batch starts), left-padded;
-* ``slots``: :class:`eogym_sft.models.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
+* ``slots``: :class:`eogym_sft.agent.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
   run eagerly (``eogym-sft rollout --no-cuda-graphs``): each episode keeps its KV cache across turns (a
   turn computes only its new tokens), images are preprocessed once, a finished episode's slot takes the
   next at once;
@@ -62,7 +62,7 @@ SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?t
 
 
 def replay_episode_class():
-    from eogym_sft.evaluation.episodes import Episode
+    from eogym_sft.agent.episodes import Episode
 
     class ReplayEpisode(Episode):
         """An episode whose tool results are the row's recorded ones, step by step, whatever the model wrote."""
@@ -101,7 +101,7 @@ def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) 
     from eogym_sft.data.encoding import render
     from eogym_sft.data.images import image_size, resolve_image_path
     from eogym_sft.data.prepare import image_factor, image_token_count, resized_hw
-    from eogym_sft.evaluation.episodes import canonical_prompt, question_messages
+    from eogym_sft.agent.episodes import canonical_prompt, question_messages
 
     ip, factor = processor.image_processor, image_factor(processor)
     out = []
@@ -122,7 +122,7 @@ def make_episodes(selected, turns: int, arm: str):
     episodes = []
     for k, (row, _) in enumerate(selected):
         start = {key: v for key, v in row.items() if key != "messages"}
-        from eogym_sft.evaluation.episodes import question_messages
+        from eogym_sft.agent.episodes import question_messages
 
         start["messages"] = [dict(m) for m in question_messages(row)]
         ep = cls(f"bench:{k}", str(row["id"]), arm, 0, start, env=None)
@@ -134,7 +134,7 @@ def make_episodes(selected, turns: int, arm: str):
 
 def _pictures(processor, ep, data_root, cache: dict):
     from eogym_sft.data.images import load_rgb, resolve_image_path
-    from eogym_sft.evaluation.episodes import canonical_prompt
+    from eogym_sft.agent.episodes import canonical_prompt
 
     trace = canonical_prompt(ep.row)
     text = processor.apply_chat_template(trace.messages, tools=trace.tools or None, tokenize=False, add_generation_prompt=True)
@@ -181,8 +181,8 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
 
 
 def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
-    from eogym_sft.evaluation.episodes import LoopConfig, run_episodes
-    from eogym_sft.models.generation import Sampling
+    from eogym_sft.agent.episodes import LoopConfig, run_episodes
+    from eogym_sft.agent.generation import Sampling
 
     for slot in range(decoder.slots):
         decoder.release(slot)
@@ -197,7 +197,7 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
 
 def slot_decoder(model, slots: int, max_context: int, mode):
     """The decoder of a slot arm; compiled, it attends over the whole cache (one graph) and compiles now."""
-    from eogym_sft.models.generation import SlotDecoder
+    from eogym_sft.agent.generation import SlotDecoder
 
     if not mode:
         return SlotDecoder(model, slots, max_context)

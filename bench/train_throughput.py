@@ -221,7 +221,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     from trl import SFTConfig, SFTTrainer
 
     from eogym_sft.models.loading import apply_lora, compile_language_layers
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
@@ -381,7 +381,7 @@ def loss_parity(base, dataset, root, processor, n_samples: int = 4) -> dict:
     Equal up to bf16 rounding."""
     from eogym_sft.metrics.token_accuracy import IGNORE_INDEX
     from eogym_sft.models.loading import compile_language_layers
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     examples = [dataset[i] for i in range(n_samples)]
     out = {}

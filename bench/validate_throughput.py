@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     from eogym_sft.data.prepare import PrepConfig
     from eogym_sft.models.loading import resolve_device
     from eogym_sft.models.processor import load_processor
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     with scratch_dir(args.workdir, "eogym_validate_bench_") as workdir:
         data, root = run_data(args, workdir)

@@ -10,7 +10,7 @@ __all__ = ["EOGymCollator", "mrope_position_ids"]
 
 def __getattr__(name):
     if name in __all__:
-        from .training import collator
+        from .data import collator
 
         return getattr(collator, name)
     raise AttributeError(f"module 'eogym_sft' has no attribute {name!r}")

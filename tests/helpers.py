@@ -109,7 +109,7 @@ def gold_and_wrong_group(folder, model_dir, max_pixels: int, min_pixels: int) ->
 
     from eogym_sft.data.traces import normalize_row
     from eogym_sft.models.processor import load_processor
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     data_root = folder / "data"
     for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32), ("image_cache/crops/c2.png", 40, 40)]:

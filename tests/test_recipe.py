@@ -234,7 +234,7 @@ def test_saved_adapter_reloads_with_peft_and_gives_the_same_logits(first_run, ti
     from transformers import AutoModelForImageTextToText
 
     from eogym_sft.data.prepared import load_prepared
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     out = first_run["out"]
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()

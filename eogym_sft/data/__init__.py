@@ -1,1 +1,1 @@
-"""Data: EO-Gym rows -> canonical conversations -> rendered, labelled, size-checked samples; images and prepared folders."""
+"""Data: EO-Gym rows -> canonical conversations -> rendered, labelled, size-checked samples; images, prepared folders and the collator."""

@@ -1,1 +1,1 @@
-"""Evaluation: teacher-forced ``validate`` and ``evaluate``, closed-loop episodes and ``rollout``, reports."""
+"""Evaluation: teacher-forced ``validate`` and ``evaluate``, closed-loop ``rollout`` (on the agent runtime), reports."""

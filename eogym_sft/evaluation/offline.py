@@ -299,9 +299,9 @@ def greedy(cfg: EvalConfig) -> bool:
 
 
 def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
-    """A :class:`~eogym_sft.models.generation.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
+    """A :class:`~eogym_sft.agent.generation.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
     long enough for the longest prompt and its turn; its decode step replayed from CUDA graphs on a GPU."""
-    from ..models.generation import SlotDecoder
+    from ..agent.generation import SlotDecoder
 
     longest = max((p.prompt_tokens for p in prompts), default=1)
     device = next(model.parameters()).device
@@ -313,8 +313,8 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
     :func:`generate_turns` gives; the test pins it): ``decoder.slots`` prompts at a time, a finished
     turn's slot refilled at once, and the next turn of the same trace reusing the slot's cached prefix.
     Returns what :func:`generate_turns` returns."""
-    from ..models.generation import Sampling, expand_image_pads
-    from .episodes import picture_cache
+    from ..agent.generation import Sampling, expand_image_pads
+    from ..agent.episodes import picture_cache
 
     tokenizer = processor.tokenizer
     stops = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]

@@ -28,7 +28,7 @@ OUTPUTS = ("skipped.jsonl", "summary.json", "report.txt")
 def resume_key(cfg) -> dict:
     """The settings and data hashes a resumed run must share with the run it continues."""
     from ..data.datasets import file_sha256
-    from .policy_server import TRANSPORT_FIELDS
+    from ..agent.policy_server import TRANSPORT_FIELDS
 
     key = {k: v for k, v in asdict(cfg).items() if k not in HOW_NOT_WHAT}
     key["policies"] = [{k: v for k, v in p.items() if k not in TRANSPORT_FIELDS} for p in key.get("policies", [])]

@@ -3,9 +3,9 @@ scored as the paper scores them (Pass@k of final answers against ``gt_answer``).
 
 For every arm (the base, then each adapter, then each policy server) and every row, ``samples`` episodes
 start from the row's system prompt, tools and question (any gold trajectory after it is ignored, so
-question-only rows work). Local arms run in :mod:`eogym_sft.evaluation.episodes` on one
-:class:`~eogym_sft.models.generation.SlotDecoder`; policy arms against an OpenAI-compatible server
-(:mod:`eogym_sft.evaluation.policy_server`). Outputs in ``--output``: ``episodes.jsonl`` (one EO-Gym row
+question-only rows work). Local arms run in :mod:`eogym_sft.agent.episodes` on one
+:class:`~eogym_sft.agent.generation.SlotDecoder`; policy arms against an OpenAI-compatible server
+(:mod:`eogym_sft.agent.policy_server`). Outputs in ``--output``: ``episodes.jsonl`` (one EO-Gym row
 per episode, readable by ``eogym-sft prepare`` with the same ``--data-root``; an append-only log a rerun
 continues, :mod:`eogym_sft.evaluation.resume`), ``run.json``, ``skipped.jsonl``, ``summary.json`` and
 ``report.txt``. Under ``torchrun`` the rows are shared out over the ranks (:mod:`eogym_sft.evaluation.ranks`).
@@ -26,16 +26,16 @@ from ..data.traces import TraceError
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
-from ..models.generation import Sampling, SlotDecoder
+from ..agent.generation import Sampling, SlotDecoder
 from . import ranks
-from .episodes import (
+from ..agent.episodes import (
     LoopConfig,
     canonical_prompt,
     new_episode,
     question_messages,
     run_episodes,
 )
-from .policy_server import PolicyServer, policy_servers, run_policy_episodes
+from ..agent.policy_server import PolicyServer, policy_servers, run_policy_episodes
 from .report import format_rollout_report, summarize_rollouts
 from .resume import (
     EpisodeLog,

@@ -60,7 +60,7 @@ class ArmsConfig(ImageConfig):
 def recorded_settings(cfg: ArmsConfig, arms: list, device, dtype) -> dict:
     """What ``summary.json`` records of a run: every setting, the arms, device, dtype, data hashes, versions."""
     from ..data.datasets import file_sha256
-    from ..training.run_info import versions
+    from ..provenance import versions
 
     return {
         **asdict(cfg),

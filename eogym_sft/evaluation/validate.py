@@ -336,7 +336,7 @@ def validate(cfg: ValidateConfig) -> dict:
         resolve_device,
     )
     from ..models.processor import load_processor
-    from ..training.collator import EOGymCollator
+    from ..data.collator import EOGymCollator
 
     refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
     arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)

@@ -1,1 +1,1 @@
-"""Models: the processor, Qwen3-VL loading with LoRA and arms, the text tower's attention, the slot decoder, the offline tiny model."""
+"""Models: the processor, Qwen3-VL loading with LoRA and arms, the text tower's attention, the offline tiny model."""

@@ -1,1 +1,1 @@
-"""Training: the collator and micro-batch sampler, the SFT trainer and run, resume and run records, GRPO and its reward."""
+"""Training: the micro-batch sampler, the SFT trainer and run, resume and run records, GRPO and its reward."""

@@ -27,10 +27,10 @@ from ..config import ImageConfig, OutputDirConfig
 from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
 from ..data.traces import TraceError
 from ..environment.env import DEFAULT_BACKENDS
-from ..evaluation.episodes import canonical_prompt, question_messages
+from ..agent.episodes import canonical_prompt, question_messages
 from ..metrics.judge import DEFAULT_JUDGE_MODEL
 from ..models.tiny import qwen3_vl_chat_template
-from .rollout_config import SlotRolloutArguments
+from ..agent.rollout_config import SlotRolloutArguments
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own me
 @dataclass
 class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     """Data, environment and reward settings of an EO-Gym GRPO run; images as in SFT (:class:`ImageConfig`,
-    crops included); how episodes are generated (:class:`~eogym_sft.training.rollout_config.SlotRolloutArguments`);
+    crops included); how episodes are generated (:class:`~eogym_sft.agent.rollout_config.SlotRolloutArguments`);
     the rest are TRL's ``GRPOConfig`` and ``ModelConfig``."""
 
     dataset_path: str = field(
@@ -492,7 +492,7 @@ def build_trainer(
     from transformers import LogitsProcessorList
 
     from ..models.attention import NAMES as VARLEN_NAMES
-    from ..models.generation import vision_token_ids
+    from ..agent.generation import vision_token_ids
     from .grpo_slots import SlotGRPOTrainer, text_attention_of
     from .rewards import EpisodeReward
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .collator import mrope_position_ids
+from ..data.collator import mrope_position_ids
 
 IGNORE = -100
 

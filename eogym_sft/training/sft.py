@@ -14,7 +14,7 @@ from ..data.datasets import load_or_prepare, split_by_trace
 from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
 from ..models.processor import load_processor
-from .collator import EOGymCollator
+from ..data.collator import EOGymCollator
 from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
 from .run_info import save_run
 from .sampler import accumulation_steps

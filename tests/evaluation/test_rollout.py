@@ -14,14 +14,14 @@ from PIL import Image
 from eogym_sft.data.encoding import encode_conversation
 from eogym_sft.data.prepare import PrepConfig, prepare_line
 from eogym_sft.environment.env import EOGymEnvironment
-from eogym_sft.evaluation.episodes import (
+from eogym_sft.agent.episodes import (
     LoopConfig,
     canonical_prompt,
     new_episode,
     run_episodes,
 )
 from eogym_sft.metrics.judge import ChatJudge, JudgeError, judge_all, parse_verdict
-from eogym_sft.models.generation import Sampling, SlotDecoder
+from eogym_sft.agent.generation import Sampling, SlotDecoder
 from eogym_sft.models.tiny import IMAGE_TOKEN_ID, build_tiny_model
 
 CROP_CALL = {"name": "crop_optical_or_sar_image", "arguments": {"image_url": "EO_GYM_DATA/aaaa0000/scene.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]}}
@@ -63,7 +63,7 @@ def test_prompt_equals_the_sft_rendering_prefix(processor, data_root, row_factor
 
 
 def test_episodes_of_one_question_share_its_preprocessed_images(processor, data_root, row_factory):
-    from eogym_sft.evaluation.episodes import picture_cache
+    from eogym_sft.agent.episodes import picture_cache
 
     row = row_factory()
     pictures = picture_cache(processor)

@@ -11,7 +11,7 @@ from helpers import chat_example, lean_towards_im_end, sharpen
 from PIL import Image
 
 from eogym_sft.evaluation.validate import dataloader_workers, sample_spans, score_dataset
-from eogym_sft.training.collator import EOGymCollator
+from eogym_sft.data.collator import EOGymCollator
 
 PIXELS = {"min_pixels": 1024, "max_pixels": 4096}
 

@@ -251,7 +251,7 @@ def _examples():
 
 def test_score_dataset_matches_full_logits(processor, capped_processor, biased_model):
     from eogym_sft.evaluation.validate import score_dataset
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(capped_processor(4096, 1024))
     examples = _examples()
@@ -298,7 +298,7 @@ def test_score_dataset_matches_full_logits(processor, capped_processor, biased_m
 
 def test_score_dataset_leaves_out_a_sample_whose_image_fails(capped_processor, biased_model):
     from eogym_sft.evaluation.validate import score_dataset
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(capped_processor(4096, 1024), skip_bad_images=True)
     broken = chat_example("Ships?", "Final Answer: 2", ["gone/scene.png"], sample_id="gone-1#w0", EO_task="Counting")

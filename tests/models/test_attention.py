@@ -63,7 +63,7 @@ def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_mode
     """``load_base_model(..., "eogym_varlen_cudnn")`` switches the text tower only, finds the boundaries
     (its hook acts for both names), and on CPU computes exactly what ``eogym_varlen`` does."""
     from eogym_sft.models.loading import load_base_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     _, varlen = models
     cudnn = load_base_model(str(sharp_model_dir), dtype="float32", attn_implementation="eogym_varlen_cudnn").eval()
@@ -76,7 +76,7 @@ def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_mode
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
 def test_varlen_gives_the_sdpa_loss(models, processor_at_cap, padding_free):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     sdpa, varlen = models
     collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
@@ -420,7 +420,7 @@ def _layer_kwargs(model, batch, layer=None) -> dict:
 def test_boundaries_reach_the_layers_from_the_text_positions(models, processor_at_cap):
     """``load_base_model(..., "eogym_varlen")`` finds the packed samples once, before the layers, from the
     text row of the collator's 4-row position ids; a model switched to SDPA gets nothing added."""
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     _, varlen = models
     batch = EOGymCollator(processor_at_cap, padding_free=True)(_examples())
@@ -457,7 +457,7 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
         load_base_model,
     )
     from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG, build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     build_tiny_model(seed=3, config=DEMO_QWEN3_VL_CONFIG).save_pretrained(tmp_path)
     sharp_model_dir = tmp_path

@@ -162,7 +162,7 @@ def _packed_batch(processor):
     from helpers import chat_example
     from PIL import Image
 
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     examples = [chat_example("Flooded?", "Final Answer: no"), chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
     return EOGymCollator(processor, padding_free=True)(examples)
@@ -215,7 +215,7 @@ def compiled_run(processor_at_cap):
     from torch._dynamo.utils import compile_times, counters
 
     from eogym_sft.models.loading import DECODER_LAYER_RE
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     torch._dynamo.reset()
     counters.clear()

@@ -13,12 +13,12 @@ from conftest import make_row, save_image
 from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b
 
 from eogym_sft.data.traces import normalize_row
-from eogym_sft.models.generation import SlotDecoder
+from eogym_sft.agent.generation import SlotDecoder
 from eogym_sft.models.loading import apply_lora, load_base_model
-from eogym_sft.training.collator import EOGymCollator
+from eogym_sft.data.collator import EOGymCollator
 from eogym_sft.training.grpo import GRPOScriptArguments, build_trainer, load_episodes
 from eogym_sft.training.grpo_slots import SlotGRPOTrainer
-from eogym_sft.training.rollout_config import SlotRolloutArguments, kv_bytes_per_token, slots_for
+from eogym_sft.agent.rollout_config import SlotRolloutArguments, kv_bytes_per_token, slots_for
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096
 KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask", "image_grid_thw", "num_images")
@@ -129,7 +129,7 @@ def test_sampled_logprobs_equal_the_loss_forward(batches):
             model, ids, mask, batch["completion_ids"].size(1), batch_size=2, pixel_values=batch["pixel_values"],
             image_grid_thw=batch["image_grid_thw"], num_images=batch["num_images"], mm_token_type_ids=batch["mm_token_type_ids"],
         )
-    from eogym_sft.models.generation import ImageInput
+    from eogym_sft.agent.generation import ImageInput
 
     grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"]]
     patches = [g[0] * g[1] * g[2] for g in grids]
@@ -195,7 +195,7 @@ def test_cuda_graphs_replay_weights_updated_in_place(tiny_model_dir):
 @pytest.fixture(scope="module")
 def gold_episode(tmp_path_factory):
     """The tiny row's gold trajectory (a crop call, its result with the crop, the answer) as an ended episode."""
-    from eogym_sft.evaluation.episodes import new_episode
+    from eogym_sft.agent.episodes import new_episode
 
     root = tmp_path_factory.mktemp("episode_data")
     for rel, width, height in [("EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64), ("image_cache/crops/c1.png", 48, 32)]:
@@ -208,7 +208,7 @@ def gold_episode(tmp_path_factory):
 
 
 def _sample(episode, root, processor, max_completion_length=4096):
-    from eogym_sft.evaluation.episodes import picture_cache
+    from eogym_sft.agent.episodes import picture_cache
     from eogym_sft.training.grpo_slots import episode_sample
 
     return episode_sample(episode, processor, root, "produced", picture_cache(processor), max_completion_length)

@@ -49,7 +49,7 @@ def trainer(processor_at_cap, tmp_path_factory):
 
     from eogym_sft.models.loading import apply_lora
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     # a loss far from log(vocab), and some right predictions (most wrong)
@@ -76,7 +76,7 @@ def trainer(processor_at_cap, tmp_path_factory):
 
 @pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
 def test_compute_loss_equals_the_full_logits_loss(trainer, processor_at_cap, padding_free):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     batch = collator(_examples())
@@ -96,7 +96,7 @@ def test_compute_loss_equals_the_full_logits_loss(trainer, processor_at_cap, pad
 
 
 def test_compute_loss_gradients_match(trainer, processor_at_cap):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     batch = EOGymCollator(processor_at_cap)(_examples())
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -108,7 +108,7 @@ def test_compute_loss_gradients_match(trainer, processor_at_cap):
 
 
 def test_logged_token_accuracy_is_token_weighted(trainer, processor_at_cap):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(processor_at_cap)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
@@ -136,7 +136,7 @@ def test_logged_token_accuracy_is_token_weighted(trainer, processor_at_cap):
 def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor_at_cap, padding_free):
     """On the last batch accelerate repeats samples to even out the ranks and reports how many are real
     (``remainder``); the accuracy counts keep exactly those, one row per sample, in padded and packed batches."""
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     class LastBatch:  # what accelerate's gradient state reads from the active dataloader
         end_of_dataloader = True
@@ -161,7 +161,7 @@ def test_repeated_samples_of_the_last_batch_are_not_counted(trainer, processor_a
 
 
 def test_train_counts_stay_on_device_until_the_log(trainer, processor_at_cap):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(processor_at_cap, padding_free=True)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
@@ -197,7 +197,7 @@ def test_floating_point_ops_equal_the_trainers_and_count_the_parameters_once(tra
     the model's parameters counted on the first call only."""
     from transformers import Trainer
 
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(processor_at_cap, padding_free=True)
     batches = [collator(_examples()[:1]), collator(_examples()[1:])]
@@ -233,7 +233,7 @@ def test_batch_rebalance_gives_token_balanced_micro_batches(processor, tmp_path)
     from trl import SFTConfig
 
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.sampler import TokenBalancedSampler, deal_by_cost
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
@@ -260,7 +260,7 @@ def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer,
     """A step's samples in one micro-batch or dealt into several (the recipe's token-balanced 2 x 32 in
     place of the published 4 x 16): with the step's supervised-token count as the denominator, as the
     Trainer passes it, the accumulated gradient is the same."""
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     collator = EOGymCollator(processor_at_cap, padding_free=padding_free)
     examples = _examples()
@@ -282,7 +282,7 @@ def test_grouping_into_micro_batches_leaves_the_step_gradient_unchanged(trainer,
 
 
 def test_skipped_samples_are_logged_counted_and_listed(trainer, processor_at_cap, caplog):
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import SKIPPED_FILE, skipped_counts
 
     collator = EOGymCollator(processor_at_cap, skip_bad_images=True)
@@ -318,7 +318,7 @@ def test_padding_free_config_trains_on_packed_image_batches(processor, tmp_path)
     from trl import SFTConfig, SFTTrainer
 
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     train = Dataset.from_dict({"messages": ["[]"], "images": [[]]})
@@ -342,7 +342,7 @@ def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor_at_ca
     loss for each loss_type, and the same entropy as its `entropy` metric."""
     from trl import SFTTrainer
 
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     batch = EOGymCollator(processor_at_cap, padding_free=padding_free)(_examples())
     trainer._token_counts.clear()
@@ -366,7 +366,7 @@ def test_loss_and_entropy_equal_trls_fused_lm_head_path(trainer, processor_at_ca
 def test_label_smoothing_and_compute_loss_func_are_trls_full_logits_loss(trainer, processor_at_cap):
     from transformers.trainer_pt_utils import LabelSmoother
 
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
 
     batch = EOGymCollator(processor_at_cap)(_examples())
     with torch.no_grad():
@@ -400,7 +400,7 @@ def test_workers_keep_a_whole_step_in_flight(processor, tmp_path, workers, accum
     from trl import SFTConfig
 
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     args = SFTConfig(
@@ -423,7 +423,7 @@ def test_train_stops_persistent_dataloader_workers_before_it_returns(processor, 
     from trl import SFTConfig
 
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer, stop_dataloader_workers
 
     workers = []
@@ -463,7 +463,7 @@ def test_upstream_trainer_draws_a_whole_step_before_running_it(processor, tmp_pa
     from trl import SFTConfig
 
     from eogym_sft.models.tiny import build_tiny_model
-    from eogym_sft.training.collator import EOGymCollator
+    from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     calls, at_step_begin = [], []

@@ -4,7 +4,7 @@ Each slot holds one conversation. :meth:`SlotDecoder.prefill` brings a slot's ca
 sequence, computing only the tokens past the longest prefix it already holds (the next turn of an
 episode recomputes its tool results, not its history); :meth:`SlotDecoder.decode` advances every busy
 slot by one token in a single forward. A slot freed by a finished episode takes the next one at once
-(continuous refill, driven by :mod:`eogym_sft.evaluation.episodes`), so no slot waits for the longest episode.
+(continuous refill, driven by :mod:`eogym_sft.agent.episodes`), so no slot waits for the longest episode.
 
 Why not ``model.generate``: it re-encodes the whole history at every turn, pads a batch to its longest
 prompt, and its dynamic cache copies itself at every step; and transformers' continuous batching does

@@ -5,7 +5,7 @@ Each turn sends the whole conversation so far: the row's system prompt and quest
 tools in the request's ``tools``, every image as a PNG data URL resized under the processor's pixel cap
 (the pixels a local arm sees), earlier assistant turns with their ``tool_calls`` and the tool results
 with their images. A reply's ``tool_calls`` become ``<tool_call>`` blocks of the assistant text, so
-:meth:`~eogym_sft.evaluation.episodes.Episode.take_turn` reads them and plain-text calls with the same
+:meth:`~eogym_sft.agent.episodes.Episode.take_turn` reads them and plain-text calls with the same
 parser as data prep. ``finish_reason == "length"`` is a truncated turn.
 
 Network rules: http(s) only; a redirect is an error naming its target (never followed); one deadline
@@ -198,7 +198,7 @@ def _assistant_calls(message: dict) -> tuple[str, list[dict]]:
 
 
 def api_messages(trace, urls: list[str], tool_images_as: str = "tool") -> list[dict]:
-    """A canonical conversation (:func:`~eogym_sft.evaluation.episodes.canonical_prompt`) as
+    """A canonical conversation (:func:`~eogym_sft.agent.episodes.canonical_prompt`) as
     chat-completions messages; ``urls`` are the data URLs of ``trace.images`` in order."""
     urls, out, pending = iter(urls), [], []
     for turn, m in enumerate(trace.messages):

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import eogym_sft
-from eogym_sft.training.run_info import git_sha, versions
+from eogym_sft.provenance import git_sha, versions
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -53,8 +53,8 @@ def test_version_is_the_running_copys_even_when_not_installed(tmp_path):
     shutil.copytree(REPO / "eogym_sft", copy, ignore=shutil.ignore_patterns("__pycache__"))
     init = copy / "__init__.py"
     init.write_text(init.read_text().replace(f'__version__ = "{eogym_sft.__version__}"', '__version__ = "9.9.9"'))
-    code = "import json, eogym_sft.training.run_info as r; print(json.dumps([r.__file__, r.versions()['eogym_sft'], r.git_sha()]))"
+    code = "import json, eogym_sft.provenance as r; print(json.dumps([r.__file__, r.versions()['eogym_sft'], r.git_sha()]))"
     out = subprocess.run([sys.executable, "-c", code], cwd=copy.parent, capture_output=True, text=True, check=True)
     where, version, sha = json.loads(out.stdout.strip().splitlines()[-1])
-    assert Path(where).parents[1] == copy and version == "9.9.9" and sha is None
+    assert Path(where).parent == copy and version == "9.9.9" and sha is None
     assert versions()["eogym_sft"] == eogym_sft.__version__

@@ -10,8 +10,8 @@ import pytest
 from eogym_sft.data.prepare import PrepConfig, prepare_line
 from eogym_sft.data.traces import TraceError, normalize_row
 from eogym_sft.environment.env import EOGymEnvironment
-from eogym_sft.evaluation.episodes import LoopConfig, new_episode, run_episodes
-from eogym_sft.models.generation import Sampling, SlotDecoder
+from eogym_sft.agent.episodes import LoopConfig, new_episode, run_episodes
+from eogym_sft.agent.generation import Sampling, SlotDecoder
 from eogym_sft.models.tiny import build_tiny_model
 
 # Compact JSON, as a model may write it: the chat template would render it with ", " and ": ".

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from eogym_sft.models.generation import (
+from eogym_sft.agent.generation import (
     GraphedStep,
     Sampling,
     common_prefix,

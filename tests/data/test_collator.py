@@ -12,7 +12,7 @@ import torch
 from helpers import sharpen, trained_spans
 from PIL import Image
 
-from eogym_sft.training.collator import EOGymCollator, mrope_position_ids
+from eogym_sft.data.collator import EOGymCollator, mrope_position_ids
 
 # Small pixel caps keep images at a few visual tokens: a side that is already a multiple of 32 px and
 # a pixel count inside [MIN_PIXELS, MAX_PIXELS] is not resized.

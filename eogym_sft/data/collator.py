@@ -13,8 +13,8 @@ import torch
 from transformers import ProcessorMixin
 
 from ..config import SampleConfig
-from ..data.encoding import encode_conversation
-from ..data.images import ImageError, load_rgb, resolve_image_path, to_rgb8
+from .encoding import encode_conversation
+from .images import ImageError, load_rgb, resolve_image_path, to_rgb8
 
 
 def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int, merge_size: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from policy_servers import (
     serve,
 )
 
-from eogym_sft.evaluation.policy_server import (
+from eogym_sft.agent.policy_server import (
     PolicyError,
     PolicyServer,
     api_messages,
@@ -50,7 +50,7 @@ def _rows(tmp_path, row_factory, wrong: bool = True):
 
 
 def test_images_go_at_the_processor_size(processor, data_root):
-    from eogym_sft.models.generation import image_input
+    from eogym_sft.agent.generation import image_input
 
     for rel in ("EO_GYM_DATA/aaaa0000/scene.jpg", "image_cache/crops/c1.png", "image_cache/crops/c2.png"):
         path = data_root / rel
@@ -62,7 +62,7 @@ def test_images_go_at_the_processor_size(processor, data_root):
 
 
 def test_api_messages_pair_tool_results_with_their_calls():
-    from eogym_sft.evaluation.episodes import canonical_prompt
+    from eogym_sft.agent.episodes import canonical_prompt
 
     row = {
         "id": "r", "images": ["a.png"], "tools": [],

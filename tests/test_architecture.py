@@ -1,0 +1,91 @@
+"""The package's import graph follows the stage table in docs/architecture.md: no arrow runs back up."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "eogym_sft"
+ENTRY = "entry points"
+
+
+def stage_table() -> tuple[dict[str, str], dict[str, set[str]]]:
+    """``{module or subpackage: stage}`` and ``{stage: stages it may import}`` from the doc's table."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    owner, allowed = {}, {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0] or cells[0].startswith(("stage", "---")):
+            continue
+        head, _, imports = cells
+        name = head.split(":")[0].strip("` ")
+        members = re.findall(r"`([a-z_]+)`", head.split(":", 1)[1]) if ":" in head else [name]
+        for member in members:
+            owner[member] = name
+        allowed[name] = {"*"} if imports == "every stage" else set(re.findall(r"`([a-z_ ]+)`", imports))
+    return owner, allowed
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """Every ``eogym_sft`` module a file under ``root`` imports, at module level or inside functions."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:  # ``from .. import net`` imports the module eogym_sft.net
+                sub = f"{target}.{alias.name}"
+                as_file = root.joinpath(*sub.split("."))
+                found.add(sub if as_file.with_suffix(".py").exists() or as_file.is_dir() else target)
+    return {m for m in found if m == "eogym_sft" or m.startswith("eogym_sft.")}
+
+
+def stage_of(module: str, owner: dict[str, str]) -> str | None:
+    parts = module.split(".")
+    return owner.get(parts[1]) if len(parts) > 1 else None  # None: the package's __init__
+
+
+def test_the_table_names_every_module_of_the_package():
+    owner, _ = stage_table()
+    top_level = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    top_level |= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert top_level <= set(owner), f"not in docs/architecture.md's stage table: {sorted(top_level - set(owner))}"
+
+
+def test_no_import_runs_against_the_stage_table():
+    owner, allowed = stage_table()
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = stage_of(module_name(path), owner)
+        for target in imported_modules(path):
+            dest = stage_of(target, owner)
+            if source is None:  # the package __init__: __version__, and EOGymCollator handed out lazily
+                ok = dest in (None, "data")
+            else:
+                ok = dest is None or dest == source or "*" in allowed[source] or dest in allowed[source]
+            if not ok:
+                wrong.append(f"{path.relative_to(ROOT)} ({source}) imports {target} ({dest})")
+    assert not wrong, "imports the stage table does not allow:\n" + "\n".join(wrong)
+
+
+def test_the_checker_sees_an_arrow_back_up_inside_a_function(tmp_path):
+    owner, allowed = stage_table()
+    bad = tmp_path / "eogym_sft" / "models" / "x.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("def f():\n    from ..training import grpo\n")
+    assert imported_modules(bad, tmp_path) == {"eogym_sft.training"}
+    assert stage_of("eogym_sft.training", owner) not in allowed[owner["models"]]
