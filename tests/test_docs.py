@@ -177,3 +177,30 @@ def test_slugs_follow_githubs_rule():
     assert slug("11. Closed-loop rollouts: `eogym-sft rollout`") == "11-closed-loop-rollouts-eogym-sft-rollout"
     assert slug("Where to get EO-Gym, and where to put it") == "where-to-get-eo-gym-and-where-to-put-it"
     assert slug("A first run on CPU") == "a-first-run-on-cpu"
+
+
+CITATION = re.compile(r"""(README\.md|docs/\w+\.md|\]\(\w+\.md\)),? (?:section (\d+)|["'](.{3,50}?)["'])""")
+
+
+def headings(doc: Path) -> list[str]:
+    return [re.sub(r"[`*]", "", h).strip() for h in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", doc.read_text()), re.M)]
+
+
+def test_sections_the_code_and_docs_cite_exist():
+    """``docs/evaluation.md, section 15`` and ``docs/rl.md, "The rollout engine"``: a renamed or renumbered heading
+    fails here, naming the file that cites it."""
+    sources = [*DOCS, *(REPO / "eogym_sft").rglob("*.py"), *(REPO / "recipes").glob("*"), *(REPO / "bench").glob("*.py")]
+    missing = []
+    for source in sources:
+        if not source.is_file():
+            continue
+        text = re.sub(r"\s*\n\s*#?\s*", " ", source.read_text())  # a citation broken over lines or comment lines
+        for doc, number, title in CITATION.findall(text):
+            name = doc.strip("]()")
+            target = REPO / name if "/" in name or name == "README.md" else REPO / "docs" / name
+            found = headings(target)
+            if number and not any(h.startswith(f"{number}. ") for h in found):
+                missing.append(f"{source.relative_to(REPO)}: {name}, section {number}")
+            if title and not any(h.startswith(title) for h in found):
+                missing.append(f"{source.relative_to(REPO)}: {name}, {title!r}")
+    assert not missing, "cited sections with no such heading:\n" + "\n".join(missing)
