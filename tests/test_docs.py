@@ -7,6 +7,7 @@ one of ``NEEDS``) or ``<!-- runs-in: PATH[::TEST] -->`` for a command another te
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -135,7 +136,7 @@ def test_python_snippets_run_on_the_bundled_sample(tmp_path):
     script = tmp_path / "run_snippets.py"
     script.write_text(f"SNIPPETS = {snippets!r}\n{RUNNER}")
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
 
 
