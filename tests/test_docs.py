@@ -1,0 +1,207 @@
+"""Every fenced command and snippet in README.md and docs/*.md runs here or says why not, and every link between
+the docs lands on a file and heading that exist.
+
+A bash or python block runs when it can here: a bash block whose every command is a ``--help``, and any python
+block. Any other block carries a marker on the lines just above its fence: ``<!-- needs: REASON -->`` (REASON
+one of ``NEEDS``) or ``<!-- runs-in: PATH[::TEST] -->`` for a command another test already runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+NEEDS = {"gpu", "hub", "eo-gym data", "network", "a server", "an api key", "minutes"}  # minutes: a bench or a long run
+RUNNABLE_LANGUAGES = {"bash", "python"}
+FENCE = re.compile(r"^```(\S*)\n(.*?)^```\s*$", re.S | re.M)
+MARKER = re.compile(r"<!--\s*(needs|runs-in):\s*(.*?)\s*-->")
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int
+    language: str
+    text: str
+    markers: list[tuple[str, str]]
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc.relative_to(REPO)}:{self.line}"
+
+    def commands(self) -> list[str]:
+        """Shell lines, continuations joined, comments and blanks dropped."""
+        joined = self.text.replace("\\\n", " ")
+        return [line.split(" #")[0].strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def blocks(doc: Path) -> list[Block]:
+    text = doc.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").splitlines()
+        comments = []
+        while before and (before[-1].strip().startswith("<!--") or not before[-1].strip()):
+            comments.append(before.pop())
+        markers = [m.groups() for line in comments for m in MARKER.finditer(line)]
+        found.append(Block(doc, text.count("\n", 0, match.start()) + 1, match.group(1), match.group(2), markers))
+    return found
+
+
+ALL = [block for doc in DOCS for block in blocks(doc)]
+
+
+def is_help_only(block: Block) -> bool:
+    return block.language == "bash" and bool(block.commands()) and all(c.endswith("--help") for c in block.commands())
+
+
+def runs_here(block: Block) -> bool:
+    return (block.language == "python" or is_help_only(block)) and not block.markers
+
+
+def as_argv(command: str) -> list[str]:
+    """A doc command as this checkout runs it: ``eogym-sft`` as its CLI, ``python`` as this interpreter."""
+    argv = shlex.split(command)
+    if argv[0] == "eogym-sft":
+        return [sys.executable, "-m", "eogym_sft.cli", *argv[1:]]
+    assert argv[0] == "python", command
+    return [sys.executable, *argv[1:]]
+
+
+def test_every_command_block_runs_here_or_says_why():
+    unmarked = [b.where for b in ALL if b.language in RUNNABLE_LANGUAGES and not b.markers and not runs_here(b)]
+    assert not unmarked, f"blocks neither run by tests/test_docs.py nor marked <!-- needs: ... --> or <!-- runs-in: ... -->: {unmarked}"
+
+
+def test_every_fence_names_its_language():
+    """So that no command hides in an unlabelled fence: layouts and synopses are ``text``, records ``json``."""
+    unlabelled = [b.where for b in ALL if not b.language]
+    assert not unlabelled, f"fences without a language (bash, python, text, json, ...): {unlabelled}"
+
+
+def test_every_marker_names_a_known_reason_or_an_existing_test():
+    wrong = []
+    for block in ALL:
+        for kind, value in block.markers:
+            if kind == "needs" and value not in NEEDS:
+                wrong.append(f"{block.where}: needs {value!r} is not one of {sorted(NEEDS)}")
+            if kind == "runs-in":
+                path, _, name = value.partition("::")
+                if not (REPO / path).is_file():
+                    wrong.append(f"{block.where}: runs-in {path}: no such file")
+                elif name and not re.search(rf"^\s*def {re.escape(name)}\(", (REPO / path).read_text(), re.M):
+                    wrong.append(f"{block.where}: runs-in {value}: no such test")
+    assert not wrong, "\n".join(wrong)
+
+
+HELP = [(b.where, c) for b in ALL if runs_here(b) and b.language == "bash" for c in b.commands()]
+
+
+@pytest.mark.parametrize("where,command", HELP, ids=[c for _, c in HELP])
+def test_help_commands_run(where, command):
+    done = subprocess.run(as_argv(command), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{where}: {command}\n{done.stderr[-2000:]}"
+    assert "usage" in done.stdout.lower(), f"{where}: {command} printed no usage"
+
+
+# Runs each snippet in a fresh namespace, all in one interpreter (one import of torch and transformers for all).
+RUNNER = """
+import sys, traceback
+failed = 0
+for where, source in SNIPPETS:
+    try:
+        exec(compile(source, where, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        failed += 1
+        print(f"FAILED {where}", file=sys.stderr)
+        traceback.print_exc()
+sys.exit(failed)
+"""
+
+
+@pytest.mark.slow(40)
+def test_python_snippets_run_on_the_bundled_sample(tmp_path):
+    """Each python block, from a folder that sees the checkout's package and recipes as its root does."""
+    for name in ("recipes", "eogym_sft"):
+        (tmp_path / name).symlink_to(REPO / name)
+    snippets = [(b.where, b.text) for b in ALL if runs_here(b) and b.language == "python"]
+    script = tmp_path / "run_snippets.py"
+    script.write_text(f"SNIPPETS = {snippets!r}\n{RUNNER}")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    text = FENCE.sub("", doc.read_text())
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_links_between_docs_land_on_a_file_and_heading_that_exist():
+    broken = []
+    for doc in DOCS:
+        text = FENCE.sub("", doc.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{doc.relative_to(REPO)}: {target}: no such heading in {file.name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_slugs_follow_githubs_rule():
+    assert slug("11. Closed-loop rollouts: `eogym-sft rollout`") == "11-closed-loop-rollouts-eogym-sft-rollout"
+    assert slug("Where to get EO-Gym, and where to put it") == "where-to-get-eo-gym-and-where-to-put-it"
+    assert slug("A first run on CPU") == "a-first-run-on-cpu"
+
+
+CITATION = re.compile(r"""(README\.md|docs/\w+\.md|\]\(\w+\.md\)),? (?:section (\d+)|["'](.{3,50}?)["'])""")
+
+
+def headings(doc: Path) -> list[str]:
+    return [re.sub(r"[`*]", "", h).strip() for h in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", doc.read_text()), re.M)]
+
+
+def test_sections_the_code_and_docs_cite_exist():
+    """``docs/evaluation.md, section 15`` and ``docs/rl.md, "The rollout engine"``: a renamed or renumbered heading
+    fails here, naming the file that cites it."""
+    sources = [*DOCS, *(REPO / "eogym_sft").rglob("*.py"), *(REPO / "recipes").glob("*"), *(REPO / "bench").glob("*.py")]
+    missing = []
+    for source in sources:
+        if not source.is_file():
+            continue
+        text = re.sub(r"\s*\n\s*#?\s*", " ", source.read_text())  # a citation broken over lines or comment lines
+        for doc, number, title in CITATION.findall(text):
+            name = doc.strip("]()")
+            target = REPO / name if "/" in name or name == "README.md" else REPO / "docs" / name
+            found = headings(target)
+            if number and not any(h.startswith(f"{number}. ") for h in found):
+                missing.append(f"{source.relative_to(REPO)}: {name}, section {number}")
+            if title and not any(h.startswith(title) for h in found):
+                missing.append(f"{source.relative_to(REPO)}: {name}, {title!r}")
+    assert not missing, "cited sections with no such heading:\n" + "\n".join(missing)
