@@ -61,8 +61,9 @@ def _conversation(processor, turns: int):
 def _two_turns(processor, images):
     """Token ids of the one-image first turn and of the two-image second turn, image pads expanded."""
     tok = processor.tokenizer
-    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [im.tokens for im in images[:1]], IMAGE_TOKEN_ID)
-    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], [im.tokens for im in images], IMAGE_TOKEN_ID)
+    counts = [im.tokens for im in images]
+    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], counts[:1], IMAGE_TOKEN_ID)
+    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], counts, IMAGE_TOKEN_ID)
     return first, second
 
 
@@ -172,8 +173,9 @@ def test_a_refilled_slot_does_not_keep_the_previous_image(model, processor):
     logits equal a fresh decoder's (before the fix they differed and the argmax changed)."""
     pictures = [_noise((64, 48), 60, 2), _noise((64, 48), 90, 3)]
     first, other = [image_input(processor, p) for p in pictures]
-    ids = expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [first.tokens], IMAGE_TOKEN_ID)
-    assert ids == expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [other.tokens], IMAGE_TOKEN_ID)
+    text_ids = processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"]
+    ids = expand_image_pads(text_ids, [first.tokens], IMAGE_TOKEN_ID)
+    assert ids == expand_image_pads(text_ids, [other.tokens], IMAGE_TOKEN_ID)
     refilled = SlotDecoder(model, slots=1, max_len=256, attn_bucket=64)
     stale = refilled.prefill(0, ids, [first])
     logits = refilled.prefill(0, ids, [other])
