@@ -100,7 +100,8 @@ def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) 
     """Rows whose question prompt has ``lo``..``hi`` tokens (image tokens from headers, as prep counts)."""
     from eogym_sft.data.encoding import render
     from eogym_sft.data.images import image_size, resolve_image_path
-    from eogym_sft.data.prepare import image_factor, image_token_count, resized_hw
+    from eogym_sft.data.prepare import resized_hw
+    from eogym_sft.models.layout import image_factor, image_token_count
     from eogym_sft.agent.episodes import canonical_prompt, question_messages
 
     ip, factor = processor.image_processor, image_factor(processor)

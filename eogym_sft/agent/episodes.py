@@ -30,11 +30,11 @@ from ..data.encoding import render
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import normalize_row
 from ..metrics.scoring import END_MARKERS, parse_output, strip_end_markers
+from ..models.layout import expand_image_pads
 from .generation import (
     ImageInput,
     Sampling,
     SlotDecoder,
-    expand_image_pads,
     image_input,
     vision_token_ids,
 )
@@ -109,7 +109,7 @@ class Episode:
         images = [self._picture(pictures, rel, data_root) for rel in trace.images]
         self.images_seen = list(trace.images)
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return expand_image_pads(ids, images, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
+        return expand_image_pads(ids, [im.tokens for im in images], processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
     def preload(self, pictures: ImageCache, data_root, tool_images="produced") -> None:
         """Decode and preprocess the images of the next prompt ahead of time (from a worker thread);

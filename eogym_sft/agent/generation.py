@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.layout import grid_token_count, mrope_position_ids
+
 # Qwen3-VL's vision special tokens. A sampled one would stand for image features that do not exist:
 # the next prefill (or TRL's training forward) then fails on a mismatch between image tokens and images.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -39,33 +41,17 @@ class ImageInput:
 
     pixel_values: torch.Tensor  # (patches, channels * temporal * patch * patch)
     grid_thw: tuple[int, int, int]
+    merge_size: int  # the image processor's: merge_size x merge_size patches make one visual token
 
     @property
     def tokens(self) -> int:
-        t, h, w = self.grid_thw
-        return t * h * w // 4  # Qwen3-VL merges 2x2 patches into one visual token
+        return grid_token_count(self.grid_thw, self.merge_size)
 
 
 def image_input(processor, image) -> ImageInput:
     """Pixel values and grid of one PIL image, resized by the processor's own rules (pixel cap included)."""
     out = processor.image_processor(images=[image], return_tensors="pt")
-    return ImageInput(out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0]))
-
-
-def expand_image_pads(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:
-    """Token ids with each ``<|image_pad|>`` repeated once per visual token of its image, as the processor does."""
-    out, k = [], 0
-    for tok in ids:
-        if tok == image_token_id:
-            if k == len(images):
-                raise ValueError(f"the text has more <|image_pad|> tokens than the {len(images)} images given")
-            out.extend([tok] * images[k].tokens)
-            k += 1
-        else:
-            out.append(tok)
-    if k != len(images):
-        raise ValueError(f"the text has {k} <|image_pad|> tokens but {len(images)} images were given")
-    return out
+    return ImageInput(out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0]), processor.image_processor.merge_size)
 
 
 def image_starts(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:
@@ -80,36 +66,6 @@ def image_starts(ids: list[int], images: list[ImageInput], image_token_id: int) 
     if len(starts) != len(images):
         raise ValueError(f"the text holds {len(starts)} images' pads but {len(images)} images were given")
     return starts
-
-
-def rope_positions(ids: list[int], images: list[ImageInput], image_token_id: int, merge: int = 2) -> torch.Tensor:
-    """Qwen3-VL's 3-D rotary positions ``(3, len(ids))`` for one sequence (``get_rope_index``'s rule):
-    text advances all three by one per token; an image's tokens take ``(start, start + row, start + col)``
-    and the text after it resumes at ``start + max(rows, cols)``."""
-    pos = torch.empty(3, len(ids), dtype=torch.long)
-    ids_t = torch.tensor(ids)
-    i, k, current = 0, 0, 0
-    while i < len(ids):
-        if ids[i] != image_token_id:
-            j = i
-            while j < len(ids) and ids[j] != image_token_id:
-                j += 1
-            pos[:, i:j] = torch.arange(current, current + j - i)
-            current += j - i
-            i = j
-            continue
-        _, h, w = images[k].grid_thw
-        rows, cols = h // merge, w // merge
-        n = rows * cols
-        if not bool((ids_t[i : i + n] == image_token_id).all()):
-            raise ValueError(f"image {k} needs {n} <|image_pad|> tokens at position {i}")
-        pos[0, i : i + n] = current
-        pos[1, i : i + n] = (torch.arange(rows) + current).repeat_interleave(cols)
-        pos[2, i : i + n] = (torch.arange(cols) + current).repeat(rows)
-        current += max(rows, cols)
-        i += n
-        k += 1
-    return pos
 
 
 def _text_parts(model):
@@ -231,7 +187,8 @@ class SlotDecoder:
                 keys[slot, :, :start] = keys[source, :, :start]
                 values[slot, :, :start] = values[source, :, :start]
         image_index = sum(1 for at in starts if at < start)  # the first image at or after `start`
-        positions = rope_positions(ids, images, self.image_token_id, self.merge)
+        grids = torch.tensor([im.grid_thw for im in images], dtype=torch.long).reshape(-1, 3)
+        positions = mrope_position_ids(torch.tensor(ids), grids, self.image_token_id, self.merge)[1:]
         chunk = ids[start:]
         logits = self._forward_chunk(slot, start, chunk, positions[:, start:], images[image_index:])
         self.tokens[slot] = list(ids)

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from .. import net
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import parse_tool_call_text
+from ..models.layout import image_factor
 from .episodes import Episode, LoopConfig, canonical_prompt
 
 TOOL_IMAGE_MODES = ("tool", "user")
@@ -166,7 +167,7 @@ def capped_size(processor, width: int, height: int) -> tuple[int, int]:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     ip = processor.image_processor
-    h, w = smart_resize(height, width, factor=ip.patch_size * ip.merge_size, min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+    h, w = smart_resize(height, width, factor=image_factor(processor), min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
     return w, h
 
 

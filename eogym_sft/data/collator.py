@@ -13,34 +13,9 @@ import torch
 from transformers import ProcessorMixin
 
 from ..config import SampleConfig
+from ..models.layout import expand_image_pads_and_mask, grid_token_counts, mrope_position_ids
 from .encoding import encode_conversation
 from .images import ImageError, load_rgb, resolve_image_path, to_rgb8
-
-
-def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int, merge_size: int) -> torch.Tensor:
-    """Qwen3-VL's 4-row position ids ``[text; t; h; w]`` for one unpadded sample.
-
-    Text tokens advance all three rotary rows by one. An image's tokens take ``t``/``h``/``w`` grid
-    coordinates offset by the current position, after which the position jumps by the larger grid
-    side: the rule of ``Qwen3VLModel.get_rope_index``. The first row is the plain token index, which
-    attention uses to tell packed samples apart.
-    """
-    length = input_ids.shape[0]
-    image_positions = (input_ids == image_token_id).nonzero().flatten().tolist()
-    chunks, cursor, pos, k = [], 0, 0, 0
-    for t, h, w in image_grid_thw.tolist():
-        gh, gw = h // merge_size, w // merge_size
-        start = image_positions[k]
-        chunks.append(torch.arange(start - cursor).expand(3, -1) + pos)
-        pos += start - cursor
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")).reshape(3, -1)
-        chunks.append(grid + pos)
-        pos += max(gh, gw)
-        cursor = start + t * gh * gw
-        k += t * gh * gw
-    chunks.append(torch.arange(length - cursor).expand(3, -1) + pos)
-    rope = torch.cat(chunks, dim=1)
-    return torch.cat([torch.arange(length)[None], rope], dim=0)
 
 
 @dataclass
@@ -183,9 +158,9 @@ class EOGymCollator:
             pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
             if self.pixel_dtype is not None:  # per sample: the batch's concatenation then moves half the bytes
                 pixel_values = pixel_values.to(self.pixel_dtype)
-            counts = (grid.prod(-1) // self.merge_size**2).tolist()
+            counts = grid_token_counts(grid, self.merge_size)
             self._check_prepared_sizes(example, grid, name)
-        input_ids, labels = self._expand(ids, mask, counts)
+        input_ids, trained = expand_image_pads_and_mask(ids, mask, counts, self.image_token_id)
         if self.max_length is not None and len(input_ids) > self.max_length:
             raise ValueError(
                 f"{name}: {len(input_ids)} tokens is over max_length={self.max_length}; truncating would cut images "
@@ -199,7 +174,7 @@ class EOGymCollator:
         positions = mrope_position_ids(input_ids, grid if grid is not None else empty_grid, self.image_token_id, self.merge_size)
         return {
             "input_ids": input_ids,
-            "labels": torch.tensor(labels, dtype=torch.long),
+            "labels": input_ids.masked_fill(~torch.tensor(trained, dtype=torch.bool), self.ignore_index),
             "position_ids": positions,
             "pixel_values": pixel_values,
             "image_grid_thw": grid,
@@ -223,19 +198,6 @@ class EOGymCollator:
                 "prep's, or the files changed since prep; give the processor prep's cap with "
                 "eogym_sft.models.processor.load_processor(model, max_pixels=..., min_pixels=...)",
             )
-
-    def _expand(self, ids: list[int], mask: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
-        """Repeat each ``<|image_pad|>`` to its image's token count; label only trained tokens."""
-        input_ids, labels, k = [], [], 0
-        for tok, trained in zip(ids, mask):
-            if tok == self.image_token_id:
-                input_ids.extend([tok] * counts[k])
-                labels.extend([self.ignore_index] * counts[k])
-                k += 1
-            else:
-                input_ids.append(tok)
-                labels.append(tok if trained else self.ignore_index)
-        return input_ids, labels
 
     def _token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
         return (input_ids == self.image_token_id).to(torch.int32)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
 from ..config import TokenBudget
+from ..models.layout import image_factor, image_token_count
 from ..safe_json import UntrustedJSONError, loads
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, checked_image_size, resolve_image_path
@@ -120,12 +121,6 @@ def check_drop_share(results: list[LineResult], max_share: float, allow_flag: st
     check_reason_share(dropped, len(results), max_share, "rows", allow_flag)
 
 
-def image_factor(processor) -> int:
-    """Pixels per visual token along a side: patch size x spatial merge (32 for Qwen3-VL)."""
-    ip = processor.image_processor
-    return ip.patch_size * ip.merge_size
-
-
 def pixel_cap(processor) -> tuple[int, int]:
     """``(min_pixels, max_pixels)`` of ``processor``: its image processor's ``size``, where
     :func:`eogym_sft.models.processor.load_processor` puts the cap."""
@@ -148,11 +143,6 @@ def resized_hw(width: int, height: int, factor: int, min_pixels: int, max_pixels
     if h < factor or w < factor:
         raise ImageError("image_aspect_ratio", f"{width}x{height}", f"resizes to {w}x{h}")
     return h, w
-
-
-def image_token_count(hw: tuple[int, int], factor: int) -> int:
-    """Visual tokens of an image resized to ``hw``: one per factor x factor block."""
-    return (hw[0] // factor) * (hw[1] // factor)
 
 
 def _decode_line(raw: bytes, max_bytes: int = MAX_ROW_BYTES):

@@ -25,9 +25,10 @@ from ..data.datasets import read_rows
 from ..data.prepare import DROP_SHARE, check_reason_share
 from ..data.encoding import render
 from ..data.images import ImageCache, ImageError, image_size, resolve_image_path
-from ..data.prepare import image_factor, image_token_count, resized_hw
+from ..data.prepare import resized_hw
 from ..data.traces import Trace, TraceError, count_images, normalize_row
 from ..guards import refuse_nonempty_output
+from ..models.layout import expand_image_pads, image_factor, image_token_count
 from ..metrics.judge import judge_all, load_judge
 from ..metrics.scoring import (
     END_MARKERS,
@@ -313,7 +314,7 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
     :func:`generate_turns` gives; the test pins it): ``decoder.slots`` prompts at a time, a finished
     turn's slot refilled at once, and the next turn of the same trace reusing the slot's cached prefix.
     Returns what :func:`generate_turns` returns."""
-    from ..agent.generation import Sampling, expand_image_pads
+    from ..agent.generation import Sampling
     from ..agent.episodes import picture_cache
 
     tokenizer = processor.tokenizer
@@ -339,7 +340,7 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
                 continue
             if cached[s] != p.trace_id:
                 decoder.release(s)  # another trace's cache is no prefix of this prompt, images included
-            ids = expand_image_pads(tokenizer(p.text, add_special_tokens=False)["input_ids"], images, pad)
+            ids = expand_image_pads(tokenizer(p.text, add_special_tokens=False)["input_ids"], [im.tokens for im in images], pad)
             current[s], cached[s] = i, p.trace_id
             turn[s] = pick.pick(decoder.prefill(s, ids, images)[None], [0], stops)
             return True

@@ -35,6 +35,7 @@ from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.traces import TraceError, normalize_row
 from ..agent.episodes import LoopConfig, canonical_prompt, new_episode, picture_cache, run_episodes
 from ..models.attention import NAMES as VARLEN_NAMES
+from ..models.layout import expand_image_pads_and_mask
 from ..agent.generation import Sampling, SlotDecoder
 from .packed_logps import pack_rows, packed_logps_and_entropies
 from ..agent.rollout_config import kv_bytes_per_token, slots_for
@@ -120,21 +121,6 @@ class RolloutSample:
     failed: bool
 
 
-def _expand(ids: list[int], mask: list[int], pictures: list, image_token_id: int) -> tuple[list[int], list[int]]:
-    out_ids, out_mask, k = [], [], 0
-    for tok, m in zip(ids, mask):
-        if tok == image_token_id:
-            out_ids.extend([tok] * pictures[k].tokens)
-            out_mask.extend([0] * pictures[k].tokens)
-            k += 1
-        else:
-            out_ids.append(tok)
-            out_mask.append(m)
-    if k != len(pictures):
-        raise ValueError(f"the text has {k} <|image_pad|> tokens but {len(pictures)} images")
-    return out_ids, out_mask
-
-
 def episode_sample(
     ep, processor, data_root, tool_images, pictures, max_completion_length: int, decoded: dict | None = None
 ) -> RolloutSample:
@@ -179,7 +165,7 @@ def episode_sample(
             decoded[path] = load_rgb(path)
     images = [decoded[path] for path in paths]
     shown = [pictures.get(path) for path in paths]
-    ids, mask = _expand(ids, mask, shown, image_token_id)
+    ids, mask = expand_image_pads_and_mask(ids, mask, [p.tokens for p in shown], image_token_id)
     start = mask.index(1) if 1 in mask else len(ids)
     prompt, completion, tool_mask = ids[:start], ids[start:], mask[start:]
     if len(completion) > max_completion_length:
@@ -343,7 +329,7 @@ class SlotGRPOTrainer(GRPOTrainer):
                 first_image += sum(images)
             packed = pack_rows(
                 input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-                getattr(image_processor, "merge_size", 2), pixels, grid, images,
+                image_processor.merge_size, pixels, grid, images,
                 None if mm_token_type_ids is None else mm_token_type_ids[start:end],
                 None if score_mask is None else score_mask[start:end],
             )

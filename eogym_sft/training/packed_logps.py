@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.collator import mrope_position_ids
+from ..models.layout import grid_token_counts, mrope_position_ids
 
 IGNORE = -100
 
@@ -40,10 +40,6 @@ class PackedRows:
     source: torch.Tensor  # packed positions (minus one: the fused head's output is shifted) of the scored tokens
     rows: torch.Tensor  # their row and column in TRL's (rows, logits_to_keep) layout
     cols: torch.Tensor
-
-
-def _image_tokens(grid: torch.Tensor, merge_size: int) -> list[int]:
-    return (grid.prod(-1) // merge_size**2).tolist()
 
 
 def _kept_images(ids: torch.Tensor, tokens: list[int], image_token_id: int, row: int) -> int:
@@ -90,7 +86,7 @@ def pack_rows(
         n = ids.shape[0]
         grid = image_grid_thw[first_image:first_image + num_images[b]] if with_images else None
         if grid is not None and grid.shape[0]:
-            tokens = _image_tokens(grid, merge_size)
+            tokens = grid_token_counts(grid, merge_size)
             kept = _kept_images(ids, tokens, image_token_id, b)
             pixels = grid.prod(-1).tolist()
             pixel_rows.append(torch.arange(first_pixel, first_pixel + sum(pixels[:kept]), device=device))

@@ -17,11 +17,10 @@ from eogym_sft.agent.generation import (
     common_prefix,
     draw,
     SlotDecoder,
-    expand_image_pads,
     image_input,
-    rope_positions,
     vision_token_ids,
 )
+from eogym_sft.models.layout import expand_image_pads, mrope_position_ids
 from eogym_sft.models.tiny import IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
 
 
@@ -62,8 +61,9 @@ def _conversation(processor, turns: int):
 def _two_turns(processor, images):
     """Token ids of the one-image first turn and of the two-image second turn, image pads expanded."""
     tok = processor.tokenizer
-    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], images[:1], IMAGE_TOKEN_ID)
-    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    counts = [im.tokens for im in images]
+    first = expand_image_pads(tok(_conversation(processor, 1), add_special_tokens=False)["input_ids"], counts[:1], IMAGE_TOKEN_ID)
+    second = expand_image_pads(tok(_conversation(processor, 2), add_special_tokens=False)["input_ids"], counts, IMAGE_TOKEN_ID)
     return first, second
 
 
@@ -80,15 +80,16 @@ def _reference_logits(model, processor, text, pictures, extra=()):
 def test_ids_and_positions_equal_the_processor_and_get_rope_index(model, processor):
     text, pictures = _conversation(processor, 2), _pictures()
     images = [image_input(processor, p) for p in pictures]
-    ids = expand_image_pads(processor.tokenizer(text, add_special_tokens=False)["input_ids"], images, IMAGE_TOKEN_ID)
+    ids = expand_image_pads(processor.tokenizer(text, add_special_tokens=False)["input_ids"], [im.tokens for im in images], IMAGE_TOKEN_ID)
     inputs = processor(text=[text], images=pictures, return_tensors="pt")
     assert ids == inputs["input_ids"][0].tolist()
     expected, _ = model.model.get_rope_index(
         inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
     )
-    assert torch.equal(rope_positions(ids, images, IMAGE_TOKEN_ID), expected[:, 0])
+    grids = torch.tensor([im.grid_thw for im in images])
+    assert torch.equal(mrope_position_ids(torch.tensor(ids), grids, IMAGE_TOKEN_ID, 2)[1:], expected[:, 0])
     with pytest.raises(ValueError, match="2 images"):
-        expand_image_pads(ids[:3], images, IMAGE_TOKEN_ID)
+        expand_image_pads(ids[:3], [im.tokens for im in images], IMAGE_TOKEN_ID)
 
 
 def test_prefill_turns_and_batched_decode_match_the_model(model, processor):
@@ -172,8 +173,9 @@ def test_a_refilled_slot_does_not_keep_the_previous_image(model, processor):
     logits equal a fresh decoder's (before the fix they differed and the argmax changed)."""
     pictures = [_noise((64, 48), 60, 2), _noise((64, 48), 90, 3)]
     first, other = [image_input(processor, p) for p in pictures]
-    ids = expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [first], IMAGE_TOKEN_ID)
-    assert ids == expand_image_pads(processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"], [other], IMAGE_TOKEN_ID)
+    text_ids = processor.tokenizer(_conversation(processor, 1), add_special_tokens=False)["input_ids"]
+    ids = expand_image_pads(text_ids, [first.tokens], IMAGE_TOKEN_ID)
+    assert ids == expand_image_pads(text_ids, [other.tokens], IMAGE_TOKEN_ID)
     refilled = SlotDecoder(model, slots=1, max_len=256, attn_bucket=64)
     stale = refilled.prefill(0, ids, [first])
     logits = refilled.prefill(0, ids, [other])
@@ -315,3 +317,17 @@ def test_cuda_graphs_across_the_base_and_two_adapters_equal_eager(processor):
     for arm in arms:
         assert runs[True, arm.name] == runs[False, arm.name]
     assert runs[False, "a"] != runs[False, "base"] and runs[False, "b"] != runs[False, "a"]  # the adapters act
+
+
+def test_an_images_token_count_follows_the_processors_merge_size(processor):
+    import copy as copying
+
+    merged3 = copying.copy(processor)
+    merged3.image_processor = copying.deepcopy(processor.image_processor)
+    merged3.image_processor.merge_size = 3
+    text = "<|vision_start|><|image_pad|><|vision_end|>"
+    for proc in (processor, merged3):
+        picture = _noise((200, 150), 30, 6)
+        want = proc(text=[text], images=[picture])["input_ids"][0].count(IMAGE_TOKEN_ID)
+        assert image_input(proc, picture).tokens == want
+    assert want == 35  # 200x150 px scaled up to the 65,536 px floor at 48 px a side a token: 240x336 px, 15x21 patches, 5x7 tokens

@@ -12,7 +12,7 @@ import torch
 from helpers import sharpen, trained_spans
 from PIL import Image
 
-from eogym_sft.data.collator import EOGymCollator, mrope_position_ids
+from eogym_sft.data.collator import EOGymCollator
 
 # Small pixel caps keep images at a few visual tokens: a side that is already a multiple of 32 px and
 # a pixel count inside [MIN_PIXELS, MAX_PIXELS] is not resized.
@@ -212,21 +212,6 @@ def test_first_token_of_each_packed_sample_is_not_trained(processor):
 
 
 # ---- position ids --------------------------------------------------------------------------------
-
-
-def test_mrope_position_ids_by_hand():
-    # two text tokens, a 1x4x4-patch image (2x2 visual tokens after the 2x2 merge), two text tokens
-    ids = torch.tensor([5, 6, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, IMAGE_PAD, 7, 8])
-    got = mrope_position_ids(ids, torch.tensor([[1, 4, 4]]), IMAGE_PAD, 2)
-    expected = torch.tensor(
-        [
-            [0, 1, 2, 3, 4, 5, 6, 7],  # plain token index
-            [0, 1, 2, 2, 2, 2, 4, 5],  # t: the image sits at position 2, text resumes at 2 + max(2, 2)
-            [0, 1, 2, 2, 3, 3, 4, 5],  # h
-            [0, 1, 2, 3, 2, 3, 4, 5],  # w
-        ]
-    )
-    assert torch.equal(got, expected)
 
 
 def test_position_ids_equal_get_rope_index(collator, packing_collator, tiny_model):

@@ -18,7 +18,6 @@ from eogym_sft.data.images import ImageError, load_rgb
 from eogym_sft.data.prepare import (
     PrepConfig,
     PrepError,
-    image_token_count,
     mark_duplicates,
     plan_windows,
     prepare_files,
@@ -26,6 +25,7 @@ from eogym_sft.data.prepare import (
     read_lines,
     resized_hw,
 )
+from eogym_sft.models.layout import image_token_count
 from eogym_sft.data.prepared import (
     compute_stats,
     features,

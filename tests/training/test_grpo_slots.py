@@ -134,7 +134,7 @@ def test_sampled_logprobs_equal_the_loss_forward(batches):
     grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"]]
     patches = [g[0] * g[1] * g[2] for g in grids]
     pixels = list(torch.split(batch["pixel_values"], patches))
-    pictures = [ImageInput(p, g) for p, g in zip(pixels, grids)]
+    pictures = [ImageInput(p, g, trainer.processing_class.image_processor.merge_size) for p, g in zip(pixels, grids)]
     decoder = SlotDecoder(model, 1, 2048)
     image_pad = model.config.image_token_id
     first = 0
