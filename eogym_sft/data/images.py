@@ -8,7 +8,8 @@ Rules (documented in ``docs/data.md``):
   good header and a cut or corrupt body is dropped as ``corrupt_image`` before training;
 * only regular files are opened (a FIFO, socket or device is ``not_a_file``: opening one can block for ever);
 * a header above ``MAX_SOURCE_PIXELS``, or whose decoding would take more than ``MAX_DECODED_BYTES`` of
-  memory, is refused before decoding (decompression bombs);
+  memory, is refused before decoding (decompression bombs); a decode still reading after
+  ``MAX_DECODE_SECONDS`` stops (``image_too_slow``);
 * decoding gives 8-bit RGB: 16-bit and float images are stretched linearly from their own min..max
   to 0..255, a band of rows at a time; palette, grayscale and CMYK go through Pillow's ``convert("RGB")``; images with alpha
   are composited on white (the rule qwen-vl-utils' ``to_rgb`` applies); multi-frame TIFFs use frame 0;
@@ -22,6 +23,7 @@ import math
 import os
 import stat
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,6 +37,9 @@ MAX_SOURCE_PIXELS = 2 * 89_478_485
 # 16-bit scene. 1 GiB holds a whole 10980x10980 Sentinel-2 tile in RGB (964 MB); a 16-bit scene of that size
 # needs 723 MB. Decoding time follows from it: inflating and converting 1 GB takes a few seconds.
 MAX_DECODED_BYTES = 1 << 30
+# Seconds one file may take to decode (read and inflate; the 8-bit stretch after it is bounded by the bytes):
+# a 1 GB decode takes a few seconds, so only a stalled or pathological file reaches it.
+MAX_DECODE_SECONDS = 60.0
 HIGH_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # stretched to 8 bits from their own range
 STRETCH_BAND_PIXELS = 1 << 22  # pixels stretched at a time (32 MB as float64)
 
@@ -63,10 +68,34 @@ def resolve_image_path(path: str, data_root: str | os.PathLike) -> Path:
     return full
 
 
-def open_regular(path: str | os.PathLike):
+class _Deadline:
+    """A file whose reads fail (``image_too_slow``) once ``seconds`` have passed since it was opened: Pillow
+    decodes as it reads, a block of at most 64 KB at a time, so this bounds the time a decode takes."""
+
+    def __init__(self, fh, path: str, seconds: float):
+        self._fh, self._path, self._seconds = fh, path, seconds
+        self._end = time.monotonic() + seconds
+
+    def read(self, size: int = -1) -> bytes:
+        if time.monotonic() > self._end:
+            raise ImageError("image_too_slow", self._path, f"decoding took more than {self._seconds} s")
+        return self._fh.read(size)
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
+
+def open_regular(path: str | os.PathLike, seconds: float | None = None):
     """``path`` opened for reading in binary, refused (``not_a_file``) unless it is a regular file: opening a
     FIFO named ``x.png`` would wait for a writer for ever. ``O_NONBLOCK`` makes that open return at once,
-    and the check is on the descriptor opened, so a file swapped for a FIFO after a ``stat`` is caught too."""
+    and the check is on the descriptor opened, so a file swapped for a FIFO after a ``stat`` is caught too.
+    With ``seconds``, reads fail once that long has passed (:class:`_Deadline`)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -79,7 +108,8 @@ def open_regular(path: str | os.PathLike):
         os.close(fd)
         raise ImageError("not_a_file", str(path), "not a regular file (a FIFO, socket, device or folder)")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    fh = os.fdopen(fd, "rb")
+    return fh if seconds is None else _Deadline(fh, str(path), seconds)
 
 
 def decoded_bytes(mode: str, width: int, height: int) -> int:
@@ -129,7 +159,7 @@ def checked_image_size(path: str | os.PathLike) -> tuple[int, int]:
 def _checked_size(path: str, size: int, mtime_ns: int) -> tuple[int, int]:
     width, height = image_size(path)
     try:
-        with open_regular(path) as fh, Image.open(fh) as img:
+        with open_regular(path, MAX_DECODE_SECONDS) as fh, Image.open(fh) as img:
             if img.format == "PNG":
                 img.verify()  # every chunk's CRC through IEND, without inflating the pixels
             else:
@@ -191,7 +221,7 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     """Decode an image file to 8-bit RGB (frame 0 of multi-frame files), refusing decompression bombs."""
     image_size(path)
     try:
-        with open_regular(path) as fh, Image.open(fh) as img:
+        with open_regular(path, MAX_DECODE_SECONDS) as fh, Image.open(fh) as img:
             img.seek(0)
             img.load()
             if img.mode not in HIGH_BIT_MODES:

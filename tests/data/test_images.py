@@ -208,6 +208,18 @@ def test_16_bit_is_stretched_from_its_own_range(tmp_path):
         assert out[3, 3].tolist() == [64, 64, 64]  # (2000 - 1000) * 255 / 4000 = 63.75
 
 
+@pytest.mark.parametrize("fn", [checked_image_size, load_rgb])
+def test_decoding_stops_at_its_deadline(tmp_path, monkeypatch, fn):
+    path = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 300, 3), dtype=np.uint8)).save(path)  # 270 KB: several reads
+    monkeypatch.setattr(images, "MAX_DECODE_SECONDS", -1.0)  # already past
+    with pytest.raises(ImageError) as err:
+        fn(path)
+    assert (err.value.reason, err.value.detail) == ("image_too_slow", "decoding took more than -1.0 s")
+    monkeypatch.setattr(images, "MAX_DECODE_SECONDS", 60.0)
+    assert fn(path).size == (300, 300) if fn is load_rgb else fn(path) == (300, 300)
+
+
 def test_16_bit_is_stretched_band_by_band_as_in_one_piece(tmp_path, monkeypatch):
     arr = np.random.default_rng(0).integers(300, 60000, (37, 23), dtype=np.uint16)
     arr[36, 22] = 65535
