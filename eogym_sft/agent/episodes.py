@@ -149,14 +149,14 @@ class Episode:
         if not calls:
             self.final_answer = parsed.final_answer
             return self.stop_with("final_answer" if parsed.final_answer is not None else "no_call")
-        for result in self.env.call_turn(calls):  # at most the environment's max_calls_per_turn are run
-            if result.error == "too_many_calls":
-                self.skipped_calls += len(calls) - self.env.max_calls_per_turn
-            else:
-                self.calls += 1
-                if not result.ok:
-                    self.tool_errors += 1
-                    self._count_error(result.error or "unknown")
+        results = self.env.call_turn(calls)  # at most the environment's max_calls_per_turn are run
+        run = [r for r in results if r.error != "too_many_calls"]
+        self.calls += len(run)
+        self.skipped_calls += len(calls) - len(run)
+        for result in results:
+            if not result.ok and result.error != "too_many_calls":
+                self.tool_errors += 1
+                self._count_error(result.error or "unknown")
             self.row["messages"].append({"role": "tool", "content": result.text})
         if self.turns >= max_turns:
             return self.stop_with("max_turns")
