@@ -89,6 +89,7 @@ class Episode:
     env: object
     turns: int = 0
     calls: int = 0
+    skipped_calls: int = 0  # calls past the environment's max_calls_per_turn, not run
     tool_errors: int = 0
     tool_error_codes: dict = field(default_factory=dict)
     new_tokens: int = 0
@@ -148,10 +149,12 @@ class Episode:
         if not calls:
             self.final_answer = parsed.final_answer
             return self.stop_with("final_answer" if parsed.final_answer is not None else "no_call")
-        for call in calls:
-            result = self.env.call(call["name"], call["arguments"])
-            self.calls += 1
-            if not result.ok:
+        results = self.env.call_turn(calls)  # at most the environment's max_calls_per_turn are run
+        run = [r for r in results if r.error != "too_many_calls"]
+        self.calls += len(run)
+        self.skipped_calls += len(calls) - len(run)
+        for result in results:
+            if not result.ok and result.error != "too_many_calls":
                 self.tool_errors += 1
                 self._count_error(result.error or "unknown")
             self.row["messages"].append({"role": "tool", "content": result.text})
@@ -183,6 +186,7 @@ class Episode:
             "error": self.error,
             "turns": self.turns,
             "tool_calls": self.calls,
+            "skipped_calls": self.skipped_calls,
             "tool_errors": self.tool_errors,
             "tool_error_codes": self.tool_error_codes,
             "new_tokens": self.new_tokens,

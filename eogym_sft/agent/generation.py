@@ -146,7 +146,7 @@ class SlotDecoder:
                 raise ValueError("cuda_graphs and compile both take over the decode step: choose one")
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
-            self._step = GraphedStep(self._decode_step, slots, self.device)
+            self._step = GraphedStep(self._decode_step, slots, self.device, watched=(self.text, self.lm_head))
 
     # ------------------------------------------------------------ prefill
 
@@ -180,6 +180,8 @@ class SlotDecoder:
         is what this call computed."""
         if len(ids) >= self.max_len:
             raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
+        if isinstance(self._step, GraphedStep):  # once a turn: the walk over every parameter costs ~ms
+            self._step.check_weights()
         starts = image_starts(ids, images, self.image_token_id)
         source, start = max(((s, self._reusable(s, ids, images, starts)) for s in self._by_preference(slot)), key=lambda x: x[1])
         if source != slot and start:
@@ -280,6 +282,8 @@ class SlotDecoder:
         spans = sorted({min(self.max_len, b) for b in range(self.attn_bucket, self.max_len + self.attn_bucket, self.attn_bucket)})
         zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         scratch = torch.full((self.slots,), self.max_len - 1, dtype=torch.long, device=self.device)
+        if isinstance(self._step, GraphedStep):
+            self._step.check_weights()
         for span in spans:
             self._step(zeros, scratch, zeros, zeros + 1, span)
         return len(spans)
@@ -337,18 +341,27 @@ class GraphedStep:
 
     :meth:`clear` drops the graphs *and* their pool. Capturing into a pool whose graphs were all freed trips
     the CUDA caching allocator (``use_count > 0 INTERNAL ASSERT FAILED``: the freed pool's count is 0
-    but its id is still known), which is how an adapter arm after the base arm crashed."""
+    but its id is still known), which is how an adapter arm after the base arm crashed.
 
-    def __init__(self, step, slots: int, device):
+    A graph reads each weight at the address it was captured with: a parameter *replaced* (a new tensor,
+    ``.data`` swapped, FSDP-style resharding) rather than updated in place would leave it reading the old one.
+    :meth:`check_weights` compares the ``watched`` modules' parameter storage with the one recorded at the
+    first capture and drops the graphs when it moved (the next step captures them again)."""
+
+    def __init__(self, step, slots: int, device, watched=()):
         self.step = step
         self.inputs = [torch.zeros(slots, dtype=torch.long, device=device) for _ in range(4)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.watched = tuple(watched)
+        self.storage = None  # parameter_storage(watched) when the first graph of the pool was captured
 
     def __call__(self, tokens, write, pos, length, span: int) -> torch.Tensor:
         for buffer, value in zip(self.inputs, (tokens, write, pos, length)):
             buffer.copy_(value, non_blocking=True)
         if span not in self.graphs:
+            if not self.graphs:  # later graphs are checked against the first one's weights
+                self.storage = parameter_storage(self.watched)
             self.graphs[span] = self._capture(span)
         graph, logits = self.graphs[span]
         graph.replay()
@@ -372,6 +385,19 @@ class GraphedStep:
         """Forget every graph and the pool they shared; the next call captures into a fresh pool."""
         self.graphs.clear()
         self.pool = None
+        self.storage = None
+
+    def check_weights(self) -> bool:
+        """Drop every graph if a watched parameter has moved since they were captured; True when dropped."""
+        if self.graphs and parameter_storage(self.watched) != self.storage:
+            self.clear()
+            return True
+        return False
+
+
+def parameter_storage(modules) -> tuple:
+    """``(name, data_ptr, shape)`` of every parameter of ``modules``: what a captured CUDA graph relies on."""
+    return tuple((name, p.data_ptr(), tuple(p.shape)) for m in modules for name, p in m.named_parameters())
 
 
 @dataclass

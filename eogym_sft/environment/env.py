@@ -10,7 +10,8 @@ Backends form a chain; the first that can answer wins: ``crop`` (:mod:`eogym_sft
 :mod:`eogym_sft.data.tool_images` applied to the result text (replay: the recorded turn's images, chosen by
 the same rule), so a result shows the model exactly what data prep shows it. A model's mistake (an
 unknown tool, bad arguments, a call no backend answers) is an error message back to the model and a
-count in ``counts``, never an exception. ``docs/environment.md`` has the details.
+count in ``counts``, never an exception; so are the calls of one turn past ``max_calls_per_turn``
+(:meth:`EOGymEnvironment.call_turn`), which are not run. ``docs/environment.md`` has the details.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from .results import CannotAnswer, ToolCallError, ToolResult
 
 BACKENDS = ("crop", "replay", "http")
 MAX_TOOL_TEXT_CHARS = 32768  # a tool text longer than this is cut, with a note saying so: it is context the model pays for
+# Calls run from one model turn; the rest are not run and the model is told. EO-Gym's traces make one to three
+# calls a turn; a 2.9 MB reply once asked for 20,000 crops.
+MAX_CALLS_PER_TURN = 8
 DEFAULT_BACKENDS = ("crop", "replay")  # offline: computed crops, the rest answered from the row's own trace
 JSON_TYPES = {
     "string": str,
@@ -81,7 +85,10 @@ class EOGymEnvironment:
         attach: ToolImageRule | str | None = None,
         replay_tolerance: float = 0.01,
         max_tool_text_chars: int = MAX_TOOL_TEXT_CHARS,
+        max_calls_per_turn: int = MAX_CALLS_PER_TURN,
     ):
+        if isinstance(max_calls_per_turn, bool) or not isinstance(max_calls_per_turn, int) or max_calls_per_turn < 1:
+            raise ValueError(f"max_calls_per_turn must be a whole number >= 1, got {max_calls_per_turn!r}")
         self.row = row
         self.data_root = Path(data_root).resolve()
         self.tools = normalize_tools(row.get("tools"))
@@ -92,6 +99,7 @@ class EOGymEnvironment:
             raise ValueError(f"cache_dir {cache} must lie inside the data root {self.data_root}")
         self.backends = [self._backend(b, cache, http, replay_tolerance) for b in backends]
         self.max_tool_text_chars = max_tool_text_chars
+        self.max_calls_per_turn = max_calls_per_turn
         self.counts: Counter = Counter()
 
     def _backend(self, spec, cache: Path, http, tolerance: float):
@@ -124,6 +132,19 @@ class EOGymEnvironment:
             return ToolResult(name, args, f"Error: {err.message}", [], False, backend or err.backend, err.code)
         self.counts[f"backend:{backend}"] += 1
         return result
+
+    def call_turn(self, calls: list[dict]) -> list[ToolResult]:
+        """Execute one model turn's ``calls`` (``{"name", "arguments"}`` each), at most ``max_calls_per_turn``
+        of them. The rest are not run: one last result (``ok=False``, error ``too_many_calls``) tells the model,
+        and ``counts["skipped_calls"]`` counts them."""
+        cap = self.max_calls_per_turn
+        results = [self.call(c["name"], c["arguments"]) for c in calls[:cap]]
+        skipped = len(calls) - cap
+        if skipped > 0:
+            self.counts["skipped_calls"] += skipped
+            text = f"Error: {len(calls)} tool calls in one turn; only the first {cap} were run, the other {skipped} were not."
+            results.append(ToolResult("", {}, text, [], False, None, "too_many_calls"))
+        return results
 
     def _capped(self, text: str) -> str:
         if len(text) <= self.max_tool_text_chars:

@@ -17,17 +17,39 @@ class Group:
     owns_group: bool = False  # this module started the process group and ends it
 
 
+def _env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The launcher's variable ``name`` as an int in ``low..high-1``, or one line naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"from {low} to {high - 1}"
+        raise ValueError(f"the environment variable {name}={raw!r} must be a whole number {bounds}")
+    return value
+
+
+def placement() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` from the launcher's variables, checked: a rank outside the world
+    would wait in the rendezvous for ever."""
+    world = _env_int("WORLD_SIZE", 1, 1)
+    return _env_int("RANK", 0, 0, world), world, _env_int("LOCAL_RANK", 0, 0, world)
+
+
 def join() -> Group:
     """This process's place among the ranks, joining the process group when there are several."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    rank, world, local_rank = placement()
+    if world == 1:
         return Group()
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("gloo")
-    return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), owns)
+    return Group(dist.get_rank(), dist.get_world_size(), local_rank, owns)
 
 
 def agree(group: Group, check) -> None:

@@ -9,9 +9,13 @@ error, never a silent "wrong".
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from ..net import short
 
 JUDGE_SYSTEM_PROMPT = (
     "You grade answers to Earth-observation questions. Given the question, the reference answer and a "
@@ -23,6 +27,10 @@ JUDGE_USER_TEMPLATE = "Question:\n{question}\n\nReference answer:\n{reference}\n
 
 
 DEFAULT_JUDGE_MODEL = "gpt-4.1-mini"  # the paper's judge
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 class JudgeError(RuntimeError):
@@ -68,6 +76,15 @@ class ChatJudge:
         from ..net import check_url
 
         check_url(self.url)
+        # each of these would fail every request of a long run; refused here, before anything is written
+        if not _positive_number(self.timeout):
+            raise ValueError(f"the judge's timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not (_positive_number(self.backoff) or self.backoff == 0):
+            raise ValueError(f"the judge's backoff must be zero or a positive number of seconds, got {self.backoff!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"the judge's retries must be a whole number >= 0, got {self.retries!r}")
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise ValueError(f"the judge's max_bytes must be a whole number >= 1, got {self.max_bytes!r}")
 
     def __call__(self, question: str, prediction: str, reference: str) -> bool:
         from .. import net
@@ -94,13 +111,45 @@ class ChatJudge:
         return parse_verdict(reply)
 
 
+THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+# The two verdict words as the prompt asks for them, in capitals, with a negation just before ("NOT CORRECT").
+VERDICT_RE = re.compile(r"(?:\b(not|never|isn't|is\s+not)\s+)?\b(INCORRECT|CORRECT)\b", re.IGNORECASE)
+ECHO_RE = re.compile(r"\bCORRECT\s*(?:or|/|\|)\s*INCORRECT\b", re.IGNORECASE)  # the instruction repeated
+PUNCTUATION = ".,;:!?*_`\"'()[]{}<>#-"
+
+
+def _verdict(match: re.Match) -> bool | None:
+    """True/False for one verdict match; None for a negated INCORRECT ("not incorrect" is no clear verdict)."""
+    negated, word = match.group(1), match.group(2).upper()
+    if negated:
+        return None if word == "INCORRECT" else False
+    return word == "CORRECT"
+
+
 def parse_verdict(reply: str) -> bool:
-    """``CORRECT`` -> True, ``INCORRECT`` -> False (first word, any case, punctuation ignored); else :class:`JudgeError`."""
-    words = (reply or "").strip().split()
-    word = words[0].strip(".:*!\"'").upper() if words else ""
-    if word in ("CORRECT", "INCORRECT"):
-        return word == "CORRECT"
-    raise JudgeError(f"the judge replied {reply[:80]!r}, not CORRECT or INCORRECT")
+    """The verdict the prompt asks for: ``CORRECT`` -> True, ``INCORRECT`` or ``NOT CORRECT`` -> False; else
+    :class:`JudgeError` (an unclear reply is a failed request, never a guess).
+
+    ``<think>`` blocks are left out. The verdict is the last verdict word written in capitals, as the prompt
+    asks (``Correct answer would be 7; so INCORRECT.`` is incorrect); in a reply with none, the reply's own
+    last word in any case (``the answer is correct.``). Punctuation and markdown around it are ignored.
+    """
+    text = THINK_RE.sub(" ", reply or "")
+    if "<think>" in text.lower():  # a reasoning block never closed: whatever follows is not the verdict
+        raise JudgeError(f"the judge replied {short(reply, 80)!r}: its <think> block never ends")
+    text = ECHO_RE.sub(" ", text)
+    capitals = [m for m in VERDICT_RE.finditer(text) if m.group(2).isupper()]
+    words = text.split()
+    last = words[-1].strip(PUNCTUATION) if words else ""
+    if capitals:
+        verdict = _verdict(capitals[-1])
+    elif last.upper() in ("CORRECT", "INCORRECT"):
+        verdict = _verdict(list(VERDICT_RE.finditer(text))[-1])
+    else:
+        verdict = None
+    if verdict is None:
+        raise JudgeError(f"the judge replied {short(reply, 80)!r}, not CORRECT or INCORRECT")
+    return verdict
 
 
 def judge_all(judge, items: list[tuple[str, str, str]], workers: int = 8) -> list[tuple[bool | None, str | None]]:

@@ -98,3 +98,39 @@ def test_generated_text_must_agree_with_the_turns_tool_calls(records):
     row["messages"][2]["generated"] = COMPACT_CALL.replace("0.25,0.25", "0.5,0.5").removesuffix("<|im_end|>")
     with pytest.raises(TraceError, match="generated_mismatch"):
         normalize_row(row)
+
+
+def _crop_calls(n: int) -> str:
+    blocks = [
+        '<tool_call>\n{"name":"crop_optical_or_sar_image","arguments":'
+        f'{{"image_url":"EO_GYM_DATA/aaaa0000/scene.jpg","aoi":[0,0,{(k + 1) / 100},0.5]}}}}\n</tool_call>'
+        for k in range(n)
+    ]
+    return "\n".join(blocks) + "<|im_end|>"
+
+
+def test_calls_past_the_cap_are_not_run_and_the_model_is_told(tmp_path, processor):
+    from conftest import make_row, save_image
+
+    save_image(tmp_path, "EO_GYM_DATA/aaaa0000/scene.jpg", 640, 480)
+    row = make_row(n_steps=1)
+    env = EOGymEnvironment(row, tmp_path, max_calls_per_turn=3)
+    ep = new_episode(row, "f:1", "base", 0, env)
+    assert ep.take_turn(_crop_calls(5), False, max_turns=4) is True
+    tools = [m for m in ep.row["messages"] if m["role"] == "tool"]
+    assert len(tools) == 4 and all(json.loads(m["content"])["width"] for m in tools[:3])
+    assert tools[3]["content"] == "Error: 5 tool calls in one turn; only the first 3 were run, the other 2 were not."
+    assert len(list((tmp_path / "image_cache" / "crops").glob("*.png"))) == 3  # the skipped calls wrote nothing
+    assert env.counts["calls"] == 3 and env.counts["skipped_calls"] == 2
+    ep.take_turn(_crop_calls(4), False, max_turns=4)
+    record = ep.record()
+    assert (record["tool_calls"], record["skipped_calls"], record["tool_errors"], record["tool_error_codes"]) == (6, 3, 0, {})
+    assert _prepare(processor, tmp_path, {**record, "messages": record["messages"] + [{"role": "assistant", "content": ANSWER}]}).status == "kept"
+
+
+def test_the_environment_refuses_a_cap_below_one(tmp_path):
+    from conftest import make_row
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=f"max_calls_per_turn must be a whole number >= 1, got {bad!r}"):
+            EOGymEnvironment(make_row(n_steps=1), tmp_path, max_calls_per_turn=bad)

@@ -18,6 +18,7 @@ from eogym_sft.agent.generation import (
     draw,
     SlotDecoder,
     image_input,
+    parameter_storage,
     vision_token_ids,
 )
 from eogym_sft.models.layout import expand_image_pads, mrope_position_ids
@@ -236,6 +237,51 @@ def test_clearing_graphs_drops_their_pool():
     step.graphs[64], step.pool = ("graph", "logits"), (0, 1)
     step.clear()
     assert step.graphs == {} and step.pool is None
+
+
+class _StandInGraph:
+    """What a captured graph does for the weights check (capture itself needs a GPU): it replays."""
+
+    replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def _graphed_on_cpu(step, watched) -> GraphedStep:
+    graphed = GraphedStep(step, slots=2, device="cpu", watched=watched)
+    graphed._capture = lambda span: (_StandInGraph(), f"logits {span}")
+    return graphed
+
+
+def test_graphs_are_dropped_when_a_parameter_is_replaced_not_updated_in_place():
+    layer = torch.nn.Linear(4, 3)
+    graphed = _graphed_on_cpu(lambda *args: None, (layer,))
+    zeros = torch.zeros(2, dtype=torch.long)
+    assert graphed(zeros, zeros, zeros, zeros, 64) == "logits 64"
+    assert graphed.storage == parameter_storage([layer]) and [name for name, *_ in graphed.storage] == ["weight", "bias"]
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an optimizer step: same storage, the graph sees the new values
+    assert graphed.check_weights() is False and list(graphed.graphs) == [64]
+    graphed(zeros, zeros, zeros, zeros, 128)  # a second graph is checked against the first one's weights
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # replaced: the graphs would read the old one
+    assert graphed.check_weights() is True and graphed.graphs == {} and graphed.storage is None
+    graphed(zeros, zeros, zeros, zeros, 64)
+    layer.bias.data = torch.zeros(3)  # storage swapped under the same Parameter
+    assert graphed.check_weights() is True and graphed.graphs == {}
+    assert graphed.check_weights() is False  # no graphs: nothing to check
+
+
+def test_prefill_recaptures_after_the_weights_moved():
+    decoder = SlotDecoder(build_tiny_model(0).eval(), slots=2, max_len=128, attn_bucket=64)
+    decoder._step = _graphed_on_cpu(decoder._decode_step, (decoder.text, decoder.lm_head))
+    zeros = torch.zeros(2, dtype=torch.long)
+    decoder._step(zeros, zeros, zeros, zeros + 1, 64)
+    decoder.prefill(0, [1, 2, 3], [])
+    assert list(decoder._step.graphs) == [64]  # unchanged weights: the graphs stay
+    decoder.lm_head.weight = torch.nn.Parameter(decoder.lm_head.weight.detach().clone())
+    decoder.prefill(1, [4, 5], [])
+    assert decoder._step.graphs == {}
 
 
 def test_reset_empties_every_slot(model):

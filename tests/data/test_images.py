@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+import threading
 import zlib
 
 import numpy as np
@@ -114,7 +118,33 @@ def test_missing_and_corrupt_files(tmp_path):
     (tmp_path / "empty.jpg").write_bytes(b"")
     assert _reason(image_size, tmp_path / "empty.jpg") == "corrupt_image"
     (tmp_path / "folder.png").mkdir()
-    assert _reason(image_size, tmp_path / "folder.png") == "corrupt_image"
+    assert _reason(image_size, tmp_path / "folder.png") == "not_a_file"
+
+
+def _in_thread(fn, *args):
+    """``fn(*args)``'s ImageError reason, or "blocked" when it has not returned within 10 s."""
+    box = []
+    worker = threading.Thread(target=lambda: box.append(_reason(fn, *args)), daemon=True)
+    worker.start()
+    worker.join(10)
+    return box[0] if box else "blocked"
+
+
+@pytest.mark.parametrize("fn", [image_size, checked_image_size, load_rgb])
+def test_a_fifo_named_like_an_image_is_refused_without_blocking(tmp_path, fn):
+    os.mkfifo(tmp_path / "x.png")  # opening it for reading would wait for a writer for ever
+    assert _in_thread(fn, tmp_path / "x.png") == "not_a_file"
+
+
+def test_decoding_memory_is_bounded_not_only_pixels(tmp_path):
+    path = tmp_path / "wide.png"
+    path.write_bytes(_png_header_only(12000, 12000))  # 144 MP: under the pixel cap, but 1.15 GB to decode as RGB
+    with pytest.raises(ImageError) as err:
+        image_size(path)
+    assert err.value.reason == "image_too_large"
+    assert err.value.detail == f"12000x12000 RGB needs 1152000000 bytes to decode, over {images.MAX_DECODED_BYTES}"
+    assert images.decoded_bytes("I;16", 13000, 13000) == 1_014_000_000  # a 13000x13000 16-bit scene fits
+    assert images.decoded_bytes("L", 10, 10) == 500 and images.decoded_bytes("RGBA", 10, 10) == 800
 
 
 def test_a_truncated_body_passes_the_header_but_not_decoding(tmp_path):
@@ -176,6 +206,48 @@ def test_16_bit_is_stretched_from_its_own_range(tmp_path):
         assert out[0, 0].tolist() == [0, 0, 0]
         assert out[0, 1].tolist() == [255, 255, 255]
         assert out[3, 3].tolist() == [64, 64, 64]  # (2000 - 1000) * 255 / 4000 = 63.75
+
+
+@pytest.mark.parametrize("fn", [checked_image_size, load_rgb])
+def test_decoding_stops_at_its_deadline(tmp_path, monkeypatch, fn):
+    path = tmp_path / "noise.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 300, 3), dtype=np.uint8)).save(path)  # 270 KB: several reads
+    monkeypatch.setattr(images, "MAX_DECODE_SECONDS", -1.0)  # already past
+    with pytest.raises(ImageError) as err:
+        fn(path)
+    assert (err.value.reason, err.value.detail) == ("image_too_slow", "decoding took more than -1.0 s")
+    monkeypatch.setattr(images, "MAX_DECODE_SECONDS", 60.0)
+    assert fn(path).size == (300, 300) if fn is load_rgb else fn(path) == (300, 300)
+
+
+def test_16_bit_is_stretched_band_by_band_as_in_one_piece(tmp_path, monkeypatch):
+    arr = np.random.default_rng(0).integers(300, 60000, (37, 23), dtype=np.uint16)
+    arr[36, 22] = 65535
+    expected = np.round((arr.astype(np.float64) - arr.min()) * (255.0 / (65535 - arr.min()))).astype(np.uint8)
+    monkeypatch.setattr(images, "STRETCH_BAND_PIXELS", 23 * 5)  # eight bands, the last of two rows
+    for mode, data in (("I;16", arr), ("I", arr.astype(np.int32)), ("F", arr.astype(np.float32))):
+        img = Image.fromarray(data)
+        assert img.mode == mode
+        out = _load(tmp_path, img, f"b_{mode[0]}.tif")
+        assert np.array_equal(out[..., 0], expected), mode
+
+
+RSS_PROBE = """
+import resource, sys
+from eogym_sft.data import images
+images.image_size(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+images.load_rgb(sys.argv[1])
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_16_bit_decoding_peaks_near_its_own_size(tmp_path):
+    arr = np.zeros((6000, 6000), np.uint16)  # 72 MB as 16-bit, 144 MB as Pillow RGB; a float64 copy is 288 MB
+    arr[::7, ::5] = 40000
+    Image.fromarray(arr).save(tmp_path / "sar.png", compress_level=1)
+    probe = subprocess.run([sys.executable, "-c", RSS_PROBE, str(tmp_path / "sar.png")], capture_output=True, text=True, check=True)
+    assert int(probe.stdout) < 320  # MiB above the peak before decoding: 16-bit + 8-bit + RGB + one band (was ~1100)
 
 
 def test_a_flat_16_bit_image_is_black(tmp_path):

@@ -265,3 +265,17 @@ def test_a_crop_without_image_url_takes_the_rows_only_image_where_the_schema_all
     assert (two.ok, two.error) == (False, "bad_arguments") and "image_url" in two.text  # which one? never guessed
     schema_says_no = EOGymEnvironment(row(["EO_GYM_DATA/a.png"], required), tmp_path).call(CROP, {"aoi": [0, 0, 0.5, 1]})
     assert (schema_says_no.ok, schema_says_no.error) == (False, "bad_arguments") and "missing required argument(s): image_url" in schema_says_no.text
+
+
+def test_one_turn_runs_at_most_the_cap(sample_copy):
+    from eogym_sft.environment.env import MAX_CALLS_PER_TURN
+
+    row = _good_rows(sample_copy)[0]
+    env = EOGymEnvironment(row, sample_copy)
+    calls = [{"name": "segment_everything", "arguments": "{}"}] * 20_000
+    results = env.call_turn(calls)
+    assert MAX_CALLS_PER_TURN == 8 and len(results) == 9
+    assert [r.error for r in results] == ["unknown_tool"] * 8 + ["too_many_calls"]
+    assert results[-1].text == "Error: 20000 tool calls in one turn; only the first 8 were run, the other 19992 were not."
+    assert (env.counts["calls"], env.counts["skipped_calls"]) == (8, 19_992)
+    assert len(env.call_turn(calls[:8])) == 8 and env.counts["skipped_calls"] == 19_992

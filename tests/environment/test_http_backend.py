@@ -271,3 +271,37 @@ def test_rollout_and_grpo_set_the_judges_deadline_and_retries():
     assert (judge.timeout, judge.retries) == (7.5, 1)
     judge = GRPOScriptArguments(judge_url=url, judge_timeout=3.0, judge_retries=0).load_judge()
     assert (judge.timeout, judge.retries) == (3.0, 0)
+
+
+URL = "http://127.0.0.1:9/tool"
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ('{"timeout_s": -1}', "http tool server setting timeout_s must be a positive number of seconds, got -1"),
+        ('{"timeout_s": 0}', "http tool server setting timeout_s must be a positive number of seconds, got 0"),
+        ('{"retries": -2}', "http tool server setting retries must be a whole number >= 0, got -2"),
+        ('{"retries": true}', "http tool server setting retries must be a whole number >= 0, got True"),
+        ('{"backoff_s": "1"}', "http tool server setting backoff_s must be a number of seconds >= 0, got '1'"),
+        ('{"max_response_bytes": 0}', "http tool server setting max_response_bytes must be a whole number >= 1, got 0"),
+        ('{"result_field": 3}', "http tool server setting result_field must be a string, got 3"),
+        ('{"headers": {"X-Key": 1}}', "http tool server setting headers must be an object of strings"),
+        ('{"extra": []}', "http tool server setting extra must be an object, got list"),
+        ("[1]", "the http tool server settings must be a JSON object, got list"),
+        ("{oops", "the http tool server settings are not JSON"),
+        ('{"timeout": 5}', "unknown http tool server setting 'timeout': the settings are timeout_s, retries, backoff_s,"),
+    ],
+)
+def test_settings_that_would_fail_every_call_are_refused_at_start(config, message):
+    with pytest.raises(ValueError) as err:
+        HttpToolServer.from_config(URL, config)
+    assert str(err.value).startswith(message)
+
+
+def test_good_settings_are_kept():
+    server = HttpToolServer.from_config(URL, '{"timeout_s": 2.5, "retries": 0, "row_id_field": "row", "headers": {"X-Key": "k"}}')
+    assert (server.timeout_s, server.retries, server.row_id_field, server.headers) == (2.5, 0, "row", {"X-Key": "k"})
+    assert HttpToolServer.from_config(URL, {}) == HttpToolServer(URL)
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds, got nan"):
+        HttpToolServer(URL, timeout_s=float("nan"))

@@ -13,7 +13,8 @@ the server does not run this tool (the next backend may); any other answer is an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 from ... import net
 from ...safe_json import UntrustedJSONError, loads
@@ -38,6 +39,55 @@ class HttpToolServer:
 
     def __post_init__(self):
         net.check_url(self.url)  # a file:// or schemeless URL is refused before any call
+        # each of these would fail every call of a run: refused here, before the run starts
+        problem = _setting_problem(self)
+        if problem:
+            raise ValueError(f"http tool server setting {problem}")
+
+    @classmethod
+    def from_config(cls, url: str, config: str | dict) -> HttpToolServer:
+        """A server from ``url`` and its settings, a JSON object (text or dict) of this class's fields
+        (``eogym-sft tool-call --http-config``); anything else is one line naming the problem."""
+        if isinstance(config, str):
+            try:
+                config = loads(config)
+            except UntrustedJSONError as err:
+                raise ValueError(f"the http tool server settings are not JSON ({err.reason})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"the http tool server settings must be a JSON object, got {type(config).__name__}")
+        known = [f.name for f in fields(cls) if f.name != "url"]
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ValueError(f"unknown http tool server setting {unknown[0]!r}: the settings are {', '.join(known)}")
+        return cls(url, **config)
+
+
+def _number(value, low_open: bool) -> bool:
+    """A finite int or float above 0 (``low_open``) or at least 0, never a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value > 0 if low_open else value >= 0
+
+
+def _setting_problem(s: HttpToolServer) -> str | None:
+    if not _number(s.timeout_s, True):
+        return f"timeout_s must be a positive number of seconds, got {s.timeout_s!r}"
+    if not _number(s.backoff_s, False):
+        return f"backoff_s must be a number of seconds >= 0, got {s.backoff_s!r}"
+    for name in ("retries", "max_response_bytes"):
+        value, low = getattr(s, name), 0 if name == "retries" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            return f"{name} must be a whole number >= {low}, got {value!r}"
+    for name in ("name_field", "arguments_field", "result_field"):
+        if not isinstance(getattr(s, name), str):
+            return f"{name} must be a string, got {getattr(s, name)!r}"
+    if s.row_id_field is not None and not (isinstance(s.row_id_field, str) and s.row_id_field):
+        return f"row_id_field must be a non-empty string or null, got {s.row_id_field!r}"
+    if not isinstance(s.extra, dict):
+        return f"extra must be an object, got {type(s.extra).__name__}"
+    if not (isinstance(s.headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.headers.items())):
+        return "headers must be an object of strings"
+    return None
 
 
 def _result_at(body: bytes, path: str) -> str:
