@@ -35,7 +35,7 @@ READ_CHUNK = 1 << 16
 SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
 _QUERY_TOKEN = re.compile(r"(?i)([?&;](?:[a-z0-9_-]*(?:key|token|secret|password|passwd|signature|sig|auth))=)[^&#\s\"']*")
-_AUTH_VALUE = re.compile(r"(?i)\b(bearer|basic|token)\s+[a-z0-9._~+/=-]{4,}")
+_AUTH_VALUE = re.compile(r"\b([Bb]earer|BEARER|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")  # an Authorization value quoted back
 
 
 class NetError(RuntimeError):
