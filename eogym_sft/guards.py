@@ -147,7 +147,10 @@ def _looks_like_hub_id(key: str) -> bool:
 
 def adapter_base(adapter_dir: str | Path) -> str | None:
     """The base model an adapter was trained on, from its ``adapter_config.json``."""
-    return read_json_object(Path(adapter_dir) / "adapter_config.json", "a PEFT adapter's config").get("base_model_name_or_path")
+    config = Path(adapter_dir) / "adapter_config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
+    return read_json_object(config, "a PEFT adapter's config").get("base_model_name_or_path")
 
 
 def read_json_object(path: str | Path, what: str) -> dict:
