@@ -88,11 +88,19 @@ def check_model_source(name: str, connect_timeout_s: float = 3.0) -> None:
 
 @contextlib.contextmanager
 def user_errors(command: str, debug: bool = False):
-    """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1.
-    ``debug`` (or ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
+    """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1. So
+    are OS faults a user fixes (disk full, read-only, no permission: :data:`USER_OS_ERRNOS`, naming the file);
+    a closed stdout (``| head``) exits 1 quietly, Ctrl-C with one line and status 130. ``debug`` (or
+    ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
     debug = debug or os.environ.get("EOGYM_DEBUG", "") not in ("", "0")
     try:
         yield
+        sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's last flush
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{command}: interrupted (outputs written so far are whole; a rollout's rerun continues it)", file=sys.stderr)
+        raise SystemExit(130) from None
     except BrokenPipeError:  # stdout closed early (``| head``): the outputs are written; say nothing more on it
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # else the interpreter's last flush of stdout fails again at exit
