@@ -180,3 +180,31 @@ def test_a_damaged_adapter_config_names_its_file(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": ')
     with pytest.raises(ValueError, match=rf"^{tmp_path}/adapter_config.json: damaged, not a PEFT adapter's config \(malformed_json"):
         check_adapter_base(tmp_path, "Qwen/Qwen3-VL-4B-Instruct")
+
+
+def test_every_writing_command_refuses_an_output_over_its_input(tmp_path):
+    from eogym_sft.cli import main
+
+    used = tmp_path / "used"
+    used.mkdir()
+    data = used / "in.jsonl"
+    data.write_text("{}\n")
+    commands = {
+        "evaluate": ["evaluate", "--model", "m", "--data", str(data), "--output", str(used), "--overwrite"],
+        "validate": ["validate", "--model", "m", "--data", str(data), "--output", str(data), "--overwrite"],
+        "episodes": ["episodes", "--input", str(data), "--output", str(data), "--overwrite"],
+    }
+    for name, argv in commands.items():
+        with pytest.raises(SystemExit, match=rf"^eogym-sft {name}: the output {used}\S* (is|holds) the input {data}: writing it would destroy"):
+            main(argv)
+    assert data.read_text() == "{}\n"
+
+
+def test_prepare_never_writes_over_its_input(tmp_path):
+    from eogym_sft.data.prepared import write_prepared
+
+    data = tmp_path / "manifest.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(FileExistsError, match=f"^eogym-sft prepare: the output {tmp_path} holds the input {data}"):
+        write_prepared(tmp_path, [], {"inputs": [str(data)]})
+    assert data.read_text() == "{}\n"
