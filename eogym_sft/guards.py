@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import sys
@@ -40,7 +39,9 @@ def refuse_output_over_input(output: str | Path, inputs, command: str) -> None:
         same = out == source or (out.exists() and source.exists() and os.path.samefile(out, source))
         if same or out in source.parents:
             where = "is" if same else "holds"
-            raise FileExistsError(f"{command}: the output {output} {where} the input {given}: writing it would destroy the input; pick another output")
+            raise FileExistsError(
+                f"{command}: the output {output} {where} the input {given}: writing it would destroy the input; pick another output"
+            )
 
 
 # OS faults a user fixes (space, permissions, a read-only mount): one line naming the file, no traceback.

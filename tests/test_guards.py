@@ -149,7 +149,8 @@ def test_a_read_only_output_is_one_line(tmp_path):
 
     disk = tmp_path / "ro"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(disk)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("needs root to mount a read-only tmpfs")
     try:
         src = tmp_path / "episodes.jsonl"
@@ -169,8 +170,8 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
     read, write = os.pipe()
     os.close(read)  # `| head -1` that has already gone
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "eogym_sft.cli", "episodes", "--input", str(src), "--output", str(tmp_path / "kept.jsonl")],
-                          stdout=write, stderr=subprocess.PIPE, env=env, text=True)
+    command = [sys.executable, "-m", "eogym_sft.cli", "episodes", "--input", str(src), "--output", str(tmp_path / "kept.jsonl")]
+    done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, env=env, text=True)
     os.close(write)
     assert (done.returncode, done.stderr) == (1, "")
     assert (tmp_path / "kept.jsonl").is_file()  # the output was written before the report was cut off
@@ -195,7 +196,8 @@ def test_every_writing_command_refuses_an_output_over_its_input(tmp_path):
         "episodes": ["episodes", "--input", str(data), "--output", str(data), "--overwrite"],
     }
     for name, argv in commands.items():
-        with pytest.raises(SystemExit, match=rf"^eogym-sft {name}: the output {used}\S* (is|holds) the input {data}: writing it would destroy"):
+        refused = rf"^eogym-sft {name}: the output {used}\S* (is|holds) the input {data}: writing it would destroy"
+        with pytest.raises(SystemExit, match=refused):
             main(argv)
     assert data.read_text() == "{}\n"
 

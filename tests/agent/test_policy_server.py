@@ -262,7 +262,8 @@ def test_policy_errors_are_left_out_of_pass_at_k_and_the_deltas(tmp_path, data_r
                             include_base=False, policies=policies, max_turns=3, max_episode_tokens=1024)
         summary = rollout(cfg, progress=False)
     failed = summary["arms"]["fail"]["overall"]
-    assert (failed["pass@1"], failed["pass@1_questions"], failed["mean_score"], failed["policy_errors"]) == (None, 0, None, {"http_status": 2})
+    figures = (failed["pass@1"], failed["pass@1_questions"], failed["mean_score"], failed["policy_errors"])
+    assert figures == (None, 0, None, {"http_status": 2})
     assert summary["arms"]["good"]["overall"]["pass@1"] == 0.5
     assert summary["paired"] == []  # no question where both arms were scored
     assert "policy errors 2: http_status 2; left out of Pass@k" in (tmp_path / "out" / "report.txt").read_text()

@@ -67,7 +67,8 @@ def test_the_output_is_never_the_input(tmp_path):
     (tmp_path / "link.jsonl").symlink_to(src)
     os.link(src, tmp_path / "hard.jsonl")
     for output in (src, tmp_path / "link.jsonl", tmp_path / "hard.jsonl"):
-        with pytest.raises(SystemExit, match=f"eogym-sft episodes: the output {output} is the input {src}: writing it would destroy the input"):
+        refused = f"eogym-sft episodes: the output {output} is the input {src}: writing it would destroy the input"
+        with pytest.raises(SystemExit, match=refused):
             main(["episodes", "--filter", "all", "--input", str(src), "--output", str(output), "--overwrite"])
     assert len(src.read_text().splitlines()) == 6
 

@@ -138,9 +138,11 @@ def test_foreign_records_in_the_log_are_refused_by_name(tmp_path):
     log = tmp_path / "episodes.jsonl"
     log.write_text("".join(json.dumps(r) + "\n" for r in [_record("q0"), _record("q1")]))
     assert sorted(read_episodes(tmp_path, expected)) == [("scripted", "q0", 0), ("scripted", "q1", 0)]
-    for foreign, field, value in [(_record("q9"), "source_id", "'q9'"), (_record(arm="other"), "arm", "'other'"), (_record(sample=4), "sample", "4")]:
+    foreigns = [(_record("q9"), "source_id", "'q9'"), (_record(arm="other"), "arm", "'other'"), (_record(sample=4), "sample", "4")]
+    for foreign, field, value in foreigns:
         log.write_text("".join(json.dumps(r) + "\n" for r in [_record("q0"), foreign]))
-        with pytest.raises(ValueError, match=rf"episodes.jsonl:2: field {field} {value} is no {field} of this run: the log holds another run's records"):
+        refused = rf"episodes.jsonl:2: field {field} {value} is no {field} of this run: the log holds another run's records"
+        with pytest.raises(ValueError, match=refused):
             read_episodes(tmp_path, expected)
 
 
@@ -177,7 +179,8 @@ def test_one_run_at_a_time_in_a_folder(tmp_path, row_factory):
 
     cfg, out = _cfg(tmp_path, row_factory, tmp_path / "hub-model"), tmp_path / "out"
     first = open_run(out, resume_key(cfg), False, "eogym-sft rollout")
-    with pytest.raises(FileExistsError, match=rf"^eogym-sft rollout: {out} is in use by another run \(locked\): wait for it or pick another output$"):
+    refused = rf"^eogym-sft rollout: {out} is in use by another run \(locked\): wait for it or pick another output$"
+    with pytest.raises(FileExistsError, match=refused):
         open_run(out, resume_key(cfg), False, "eogym-sft rollout")
     first.release()
     open_run(out, resume_key(cfg), False, "eogym-sft rollout").release()
@@ -238,7 +241,8 @@ if given is not None:
 
 def _tmpfs(path: Path, size: str) -> None:
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("needs root to mount a small tmpfs")
 
 
