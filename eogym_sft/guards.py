@@ -1,7 +1,9 @@
 """What every command checks before it writes or loads: one policy for outputs, one for adapters.
 
 * Outputs: a command refuses to write into a non-empty output (folder, or an existing file) unless the
-  user passes ``--overwrite``; nothing is replaced silently.
+  user passes ``--overwrite``; nothing is replaced silently. An output that is one of the command's inputs,
+  resolves to one (a symlink, a hard link), or is a folder holding one, is refused even with ``--overwrite``
+  (:func:`refuse_output_over_input`): writing it would destroy what is being read.
 * Adapters: an adapter is used only on the base model it was trained on. ``adapter_config.json``
   records that base (``base_model_name_or_path``) as the trainer was given it: a hub id, or a local
   folder (absolute, or relative to where training ran). See :func:`same_base`.
@@ -10,9 +12,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import os
 import re
+import sys
 from pathlib import Path
 
 # A local copy of a hub snapshot: .../models--ORG--NAME/snapshots/REVISION
@@ -25,6 +28,24 @@ def refuse_nonempty_output(path: str | Path, overwrite: bool, command: str) -> N
     taken = path.is_file() or (path.is_dir() and any(path.iterdir()))
     if taken and not overwrite:
         raise FileExistsError(f"{command}: {path} exists and is not empty: pick another output or pass --overwrite")
+
+
+def refuse_output_over_input(output: str | Path, inputs, command: str) -> None:
+    """Raise ``FileExistsError`` if ``output`` is, or resolves to, one of ``inputs`` (a symlink or hard link
+    included), or is a folder that holds one of them."""
+    out = Path(output).resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        same = out == source or (out.exists() and source.exists() and os.path.samefile(out, source))
+        if same or out in source.parents:
+            where = "is" if same else "holds"
+            raise FileExistsError(
+                f"{command}: the output {output} {where} the input {given}: writing it would destroy the input; pick another output"
+            )
+
+
+# OS faults a user fixes (space, permissions, a read-only mount): one line naming the file, no traceback.
+USER_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENAMETOOLONG})
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
@@ -68,15 +89,37 @@ def check_model_source(name: str, connect_timeout_s: float = 3.0) -> None:
 
 @contextlib.contextmanager
 def user_errors(command: str, debug: bool = False):
-    """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1.
-    ``debug`` (or ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
+    """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1. So
+    are OS faults a user fixes (disk full, read-only, no permission: :data:`USER_OS_ERRNOS`, naming the file);
+    a closed stdout (``| head``) exits 1 quietly, Ctrl-C with one line and status 130. ``debug`` (or
+    ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
+    debug = debug or os.environ.get("EOGYM_DEBUG", "") not in ("", "0")
     try:
         yield
-    except user_error_types() as err:
-        if debug or os.environ.get("EOGYM_DEBUG", "") not in ("", "0"):
+        sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's last flush
+    except KeyboardInterrupt:
+        if debug:
             raise
-        message = str(err) if str(err).startswith(command) else f"{command}: {err}"
-        raise SystemExit(f"{message} (--debug or EOGYM_DEBUG=1 shows the traceback)") from None
+        print(f"{command}: interrupted (outputs written so far are whole; a rollout's rerun continues it)", file=sys.stderr)
+        raise SystemExit(130) from None
+    except BrokenPipeError:  # stdout closed early (``| head``): the outputs are written; say nothing more on it
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # else the interpreter's last flush of stdout fails again at exit
+        raise SystemExit(1) from None
+    except user_error_types() as err:
+        if debug:
+            raise
+        raise SystemExit(_one_line(command, str(err))) from None
+    except OSError as err:
+        if debug or err.errno not in USER_OS_ERRNOS:
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        raise SystemExit(_one_line(command, f"{where}{os.strerror(err.errno)}")) from None
+
+
+def _one_line(command: str, message: str) -> str:
+    message = message if message.startswith(command) else f"{command}: {message}"
+    return f"{message} (--debug or EOGYM_DEBUG=1 shows the traceback)"
 
 
 def model_key(name_or_path: str) -> str:
@@ -116,7 +159,26 @@ def adapter_base(adapter_dir: str | Path) -> str | None:
     config = Path(adapter_dir) / "adapter_config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json (not a PEFT adapter folder)")
-    return json.loads(config.read_text()).get("base_model_name_or_path")
+    return read_json_object(config, "a PEFT adapter's config").get("base_model_name_or_path")
+
+
+def read_json_object(path: str | Path, what: str) -> dict:
+    """The JSON object in the file ``path``, or ``ValueError``/``FileNotFoundError`` naming the file and what it should be."""
+    from .safe_json import UntrustedJSONError, loads
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file ({what})")
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path}: empty, not {what} (JSON): a run killed while writing it? Remove it or pass --overwrite")
+    try:
+        value = loads(data)
+    except UntrustedJSONError as err:
+        raise ValueError(f"{path}: damaged, not {what} ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not {what} (a JSON object expected, got {type(value).__name__})")
+    return value
 
 
 def check_adapter_base(adapter_dir: str | Path, model: str, allow_other_base: bool = False) -> None:

@@ -8,6 +8,11 @@
 * Replies are read up to ``max_bytes``; a longer one is :class:`ResponseTooLarge`.
 * Connection failures, timeouts, replies cut short, 429 and 5xx are retried up to ``retries`` times with a
   pause of ``backoff_s * 2**k``, as long as the deadline allows; other 4xx are :class:`HTTPStatusError` at once.
+* No credential in an error: every message (and a status error's ``body``) has the call's secrets, a URL's
+  ``user:password@`` and query tokens (``key=``, ``api_key=``, ``token=``...) replaced by ``***``
+  (:func:`redact`), so a server that echoes the key in its 401 body cannot put it in a log.
+* A :class:`Cancel` given to the call stops it at once from another thread (Ctrl-C): its socket is shut
+  and the call raises :class:`Cancelled`.
 
 :func:`post` returns the reply's bytes, :func:`post_json` its parsed JSON (:mod:`eogym_sft.safe_json`). Stdlib only.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import ssl
 import threading
@@ -26,6 +32,10 @@ from .safe_json import UntrustedJSONError, loads
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 READ_CHUNK = 1 << 16
+SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
+_QUERY_TOKEN = re.compile(r"(?i)([?&;](?:[a-z0-9_-]*(?:key|token|secret|password|passwd|signature|sig|auth))=)[^&#\s\"']*")
+_AUTH_VALUE = re.compile(r"\b([Bb]earer|BEARER|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")  # an Authorization value quoted back
 
 
 class NetError(RuntimeError):
@@ -63,6 +73,71 @@ class HTTPStatusError(NetError):
 
 class BadResponse(NetError):
     """A 2xx reply whose body is not acceptable JSON."""
+
+
+class Cancelled(NetError):
+    """The call was stopped by its :class:`Cancel` (the run is being interrupted)."""
+
+
+class Cancel:
+    """A switch shared by calls in flight: :meth:`cancel` shuts their sockets (waking blocked reads) and makes
+    every call, running or new, raise :class:`Cancelled`."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets = set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        return self._event.wait(seconds)
+
+    def cancel(self) -> None:
+        self._event.set()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(sock)
+        if self.is_set():
+            _shut(sock)
+
+    def forget(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(sock)
+
+
+def redact(text: str, secrets=()) -> str:
+    """``text`` with each of ``secrets``, any ``Bearer``/``Basic`` value, URL userinfo and query tokens as ``***``."""
+    for secret in sorted((s for s in secrets if s and len(s) >= 4), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    text = _USERINFO.sub(r"\1***@", text)
+    text = _QUERY_TOKEN.sub(r"\1***", text)
+    return _AUTH_VALUE.sub(r"\1 ***", text)
+
+
+def call_secrets(url: str, headers: dict | None) -> list[str]:
+    """What a call must never write down: its credential headers' values (and their tokens), the URL's userinfo."""
+    secrets = []
+    for name, value in (headers or {}).items():
+        if name.lower() in SECRET_HEADERS and value:
+            secrets += [str(value), *str(value).split()[1:]]
+    parts = urllib.parse.urlsplit(str(url))
+    secrets += [p for p in (parts.username, parts.password) if p]
+    return secrets
+
+
+def _redacted(err: NetError, secrets) -> NetError:
+    err.args = tuple(redact(a, secrets) if isinstance(a, str) else a for a in err.args)
+    for name in ("body", "target"):
+        if isinstance(getattr(err, name, None), str):
+            setattr(err, name, redact(getattr(err, name), secrets))
+    return err
 
 
 class _Retryable(Exception):
@@ -116,22 +191,29 @@ def _read_capped(response: http.client.HTTPResponse, max_bytes: int, url: str) -
         chunks.append(chunk)
 
 
-def _cut_off(sock: socket.socket, fired: threading.Event) -> None:
-    fired.set()
+def _shut(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read; close() alone does not on Linux
     except OSError:
         pass
 
 
-def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_bytes: int) -> bytes:
+def _cut_off(sock: socket.socket, fired: threading.Event) -> None:
+    fired.set()
+    _shut(sock)
+
+
+def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_bytes: int, cancel: Cancel | None = None) -> bytes:
     """One request that ends by the monotonic ``deadline``: a watchdog shuts the socket at the deadline, since socket
     timeouts only bound each read."""
     conn = _connection(parts, max(0.001, deadline - time.monotonic()))
     fired = threading.Event()
-    watchdog = None
+    watchdog = sock = None
     try:
         conn.connect()  # bounded by the socket timeout; the response keeps this socket after conn lets go of it
+        sock = conn.sock
+        if cancel is not None:
+            cancel.watch(sock)
         watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut_off, (conn.sock, fired))
         watchdog.daemon = True
         watchdog.start()
@@ -151,18 +233,29 @@ def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_b
             raise HTTPStatusError(f"{url} answered {status}: {short(body)}", status, short(body))
         return body
     except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, cut short, shut by the watchdog
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"{url}: cancelled") from None
         raise _Retryable(f"{type(err).__name__}: {err}") from None
     finally:
         if watchdog is not None:
             watchdog.cancel()
+        if cancel is not None and sock is not None:
+            cancel.forget(sock)
         conn.close()
 
 
 def post(
     url: str, data: bytes, headers: dict | None = None, deadline_s: float = 60.0, max_bytes: int = 16 << 20,
-    retries: int = 2, backoff_s: float = 0.5,
+    retries: int = 2, backoff_s: float = 0.5, cancel: Cancel | None = None,
 ) -> bytes:
-    """POST ``data`` to ``url`` under the module's rules; the reply's body, or a :class:`NetError`."""
+    """POST ``data`` to ``url`` under the module's rules; the reply's body, or a :class:`NetError` (secrets redacted)."""
+    try:
+        return _post(url, data, dict(headers or {}), deadline_s, max_bytes, retries, backoff_s, cancel)
+    except NetError as err:
+        raise _redacted(err, call_secrets(url, headers)) from None
+
+
+def _post(url, data, headers, deadline_s, max_bytes, retries, backoff_s, cancel) -> bytes:
     parts = check_url(url)
     deadline = time.monotonic() + deadline_s
     last, attempts = None, 0
@@ -170,10 +263,13 @@ def post(
         pause = backoff_s * 2 ** (attempt - 1) if attempt else 0.0
         if time.monotonic() + pause >= deadline:
             break
-        time.sleep(pause)
+        if cancel is None:
+            time.sleep(pause)
+        elif cancel.wait(pause) or cancel.is_set():
+            raise Cancelled(f"{url}: cancelled")
         attempts += 1
         try:
-            return _attempt(parts, url, data, dict(headers or {}), deadline, max_bytes)
+            return _attempt(parts, url, data, headers, deadline, max_bytes, cancel)
         except _Retryable as err:
             last = err
     detail = f"after {attempts} attempt(s) (last: {last})"
@@ -186,12 +282,12 @@ def post(
 
 def post_json(
     url: str, body, headers: dict | None = None, deadline_s: float = 60.0, max_bytes: int = 16 << 20,
-    retries: int = 2, backoff_s: float = 0.5,
+    retries: int = 2, backoff_s: float = 0.5, cancel: Cancel | None = None,
 ):
     """POST ``body`` as JSON; the reply parsed as JSON (any depth or number refused by name: :class:`BadResponse`)."""
     headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
-    reply = post(url, json.dumps(body).encode(), headers, deadline_s, max_bytes, retries, backoff_s)
+    reply = post(url, json.dumps(body).encode(), headers, deadline_s, max_bytes, retries, backoff_s, cancel)
     try:
         return loads(reply)
     except UntrustedJSONError as err:
-        raise BadResponse(f"{url}: the reply is not usable JSON ({err})") from None
+        raise BadResponse(redact(f"{url}: the reply is not usable JSON ({err})", call_secrets(url, headers))) from None

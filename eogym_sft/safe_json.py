@@ -52,3 +52,18 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH):
     if depth(value) > max_depth:
         raise UntrustedJSONError("json_too_deep", f"nested more than {max_depth} levels deep")
     return value
+
+
+def record_line(record) -> str:
+    """One JSONL line of ``record``: ASCII only (``ensure_ascii``), so a lone surrogate (``"\\ud800"``, valid
+    JSON) or a line separator (U+2028, U+0085) in a server's text cannot fail the write or split the line for
+    a reader; every reader splits on ``b"\\n"`` alone (:func:`jsonl_lines`) and reads back the same value."""
+    return json.dumps(record, ensure_ascii=True) + "\n"
+
+
+def jsonl_lines(data: bytes):
+    """``(line number, line bytes)`` of JSONL ``data``, split on ``b"\\n"`` only (never on the other line
+    breaks ``str.splitlines`` knows); blank lines are left out, a missing last newline is allowed."""
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if line.strip():
+            yield number, line

@@ -65,10 +65,28 @@ def send(handler, status: int, data: bytes, headers: dict | None = None) -> None
     handler.wfile.write(data)
 
 
+ODD_TEXT = "I see \ud800, \u2028, \u2029 and \x85 here.\nFinal Answer: 3"  # valid JSON; not encodable, or line breaks to splitlines
+
+
 def misbehaving(body: dict, handler):
     """One failure per model name: fail (500), refuse (400), trickle (the body), trickle_headers, garbage, redirect, huge,
-    no_choices; any other name plays the scripted policy."""
+    no_choices, echo_key (a 401 quoting the request's Authorization), odd_text (:data:`ODD_TEXT`), huge_usage (1e30
+    tokens), deep_args and long_args (hostile tool-call arguments), slow (20 s a reply); any other name plays the
+    scripted policy."""
     model = body["model"]
+    if model == "echo_key":
+        return send(handler, 401, f'{{"error": "invalid key {handler.headers.get("Authorization")}"}}'.encode())
+    if model == "odd_text":
+        return reply({"content": ODD_TEXT})
+    if model == "huge_usage":
+        return {**scripted_policy(body), "usage": {"completion_tokens": 1e30}}
+    if model in ("deep_args", "long_args"):
+        arguments = "[" * 100000 + "]" * 100000 if model == "deep_args" else '{"n": ' + "9" * 5000 + "}"
+        call = {"id": "c0", "type": "function", "function": {"name": "crop_optical_or_sar_image", "arguments": arguments}}
+        return reply({"content": "", "tool_calls": [call]}, "tool_calls")
+    if model == "slow":
+        time.sleep(20)
+        return scripted_policy(body)
     if model == "fail":
         return send(handler, 500, b'{"error": "overloaded"}')
     if model == "refuse":

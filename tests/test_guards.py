@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -108,3 +109,104 @@ def test_a_hub_id_offline_fails_at_once_with_the_hint(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"127\.0\.0\.1 cannot be reached .*offline, --model must be a local folder"):
         main(argv)
     assert time.monotonic() - start < 10  # not the hub client's minutes of retries
+
+
+def test_an_output_that_is_or_holds_an_input_is_refused(tmp_path):
+    from eogym_sft.guards import refuse_output_over_input
+
+    data = tmp_path / "runs" / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(data)
+    refuse_output_over_input(tmp_path / "other.jsonl", [data], "eogym-sft x")
+    refuse_output_over_input(tmp_path / "fresh", [data], "eogym-sft x")
+    cases = {tmp_path / "link.jsonl": "is", data: "is", tmp_path / "runs": "holds", tmp_path: "holds"}
+    for output, verb in cases.items():
+        with pytest.raises(FileExistsError, match=f"^eogym-sft x: the output {output} {verb} the input {data}: writing it would destroy"):
+            refuse_output_over_input(output, [data], "eogym-sft x")
+
+
+def test_os_faults_a_user_fixes_are_one_line(tmp_path):
+    import errno
+
+    from eogym_sft.guards import user_errors
+
+    for code, text in [(errno.ENOSPC, "No space left on device"), (errno.EROFS, "Read-only file system")]:
+        with pytest.raises(SystemExit) as exit_:
+            with user_errors("eogym-sft x"):
+                raise OSError(code, os.strerror(code), str(tmp_path / "out" / "episodes.jsonl"))
+        assert exit_.value.code == f"eogym-sft x: {tmp_path}/out/episodes.jsonl: {text} (--debug or EOGYM_DEBUG=1 shows the traceback)"
+        assert exit_.value.__context__ is None or exit_.value.__suppress_context__  # no chained tracebacks
+    with pytest.raises(OSError):  # a fault that is a bug keeps its traceback
+        with user_errors("eogym-sft x"):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+
+
+def test_a_read_only_output_is_one_line(tmp_path):
+    import subprocess
+
+    from eogym_sft.cli import main
+
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(disk)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        src = tmp_path / "episodes.jsonl"
+        src.write_text(json.dumps({"id": "q:a:0", "messages": [], "stop_reason": "final_answer", "correct": True}) + "\n")
+        with pytest.raises(SystemExit, match=rf"^eogym-sft episodes: {disk}/.*: Read-only file system \(--debug"):
+            main(["episodes", "--input", str(src), "--output", str(disk / "kept.jsonl")])
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "episodes.jsonl"
+    src.write_text(json.dumps({"id": "q:a:0", "messages": [], "stop_reason": "final_answer", "correct": True}) + "\n")
+    read, write = os.pipe()
+    os.close(read)  # `| head -1` that has already gone
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "eogym_sft.cli", "episodes", "--input", str(src), "--output", str(tmp_path / "kept.jsonl")]
+    done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, env=env, text=True)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
+    assert (tmp_path / "kept.jsonl").is_file()  # the output was written before the report was cut off
+
+
+def test_a_damaged_adapter_config_names_its_file(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": ')
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/adapter_config.json: damaged, not a PEFT adapter's config \(malformed_json"):
+        check_adapter_base(tmp_path, "Qwen/Qwen3-VL-4B-Instruct")
+
+
+def test_every_writing_command_refuses_an_output_over_its_input(tmp_path):
+    from eogym_sft.cli import main
+
+    used = tmp_path / "used"
+    used.mkdir()
+    data = used / "in.jsonl"
+    data.write_text("{}\n")
+    commands = {
+        "evaluate": ["evaluate", "--model", "m", "--data", str(data), "--output", str(used), "--overwrite"],
+        "validate": ["validate", "--model", "m", "--data", str(data), "--output", str(data), "--overwrite"],
+        "episodes": ["episodes", "--input", str(data), "--output", str(data), "--overwrite"],
+    }
+    for name, argv in commands.items():
+        refused = rf"^eogym-sft {name}: the output {used}\S* (is|holds) the input {data}: writing it would destroy"
+        with pytest.raises(SystemExit, match=refused):
+            main(argv)
+    assert data.read_text() == "{}\n"
+
+
+def test_prepare_never_writes_over_its_input(tmp_path):
+    from eogym_sft.data.prepared import write_prepared
+
+    data = tmp_path / "manifest.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(FileExistsError, match=f"^eogym-sft prepare: the output {tmp_path} holds the input {data}"):
+        write_prepared(tmp_path, [], {"inputs": [str(data)]})
+    assert data.read_text() == "{}\n"

@@ -54,6 +54,8 @@ class Server:
                     elif route == "/flaky":
                         status = server.statuses.pop(0) if server.statuses else 200
                         self._reply(status, json.dumps({"status": status}).encode())
+                    elif route == "/echo401":  # a server that quotes the request's credentials back
+                        self._reply(401, f"bad key {self.headers.get('Authorization')} for {self.path}".encode())
                     elif route == "/deep":
                         self._reply(200, b"[" * 100000 + b"]" * 100000)
                     elif route == "/bigint":
@@ -176,3 +178,32 @@ def test_nobody_listening():
 def test_short_quotes_a_prefix():
     assert net.short("x" * 1000, 10) == "xxxxxxxxxx... (990 more characters)"
     assert net.short("abc") == "abc"
+
+
+def test_a_key_echoed_in_an_error_is_redacted(server):
+    first, _ = server
+    url = first.url.replace("http://", "http://alice:pw-1234@") + "/echo401?api_key=qk-9876&x=1"
+    with pytest.raises(net.HTTPStatusError) as err:
+        net.post_json(url, {}, {"Authorization": "Bearer sk-live-5555"})
+    assert first.requests[-1]["auth"] == "Bearer sk-live-5555"  # sent, never written down
+    text = f"{err.value} {err.value.body}"
+    assert "sk-live-5555" not in text and "pw-1234" not in text and "qk-9876" not in text
+    redacted = f"{first.url.replace('http://', 'http://***@')}/echo401?api_key=***&x=1"
+    assert str(err.value) == f"{redacted} answered 401: bad key *** for /echo401?api_key=***&x=1"
+
+
+def test_redact():
+    text = "k=1 http://u:p@h/a?token=t&key=z#f Basic dXNlcjpwdw== sk-abcd, a basic token count"
+    assert net.redact(text, ["sk-abcd"]) == "k=1 http://***@h/a?token=***&key=***#f Basic *** ***, a basic token count"
+
+
+def test_cancel_stops_a_call_in_flight_at_once(server):
+    first, _ = server
+    cancel = net.Cancel()
+    threading.Timer(0.3, cancel.cancel).start()
+    start = time.monotonic()
+    with pytest.raises(net.Cancelled):
+        net.post_json(first.url + "/trickle", {}, deadline_s=30, retries=3, cancel=cancel)
+    assert time.monotonic() - start < 1.5
+    with pytest.raises(net.Cancelled):  # and no new call starts
+        net.post_json(first.url + "/ok", {}, cancel=cancel)

@@ -11,9 +11,13 @@ parser as data prep. ``finish_reason == "length"`` is a truncated turn.
 Network rules: http(s) only; a redirect is an error naming its target (never followed); one deadline
 per call, retries and a trickling reply included; replies larger than ``max_response_bytes`` are
 refused; 429, 5xx, timeouts and dropped connections are retried, other errors are not. A failed call
-ends its episode in ``error`` with a :class:`PolicyError` named in the record; the run goes on. The
-API key is read from the environment variable ``api_key_env`` at request time and never recorded.
-Stdlib only (``http.client`` and threads).
+ends its episode in ``error`` with a :class:`PolicyError` named in the record; the run goes on (and the
+episode is left out of Pass@k, counted by code). The API key is read from the environment variable
+``api_key_env`` at request time and never recorded (:func:`eogym_sft.net.redact` scrubs it, and any URL
+credentials, from every error). A reply's ``usage.completion_tokens`` is counted only when it is an integer
+in ``[0, MAX_USAGE_TOKENS]``; any other value is dropped and counted (``usage_dropped``). Ctrl-C stops at once:
+no new episode starts, the calls in flight are cut off (:class:`eogym_sft.net.Cancel`), their episodes are
+not recorded (a rerun runs them), and the log keeps only whole records. Stdlib only (``http.client`` and threads).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import net
+from ..safe_json import UntrustedJSONError, loads
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import parse_tool_call_text
 from ..models.layout import image_factor
@@ -38,8 +43,9 @@ from .episodes import Episode, LoopConfig, canonical_prompt
 TOOL_IMAGE_MODES = ("tool", "user")
 NET_CODES = {  # eogym_sft.net's errors as the codes a policy error is counted by
     net.RedirectRefused: "redirect", net.DeadlineExceeded: "timeout", net.ResponseTooLarge: "too_large",
-    net.HTTPStatusError: "http_status", net.BadResponse: "bad_json",
+    net.HTTPStatusError: "http_status", net.BadResponse: "bad_json", net.Cancelled: "cancelled",
 }
+MAX_USAGE_TOKENS = 1 << 24  # a turn's completion tokens past this are no count a server means
 # Settings that change how a run is carried out, not what it produces (a resumed run may change them).
 TRANSPORT_FIELDS = ("concurrency", "deadline_s", "retries", "backoff_s")
 
@@ -134,9 +140,9 @@ def _read_config(text: str) -> dict:
     if not text.lstrip().startswith("{"):
         source, text = text, Path(text).read_text()
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{source}: not JSON (line {err.lineno}: {err.msg})") from None
+        value = loads(text)
+    except UntrustedJSONError as err:
+        raise ValueError(f"{source}: not usable JSON ({err})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{source}: must be a JSON object")
     return value
@@ -145,12 +151,12 @@ def _read_config(text: str) -> dict:
 # ---------------------------------------------------------------- the wire
 
 
-def post_json(server: PolicyServer, body: dict) -> dict:
+def post_json(server: PolicyServer, body: dict, cancel: net.Cancel | None = None) -> dict:
     """POST ``body`` to ``server.url`` through :func:`eogym_sft.net.post_json` (http(s) only, no redirects, one
     deadline with retries, a reply cap); the reply's JSON object, or :class:`PolicyError` naming why not."""
     try:
         payload = net.post_json(
-            server.url, body, server.headers(), server.deadline_s, server.max_response_bytes, server.retries, server.backoff_s
+            server.url, body, server.headers(), server.deadline_s, server.max_response_bytes, server.retries, server.backoff_s, cancel
         )
     except net.NetError as err:
         raise PolicyError(NET_CODES.get(type(err), "connection"), str(err)) from None
@@ -257,10 +263,11 @@ def chat_request(server: PolicyServer, trace, urls: list[str], sampling, max_new
     return {**body, **server.body}
 
 
-def reply_turn(payload: dict) -> tuple[str, bool, int]:
+def reply_turn(payload: dict) -> tuple[str, bool, int | None]:
     """``(text, truncated, completion_tokens)`` of a chat-completions reply: the message's text with
     each of its ``tool_calls`` appended as a ``<tool_call>`` block; :class:`PolicyError` (bad_reply)
-    when the reply has no message."""
+    when the reply has no message. ``completion_tokens`` is 0 when the reply has no ``usage`` count and
+    ``None`` when its count is no integer in ``[0, MAX_USAGE_TOKENS]`` (dropped: a summary sums them)."""
     try:
         choice = payload["choices"][0]
         message = choice["message"]
@@ -278,8 +285,9 @@ def reply_turn(payload: dict) -> tuple[str, bool, int]:
     blocks = [_call_block(c) for c in calls]
     text = "\n".join(part for part in [text.strip(), *blocks] if part)
     usage = payload.get("usage") if isinstance(payload.get("usage"), dict) else {}
-    tokens = usage.get("completion_tokens")
-    return text, choice.get("finish_reason") == "length", tokens if isinstance(tokens, int) else 0
+    tokens = usage.get("completion_tokens", 0)
+    valid = type(tokens) is int and 0 <= tokens <= MAX_USAGE_TOKENS  # not bool, not 1e30
+    return text, choice.get("finish_reason") == "length", tokens if valid else None
 
 
 def _call_block(call) -> str:
@@ -289,8 +297,8 @@ def _call_block(call) -> str:
     arguments = fn.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+            arguments = loads(arguments) if arguments.strip() else {}
+        except UntrustedJSONError:
             pass  # kept as the string: data prep's parser names it invalid_tool_arguments
     return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
@@ -304,17 +312,25 @@ def request_seed(seed: int, question_id: str, sample: int) -> int:
 # ---------------------------------------------------------------- episodes
 
 
-def run_policy_episode(server: PolicyServer, ep: Episode, processor, urls: ImageCache, sampling, loop: LoopConfig, data_root) -> Episode:
-    """Run ``ep`` to its end against ``server``; a failure ends it in ``error``, named."""
+def run_policy_episode(
+    server: PolicyServer, ep: Episode, processor, urls: ImageCache, sampling, loop: LoopConfig, data_root,
+    cancel: net.Cancel | None = None, usage_dropped: list | None = None,
+) -> Episode:
+    """Run ``ep`` to its end against ``server``; a failure ends it in ``error``, named. A reply's usage count
+    that is dropped (:func:`reply_turn`) appends the episode's id to ``usage_dropped``."""
     try:
         while ep.stop is None:
+            if cancel is not None and cancel.is_set():
+                raise PolicyError("cancelled", "the run was interrupted")
             trace = canonical_prompt(ep.row, loop.tool_images)
             images = [urls.get(resolve_image_path(rel, data_root)) for rel in trace.images]
             ep.images_seen = list(trace.images)
             seed = request_seed(loop.seed, ep.question_id, ep.sample) + ep.turns
-            payload = post_json(server, chat_request(server, trace, images, sampling, loop.max_new_tokens, seed))
+            payload = post_json(server, chat_request(server, trace, images, sampling, loop.max_new_tokens, seed), cancel)
             text, truncated, tokens = reply_turn(payload)
-            ep.new_tokens += tokens
+            if tokens is None and usage_dropped is not None:
+                usage_dropped.append(f"{ep.question_id}:{ep.arm}:{ep.sample}")
+            ep.new_tokens += tokens or 0
             if not ep.take_turn(text, truncated, loop.max_turns):
                 break
     except Exception as err:  # one episode's bad reply, image or tool must not end the run
@@ -324,11 +340,14 @@ def run_policy_episode(server: PolicyServer, ep: Episode, processor, urls: Image
 
 def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loop: LoopConfig, data_root, on_done, bar=None) -> dict:
     """Run every episode of ``episodes``, ``server.concurrency`` at a time; ``on_done(episode)`` runs in
-    this thread as each ends. Returns ``{"seconds", "new_tokens"}`` (tokens as the server's ``usage`` counts them)."""
+    this thread as each ends. Returns ``{"seconds", "new_tokens", "usage_dropped"}`` (tokens as the server's
+    ``usage`` counts them; replies whose count was dropped). Interrupted (Ctrl-C), it starts nothing more, cuts
+    off the calls in flight, records none of their episodes and raises within a second."""
     urls = data_url_cache(processor)
     stats = {"seconds": 0.0, "new_tokens": 0}
     start = time.perf_counter()
     items = iter(episodes)
+    cancel, dropped = net.Cancel(), []
 
     def finish(ep: Episode) -> None:
         stats["new_tokens"] += ep.new_tokens
@@ -336,7 +355,8 @@ def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loo
         if bar is not None:
             bar.update(1)
 
-    with ThreadPoolExecutor(max_workers=server.concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=server.concurrency)
+    try:
         running = set()
         while True:
             while len(running) < server.concurrency:
@@ -346,11 +366,18 @@ def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loo
                 if ep.stop is not None:  # failed before it began (its environment)
                     finish(ep)
                     continue
-                running.add(pool.submit(run_policy_episode, server, ep, processor, urls, sampling, loop, data_root))
+                running.add(pool.submit(run_policy_episode, server, ep, processor, urls, sampling, loop, data_root, cancel, dropped))
             if not running:
                 break
-            finished, running = wait(running, return_when=FIRST_COMPLETED)
+            # a timeout: the main thread comes back to take a Ctrl-C that the OS gave to another thread
+            finished, running = wait(running, timeout=0.25, return_when=FIRST_COMPLETED)
             for future in finished:
                 finish(future.result())
+    except BaseException:
+        cancel.cancel()  # the episodes in flight end at once, as errors that are not recorded
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     stats["seconds"] = time.perf_counter() - start
+    stats["usage_dropped"] = len(dropped)
     return stats

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..atomic import write_lines_atomic, write_text_atomic
+from ..guards import refuse_output_over_input
 
 META_FIELDS = ("EO_task", "question_type", "data_source", "gt_answer")
 HISTOGRAM_BIN = 512
@@ -100,6 +101,7 @@ def write_prepared(output: str | Path, results, settings: dict) -> dict:
     from datasets import Dataset
 
     output = Path(output)
+    refuse_output_over_input(output, settings.get("inputs", []), "eogym-sft prepare")
     output.mkdir(parents=True, exist_ok=True)
     # stats.json goes first and comes back last: a folder loads only with it, so a run killed half way
     # (an --overwrite rerun included) leaves a folder that refuses to load, never a half-new one that loads

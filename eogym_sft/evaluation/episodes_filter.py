@@ -9,13 +9,18 @@ ones kept are ready for ``eogym-sft prepare`` or an SFT run with the rollout's `
 * ``all``: every episode but those that ended in ``error``.
 
 Unscored episodes (no ``gt_answer``, a failed judge request) are kept only by ``all``. A line that is not a
-JSON episode is skipped, named (file:line) and counted; ``--arm`` keeps one arm's episodes.
+JSON episode (bad UTF-8, malformed, nested too deep, a number too long) is skipped, named (file:line) and
+counted; ``--arm`` keeps one arm's episodes. The output is written atomically once every line is read, never
+over the input (nor through a link to it), and not at all when no episode is kept.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..atomic import write_lines_atomic
+from ..guards import refuse_output_over_input
+from ..safe_json import UntrustedJSONError, jsonl_lines, loads, record_line
 
 KEEP = ("correct", "incorrect", "all")
 
@@ -34,27 +39,28 @@ def keeps(episode: dict, keep: str) -> bool:
 
 
 def filter_episodes(input_path: str | Path, output_path: str | Path, keep: str = "correct", arm: str | None = None) -> dict:
-    """Write the episodes of ``input_path`` that ``keep`` keeps (of ``arm`` only, if given) to ``output_path``;
-    return ``{"read", "kept", "skipped", "skipped_lines"}``."""
+    """Write the episodes of ``input_path`` that ``keep`` keeps (of ``arm`` only, if given) to ``output_path``
+    (atomically; nothing when none is kept); return ``{"read", "kept", "skipped", "skipped_lines"}``."""
     if keep not in KEEP:
         raise ValueError(f"unknown filter {keep!r}: choose from {', '.join(KEEP)}")
+    refuse_output_over_input(output_path, [input_path], "eogym-sft episodes")
     stats = {"read": 0, "kept": 0, "skipped": 0, "skipped_lines": []}
-    with open(input_path, encoding="utf-8") as src, open(output_path, "w", encoding="utf-8") as dst:
-        for line_no, line in enumerate(src, 1):
-            if not line.strip():
-                continue
-            stats["read"] += 1
-            try:
-                episode = json.loads(line)
-                if not isinstance(episode, dict) or "stop_reason" not in episode or "messages" not in episode:
-                    raise ValueError("not a rollout episode (no stop_reason or messages field)")
-            except ValueError as err:
-                stats["skipped"] += 1
-                stats["skipped_lines"].append(f"{input_path}:{line_no}: {err}")
-                continue
-            if (arm is None or episode.get("arm") == arm) and keeps(episode, keep):
-                dst.write(json.dumps(episode, ensure_ascii=False) + "\n")
-                stats["kept"] += 1
+    kept = []
+    for line_no, line in jsonl_lines(Path(input_path).read_bytes()):
+        stats["read"] += 1
+        try:
+            episode = loads(line)
+            if not isinstance(episode, dict) or "stop_reason" not in episode or "messages" not in episode:
+                raise ValueError("not a rollout episode (no stop_reason or messages field)")
+        except (UntrustedJSONError, ValueError) as err:
+            stats["skipped"] += 1
+            stats["skipped_lines"].append(f"{input_path}:{line_no}: {err}")
+            continue
+        if (arm is None or episode.get("arm") == arm) and keeps(episode, keep):
+            kept.append(record_line(episode))
+    stats["kept"] = len(kept)
+    if kept:
+        write_lines_atomic(output_path, kept)
     return stats
 
 
@@ -74,7 +80,10 @@ def run_episodes_filter(args) -> dict:
     stats = filter_episodes(args.input, args.output, args.filter, args.arm)
     for where in stats["skipped_lines"][:20]:
         print(f"skipped {where}")
-    print(f"kept {stats['kept']} of {stats['read']} episodes ({args.filter}); skipped {stats['skipped']} bad lines -> {args.output}")
     if stats["kept"] == 0:
-        raise SystemExit(f"eogym-sft episodes: no episode passed --filter {args.filter}: nothing to train on")
+        raise SystemExit(
+            f"eogym-sft episodes: no episode of {stats['read']} passed --filter {args.filter} (skipped {stats['skipped']} bad lines): "
+            f"nothing to train on, {args.output} not written"
+        )
+    print(f"kept {stats['kept']} of {stats['read']} episodes ({args.filter}); skipped {stats['skipped']} bad lines -> {args.output}")
     return stats

@@ -27,8 +27,10 @@ from ..data.encoding import render
 from ..data.images import ImageCache, ImageError, image_size, resolve_image_path
 from ..data.prepare import resized_hw
 from ..data.traces import Trace, TraceError, count_images, normalize_row
-from ..guards import refuse_nonempty_output
+from ..atomic import write_lines_atomic, write_text_atomic
+from ..guards import refuse_nonempty_output, refuse_output_over_input
 from ..models.layout import expand_image_pads, image_factor, image_token_count
+from ..safe_json import record_line
 from ..metrics.judge import judge_all, load_judge
 from ..metrics.scoring import (
     END_MARKERS,
@@ -420,9 +422,11 @@ def score_turns(
 
 
 def _write_jsonl(path: Path, items: list[dict], mode: str = "w") -> None:
-    with open(path, mode) as fh:
-        for item in items:
-            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
+    if mode == "w":
+        write_lines_atomic(path, (record_line(item) for item in items))
+        return
+    with open(path, mode, encoding="ascii") as fh:
+        fh.write("".join(record_line(item) for item in items))
 
 
 def run_arms(
@@ -476,6 +480,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
 
     out = Path(cfg.output)
     refuse_nonempty_output(out, cfg.overwrite, "eogym-sft evaluate")
+    refuse_output_over_input(out, cfg.data, "eogym-sft evaluate")
     judge = load_judge(cfg.judge) if cfg.judge else None
     arms = parse_arms(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
@@ -506,9 +511,9 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     settings = recorded_settings(cfg, arms, device, dtype)
     summary = summarize_turns(records, arms, settings, counts, timing)
     _write_jsonl(out / "skipped.jsonl", failures + skipped)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=True) + "\n")
     report = format_turn_report(summary)
-    (out / "report.txt").write_text(report + "\n")
+    write_text_atomic(out / "report.txt", report + "\n")
     print(report)
     return summary
 

@@ -199,23 +199,39 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def policy_error_code(record: dict) -> str | None:
+    """The code of the policy-server failure that ended this episode (``timeout``, ``http_status``, ``too_large``,
+    ``bad_json``...: :class:`eogym_sft.agent.policy_server.PolicyError`), or ``None``."""
+    error = str(record.get("error") or "")
+    if record.get("stop_reason") != "error" or not error.startswith("PolicyError: "):
+        return None
+    return error.removeprefix("PolicyError: ").split(":", 1)[0]
+
+
+def episode_score(record: dict) -> bool | None:
+    """The episode's score for Pass@k and the mean: ``None`` (left out) when it has none, and when a policy
+    server failed it (an outage says nothing of the policy's answers)."""
+    return None if policy_error_code(record) else record.get("correct")
+
+
 def questions(records: list[dict], ks: list[int]) -> dict:
     """Per ``(arm, question)``: the episodes' outcomes and the question's Pass@k.
 
-    A sample whose score is ``None`` (no ``gt_answer``, a failed judge request) is left out of ``n``;
-    Pass@k needs ``n >= k`` scored samples and is ``None`` otherwise."""
+    A sample whose score is ``None`` (no ``gt_answer``, a failed judge request, a failed policy-server call) is
+    left out of ``n``; Pass@k needs ``n >= k`` scored samples and is ``None`` otherwise."""
     grouped = defaultdict(list)
     for r in records:
         grouped[(r["arm"], r["source_id"])].append(r)
     out = {}
     for key, eps in grouped.items():
-        scored = [e["correct"] for e in eps if e.get("correct") is not None]
+        scored = [episode_score(e) for e in eps if episode_score(e) is not None]
+        ran = [e for e in eps if not policy_error_code(e)]  # an outage is no choice of whether to call tools
         n, c = len(scored), sum(scored)
         out[key] = {
             "n": n,
             "correct": c,
             **{f"pass@{k}": pass_at_k(n, c, k) if n >= k else None for k in ks},
-            "tool_any": sum(e["tool_calls"] > 0 for e in eps) / len(eps),
+            "tool_any": sum(e["tool_calls"] > 0 for e in ran) / len(ran) if ran else None,
             **{f: eps[0].get(f) or "" for f in GROUP_FIELDS},
         }
     return out
@@ -224,7 +240,7 @@ def questions(records: list[dict], ks: list[int]) -> dict:
 def episode_metrics(eps: list[dict], per_question: list[dict], ks: list[int]) -> dict:
     """Figures over a set of episodes and their questions (one arm, possibly one group)."""
     attempts = sum(e["tool_calls"] + e["tool_error_codes"].get("invalid_call", 0) for e in eps)
-    scored = [e["correct"] for e in eps if e.get("correct") is not None]
+    scored = [episode_score(e) for e in eps if episode_score(e) is not None]
     out = {
         "questions": len(per_question),
         "episodes": len(eps),
@@ -247,6 +263,7 @@ def episode_metrics(eps: list[dict], per_question: list[dict], ks: list[int]) ->
             "stop_reasons": dict(sorted(Counter(e["stop_reason"] for e in eps).items())),
             "tool_error_codes": dict(sorted(sum((Counter(e["tool_error_codes"]) for e in eps), Counter()).items())),
             "judge_failed": sum(1 for e in eps if e.get("judge_error")),
+            "policy_errors": dict(sorted(Counter(c for c in map(policy_error_code, eps) if c).items())),
         }
     )
     return out
@@ -281,13 +298,21 @@ def _episode_row(name: str, figures: dict | None) -> tuple[str, list[int], dict]
     return None if figures is None else (name, [figures["questions"], figures["episodes"]], figures)
 
 
+def _policy_errors(counts: dict) -> str:
+    by_code = counts.get("policy_errors_by_code") or {}
+    if not by_code:
+        return ""
+    codes = ", ".join(f"{code} {n}" for code, n in by_code.items())
+    return f", policy errors {sum(by_code.values())}: {codes}; left out of Pass@k"
+
+
 def format_rollout_report(summary: dict) -> str:
     """The printed tables: overall, per ``EO_task`` and ``question_type``, stop reasons, paired deltas."""
     ks, arms, counts = summary["settings"]["ks"], summary["arms"], summary["counts"]
     lines = [
         f"questions {counts['questions']} (rows failed {counts['rows_failed']}), samples per question "
         f"{summary['settings']['samples']}, episodes {counts['episodes']} (errors {counts['episode_errors']}, "
-        f"judge failures {counts['judge_failed']})",
+        f"judge failures {counts['judge_failed']}{_policy_errors(counts)})",
         "",
     ]
     metrics = [f"pass@{k}" for k in ks] + list(EPISODE_METRICS)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +38,9 @@ from ..agent.episodes import (
     run_episodes,
 )
 from ..agent.policy_server import PolicyServer, policy_servers, run_policy_episodes
-from .report import format_rollout_report, summarize_rollouts
+from ..atomic import write_lines_atomic, write_text_atomic
+from ..safe_json import record_line
+from .report import format_rollout_report, policy_error_code, summarize_rollouts
 from .resume import (
     EpisodeLog,
     episode_file,
@@ -44,6 +48,7 @@ from .resume import (
     open_run,
     order_key,
     read_episodes,
+    redacted,
     resume_key,
 )
 from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
@@ -168,11 +173,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     run again (:mod:`eogym_sft.evaluation.resume`). Under ``torchrun`` or ``accelerate launch``
     (``RANK``/``WORLD_SIZE`` set) each rank runs every ``WORLD_SIZE``-th row and rank 0 merges.
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..models.loading import parse_arms, resolve_device
-    from ..models.processor import load_processor
+    from ..models.loading import parse_arms
 
     out = Path(cfg.output)
     group = ranks.join()
@@ -183,8 +184,30 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     rows, failures = read_questions(cfg)  # before the output is made: a wrong data root writes nothing
     check_reason_share(failures, len(rows) + len(failures), 1.0 if cfg.allow_drops else DROP_SHARE)
     key = resume_key(cfg)
-    ranks.agree(group, lambda: open_run(out, key, cfg.overwrite, "eogym-sft rollout"))
-    earlier = read_episodes(out)
+    locks = []  # rank 0 holds the output's lock until the run ends (or the process does)
+    ranks.agree(group, lambda: locks.append(open_run(out, key, cfg.overwrite, "eogym-sft rollout", inputs=cfg.data)))
+    try:
+        return _run(cfg, out, group, local_arms, names, rows, failures, progress, env_factory)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def run_secrets(cfg: RolloutConfig) -> list[str]:
+    """The keys this run sends (policy servers', the judge's): never written to a record."""
+    envs = [p.api_key_env for p in cfg.policies if p.api_key_env] + (["OPENAI_API_KEY"] if cfg.judge_url else [])
+    return [os.environ[e] for e in envs if os.environ.get(e)]
+
+
+def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory) -> dict | None:
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..models.loading import resolve_device
+    from ..models.processor import load_processor
+
+    expected = {(name, str(r.get("id")), k) for name in names for _, r in rows for k in range(cfg.samples)}
+    earlier = read_episodes(out, expected)
     judge = make_judge(cfg)
     device, dtype = resolve_device(ranks.local_device(cfg.device, group), cfg.dtype)
     env_factory = env_factory or default_env_factory(cfg)
@@ -197,7 +220,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     local = _LocalArms(cfg, local_arms, device, dtype, graphs, max(len(v) for v in todo.values()) if todo else 1)
     timing = {}
     bar = tqdm(total=sum(map(len, todo.values())), unit="episode", desc="rollout", disable=not progress)
-    with EpisodeLog(out / episode_file(group)) as log, Scorer(judge, log) as scorer:
+    with EpisodeLog(out / episode_file(group), run_secrets(cfg)) as log, Scorer(judge, log) as scorer:
         for name in names:
             if not todo[name]:
                 continue
@@ -216,7 +239,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
         return None
     records = merge_episodes(out, order_key(names, rows))
     ranks.leave(group)
-    settings = recorded_settings(cfg, local_arms, device, dtype)
+    settings = redacted(recorded_settings(cfg, local_arms, device, dtype))  # a URL's user:password@ stays out
     settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
     settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
     settings["world_size"] = group.world
@@ -227,16 +250,17 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
         "episodes": len(records),
         "episodes_resumed": sum(1 for r in records if (r["arm"], r["source_id"], r["sample"]) in earlier),
         "episode_errors": sum(r["stop_reason"] == "error" for r in records),
-        "policy_errors": sum(str(r["error"] or "").startswith("PolicyError") for r in records),
+        "policy_errors": sum(policy_error_code(r) is not None for r in records),
+        "policy_errors_by_code": dict(sorted(Counter(c for c in map(policy_error_code, records) if c).items())),
         "judge_failed": sum(bool(r["judge_error"]) for r in records),
+        "episodes_unrecordable": sum(str(r["error"] or "").startswith(UNRECORDABLE) for r in records),
     }
     summary = summarize_rollouts(records, names, cfg.ks, settings, counts, timing)
-    with open(out / "skipped.jsonl", "w") as fh:
-        for item in failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]:
-            fh.write(json.dumps(item, ensure_ascii=False) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    problems = failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]
+    write_lines_atomic(out / "skipped.jsonl", (record_line(item) for item in problems))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=True) + "\n")
     report = format_rollout_report(summary)
-    (out / "report.txt").write_text(report + "\n")
+    write_text_atomic(out / "report.txt", report + "\n")
     print(report)
     return summary
 
@@ -280,16 +304,41 @@ class Scorer:
 
     def _score(self, record: dict) -> None:
         score_episodes([record], self.judge)
-        self.log.write(record)
+        try:
+            self.log.write(record)
+        except (TypeError, ValueError, RecursionError) as err:  # a value JSON cannot hold: this episode fails alone
+            self.log.write(unrecordable(record, err))
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+    def __exit__(self, kind, *exc):
+        if self.pool is None:
+            return
+        self.pool.shutdown(wait=True, cancel_futures=kind is not None)  # interrupted: judge no more
+        if kind is None:
             for future in self.futures:
                 future.result()  # a write that failed raises here
+
+
+UNRECORDABLE = "unrecordable"
+OUTCOME_DEFAULTS = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_error_codes": {}, "new_tokens": 0, "final_answer": None,
+                    "correct": None, "rule_correct": None, "judge_error": None, "images_seen": []}
+
+
+def unrecordable(record: dict, err: BaseException) -> dict:
+    """What the log keeps of an episode whose record cannot be written as JSON: its identity and the fields that
+    can, no conversation, ended in ``error`` naming why (so it is counted, and a rerun does not retry it)."""
+    kept = {}
+    for name, value in record.items():
+        try:
+            record_line(value)
+        except (TypeError, ValueError, RecursionError):
+            continue
+        kept[name] = value
+    kept = {**OUTCOME_DEFAULTS, **kept, "messages": [], "stop_reason": "error", "correct": None}
+    kept["error"] = f"{UNRECORDABLE}: the record is not JSON ({type(err).__name__}: {str(err)[:200]})"
+    return kept
 
 
 def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):

@@ -328,7 +328,8 @@ def validate(cfg: ValidateConfig) -> dict:
     """Score every arm on ``cfg.data``; write and return the report."""
     from ..data.datasets import load_or_prepare, split_by_trace
     from ..data.prepare import PrepConfig
-    from ..guards import refuse_nonempty_output
+    from ..atomic import write_text_atomic
+    from ..guards import refuse_nonempty_output, refuse_output_over_input
     from ..models.loading import (
         compile_language_layers,
         load_inference_model,
@@ -339,6 +340,7 @@ def validate(cfg: ValidateConfig) -> dict:
     from ..data.collator import EOGymCollator
 
     refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
+    refuse_output_over_input(cfg.output, [p for p in cfg.data.split(",") if p], "eogym-sft validate")
     arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     attention = cfg.attn_implementation or default_attention(device)
@@ -364,7 +366,7 @@ def validate(cfg: ValidateConfig) -> dict:
         "models": models, "timing": timing,
     }
     Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(cfg.output).write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(cfg.output, json.dumps(report, indent=2) + "\n")
     print(format_report(report))
     for record in skipped:
         print(f"skipped sample {record['sample_id']} ({record['reason']}): {record['file']}")

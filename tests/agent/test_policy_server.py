@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 from policy_servers import (
     CROP_ARGS,
+    ODD_TEXT,
     SCENE,
     misbehaving,
     reply,
@@ -215,3 +216,85 @@ def test_bad_servers_are_named_and_counted_and_the_run_goes_on(tmp_path, data_ro
     assert summary["counts"]["policy_errors"] == len(bad) == summary["counts"]["episode_errors"]
     skipped = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
     assert sorted(s["episode"] for s in skipped) == sorted(f"q1:{arm}:0" for arm in bad)
+
+
+def test_hostile_replies_are_recorded_read_back_and_leak_no_key(tmp_path, data_root, row_factory, tiny_model_dir, monkeypatch):
+    from eogym_sft.evaluation.resume import read_log
+    from eogym_sft.evaluation.rollout import RolloutConfig, rollout
+
+    monkeypatch.setenv("TEST_POLICY_KEY", "sk-echoed-4242")
+    data = _rows(tmp_path, row_factory, wrong=False)
+    arms = ("echo_key", "odd_text", "huge_usage", "deep_args", "long_args", "fail", "good")
+    with serve(misbehaving) as (url, _):
+        url = url.replace("http://", "http://alice:pw-in-url@")
+        config = '{"api_key_env": "TEST_POLICY_KEY", "deadline_s": 2, "retries": 1, "backoff_s": 0}'
+        cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
+                            include_base=False, policies=policy_servers([url] * len(arms), list(arms), [config]), max_turns=3,
+                            max_episode_tokens=1024)
+        summary = rollout(cfg, progress=False)
+        again = rollout(cfg, progress=False)  # the log reads back whole: every episode resumed
+    out = tmp_path / "out"
+    for path in out.iterdir():
+        text = path.read_text()
+        assert "sk-echoed-4242" not in text and "pw-in-url" not in text, path.name
+    log = (out / "episodes.jsonl").read_bytes()
+    assert log.isascii() and log.count(b"\n") == len(arms)
+    episodes = {e["arm"]: e for e in read_log(out / "episodes.jsonl")}
+    assert episodes["echo_key"]["error"].startswith("PolicyError: http_status: http://***@127.0.0.1:")
+    assert "invalid key ***" in episodes["echo_key"]["error"]
+    assert episodes["odd_text"]["messages"][-1]["content"] == ODD_TEXT and episodes["odd_text"]["final_answer"] == "3"
+    assert (episodes["huge_usage"]["stop_reason"], episodes["huge_usage"]["new_tokens"]) == ("final_answer", 0)
+    assert summary["arms"]["huge_usage"]["timing"]["usage_dropped"] == 2  # both turns' counts dropped
+    for arm in ("deep_args", "long_args"):
+        assert (episodes[arm]["stop_reason"], episodes[arm]["tool_error_codes"]) == ("invalid_call", {"invalid_call": 1}), arm
+    assert summary["counts"]["policy_errors_by_code"] == {"http_status": 2}
+    assert again["counts"]["episodes_resumed"] == len(arms)
+    assert json.loads((out / "run.json").read_text())["policies"][0]["url"].startswith("http://***@127.0.0.1:")
+
+
+def test_policy_errors_are_left_out_of_pass_at_k_and_the_deltas(tmp_path, data_root, row_factory, tiny_model_dir):
+    from eogym_sft.evaluation.rollout import RolloutConfig, rollout
+
+    data = _rows(tmp_path, row_factory)
+    with serve(misbehaving) as (url, _):
+        policies = policy_servers([url] * 2, ["good", "fail"], ['{"retries": 0}'])
+        cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
+                            include_base=False, policies=policies, max_turns=3, max_episode_tokens=1024)
+        summary = rollout(cfg, progress=False)
+    failed = summary["arms"]["fail"]["overall"]
+    figures = (failed["pass@1"], failed["pass@1_questions"], failed["mean_score"], failed["policy_errors"])
+    assert figures == (None, 0, None, {"http_status": 2})
+    assert summary["arms"]["good"]["overall"]["pass@1"] == 0.5
+    assert summary["paired"] == []  # no question where both arms were scored
+    assert "policy errors 2: http_status 2; left out of Pass@k" in (tmp_path / "out" / "report.txt").read_text()
+
+
+def test_ctrl_c_stops_at_once_and_keeps_the_log_whole(tmp_path, data_root, row_factory, tiny_model_dir):
+    import os
+    import signal
+    import threading
+
+    from eogym_sft.evaluation.resume import read_log
+    from eogym_sft.evaluation.rollout import RolloutConfig, rollout
+
+    data = _rows(tmp_path, row_factory)
+    with serve(misbehaving) as (url, _):
+        policies = policy_servers([url] * 2, ["good", "slow"], ['{"deadline_s": 120, "concurrency": 2}'])
+        cfg = RolloutConfig(model=str(tiny_model_dir), data=[str(data)], data_root=str(data_root), output=str(tmp_path / "out"),
+                            include_base=False, policies=policies, max_turns=3, max_episode_tokens=1024)
+        out = tmp_path / "out" / "episodes.jsonl"
+
+        def interrupt_when_slow_runs():
+            while not (out.is_file() and out.read_bytes().count(b"\n") == 2):  # the good arm's two episodes
+                time.sleep(0.05)
+            time.sleep(0.5)  # the slow arm's calls are in flight
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+
+        threading.Thread(target=interrupt_when_slow_runs, daemon=True).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            rollout(cfg, progress=False)
+        stopped = time.monotonic() - start
+    assert stopped < 10  # not 20 s per reply x 3 turns
+    assert [e["arm"] for e in read_log(out)] == ["good", "good"]  # whole records, none of the interrupted ones
+    assert out.read_bytes().endswith(b"\n")

@@ -4,6 +4,7 @@ counted, and the command's refusals."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -53,7 +54,41 @@ def test_the_command(tmp_path, capsys):
     assert "kept 1 of 6 episodes (incorrect)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="exists"):
         main(["episodes", "--input", str(src), "--output", str(dst)])
-    with pytest.raises(SystemExit, match="no episode passed --filter correct"):
+    with pytest.raises(SystemExit, match=r"no episode of 6 passed --filter correct .*: nothing to train on, .*none.jsonl not written"):
         main(["episodes", "--input", str(src), "--output", str(tmp_path / "none.jsonl"), "--arm", "rft"])
+    assert not (tmp_path / "none.jsonl").exists()  # no 0-byte file to block the next run
     with pytest.raises(SystemExit, match="no such input file"):
         main(["episodes", "--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "o.jsonl")])
+
+
+def test_the_output_is_never_the_input(tmp_path):
+    src = tmp_path / "episodes.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in EPISODES))
+    (tmp_path / "link.jsonl").symlink_to(src)
+    os.link(src, tmp_path / "hard.jsonl")
+    for output in (src, tmp_path / "link.jsonl", tmp_path / "hard.jsonl"):
+        refused = f"eogym-sft episodes: the output {output} is the input {src}: writing it would destroy the input"
+        with pytest.raises(SystemExit, match=refused):
+            main(["episodes", "--filter", "all", "--input", str(src), "--output", str(output), "--overwrite"])
+    assert len(src.read_text().splitlines()) == 6
+
+
+def test_hostile_lines_are_skipped_one_by_one(tmp_path):
+    src, dst = tmp_path / "episodes.jsonl", tmp_path / "kept.jsonl"
+    good = json.dumps(EPISODES[0]).encode()
+    deep = b"[" * 100000 + b"]" * 100000
+    bigint = b'{"n": ' + b"9" * 5000 + b"}"
+    src.write_bytes(b"\n".join([good, b'{"id": "\xff"}', deep, bigint, good.replace(b"q0", b"q9")]) + b"\n")
+    stats = filter_episodes(src, dst, "correct")
+    assert (stats["read"], stats["kept"], stats["skipped"]) == (5, 2, 3)
+    assert [w.split(": ")[1] for w in stats["skipped_lines"]] == ["malformed_json", "json_too_deep", "json_number_too_long"]
+    assert [json.loads(line)["id"] for line in dst.read_text().splitlines()] == ["q0:sft:0", "q9:sft:0"]
+
+
+def test_any_text_reads_back_the_same(tmp_path):
+    odd = {**EPISODES[0], "messages": [{"role": "tool", "content": "a\ud800b\u2028c\u2029d\x85e\u00e9"}]}
+    src, dst = tmp_path / "episodes.jsonl", tmp_path / "kept.jsonl"
+    src.write_text(json.dumps(odd) + "\n")
+    assert filter_episodes(src, dst, "correct")["kept"] == 1
+    assert dst.read_bytes().isascii() and len(dst.read_bytes().split(b"\n")) == 2
+    assert json.loads(dst.read_bytes()) == odd

@@ -125,3 +125,137 @@ def test_two_ranks_under_torchrun_give_one_process_summary(tmp_path, data_root, 
     summary = json.loads((two / "summary.json").read_text())
     assert summary["settings"]["world_size"] == 2 and summary["arms"]["base"]["timing"]["ranks"] == 2
     assert done.stdout.count("questions 3 (rows failed 0)") == 1  # rank 0 alone reports
+
+
+def _record(source_id="q0", arm="scripted", sample=0, **extra) -> dict:
+    return {"arm": arm, "source_id": source_id, "sample": sample, **extra}
+
+
+def test_foreign_records_in_the_log_are_refused_by_name(tmp_path):
+    from eogym_sft.evaluation.resume import read_episodes
+
+    expected = {("scripted", f"q{i}", 0) for i in range(3)}
+    log = tmp_path / "episodes.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in [_record("q0"), _record("q1")]))
+    assert sorted(read_episodes(tmp_path, expected)) == [("scripted", "q0", 0), ("scripted", "q1", 0)]
+    foreigns = [(_record("q9"), "source_id", "'q9'"), (_record(arm="other"), "arm", "'other'"), (_record(sample=4), "sample", "4")]
+    for foreign, field, value in foreigns:
+        log.write_text("".join(json.dumps(r) + "\n" for r in [_record("q0"), foreign]))
+        refused = rf"episodes.jsonl:2: field {field} {value} is no {field} of this run: the log holds another run's records"
+        with pytest.raises(ValueError, match=refused):
+            read_episodes(tmp_path, expected)
+
+
+def _cfg(tmp_path, row_factory, model: Path, **extra):
+    from eogym_sft.agent.policy_server import PolicyServer
+    from eogym_sft.evaluation.rollout import RolloutConfig
+
+    data = _data(tmp_path, row_factory, 2)
+    policy = PolicyServer(url="http://alice:pw-in-url@127.0.0.1:9/v1/chat/completions?api_key=qk-1", model="scripted")
+    return RolloutConfig(model=str(model), data=[str(data)], data_root=str(tmp_path), output=str(tmp_path / "out"), include_base=False,
+                         policies=[policy], **extra)
+
+
+def test_weights_replaced_under_the_same_folder_are_another_run(tmp_path, row_factory):
+    from eogym_sft.evaluation.resume import open_run, resume_key
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * (3 << 20))
+    (model / "config.json").write_text("{}")
+    cfg, out = _cfg(tmp_path, row_factory, model), tmp_path / "out"
+    open_run(out, resume_key(cfg), False, "eogym-sft rollout").release()
+    recorded = (out / "run.json").read_text()
+    assert "pw-in-url" not in recorded and "qk-1" not in recorded  # the URL's credentials stay out of run.json
+    open_run(out, resume_key(cfg), False, "eogym-sft rollout").release()  # the same run continues
+    weights.write_bytes(b"a" * ((3 << 20) - 1) + b"b")  # retrained in place: same size, same name
+    with pytest.raises(FileExistsError, match=r"holds a run with other settings \(model_fingerprint: .*model.safetensors"):
+        open_run(out, resume_key(cfg), False, "eogym-sft rollout")
+
+
+def test_one_run_at_a_time_in_a_folder(tmp_path, row_factory):
+    from eogym_sft.evaluation.resume import open_run, resume_key
+
+    cfg, out = _cfg(tmp_path, row_factory, tmp_path / "hub-model"), tmp_path / "out"
+    first = open_run(out, resume_key(cfg), False, "eogym-sft rollout")
+    refused = rf"^eogym-sft rollout: {out} is in use by another run \(locked\): wait for it or pick another output$"
+    with pytest.raises(FileExistsError, match=refused):
+        open_run(out, resume_key(cfg), False, "eogym-sft rollout")
+    first.release()
+    open_run(out, resume_key(cfg), False, "eogym-sft rollout").release()
+
+
+def test_an_output_holding_the_data_is_refused_and_a_damaged_record_named(tmp_path, row_factory):
+    from eogym_sft.evaluation.resume import open_run, resume_key
+
+    cfg = _cfg(tmp_path, row_factory, tmp_path / "hub-model")
+    with pytest.raises(FileExistsError, match=f"the output {tmp_path} holds the input {cfg.data[0]}"):
+        open_run(tmp_path, resume_key(cfg), True, "eogym-sft rollout", inputs=cfg.data)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text("")  # a run killed while writing it, before run.json was atomic
+    with pytest.raises(ValueError, match=r"out/run.json: empty, not the record of a rollout's settings \(JSON\)"):
+        open_run(out, resume_key(cfg), False, "eogym-sft rollout")
+
+
+def test_a_record_json_cannot_hold_fails_alone(tmp_path):
+    from eogym_sft.evaluation.rollout import Scorer
+
+    class Finished:
+        def __init__(self, record):
+            self._record = record
+
+        def record(self):
+            return self._record
+
+    good = {**_record("q0"), "messages": [], "gt_answer": "3", "final_answer": "3", "stop_reason": "final_answer", "error": None}
+    bad = {**good, "source_id": "q1", "messages": [{"role": "tool", "content": object()}]}
+    path = tmp_path / "episodes.jsonl"
+    with EpisodeLog(path) as log, Scorer(None, log) as scorer:
+        scorer.add(Finished(good))
+        scorer.add(Finished(bad))
+    first, second = read_log(path)
+    assert (first["source_id"], first["correct"]) == ("q0", True)
+    assert (second["source_id"], second["stop_reason"], second["messages"]) == ("q1", "error", [])
+    assert second["error"].startswith("unrecordable: the record is not JSON (TypeError: Object of type object is not JSON serializable")
+
+
+try:
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+
+    @settings(max_examples=200, deadline=None)
+    @given(text=st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF)))  # lone surrogates and U+2028 included
+    def test_any_text_round_trips_through_the_episode_log(tmp_path_factory, text):
+        path = tmp_path_factory.mktemp("log") / "episodes.jsonl"
+        record = _record(text, messages=[{"role": "tool", "content": text}])
+        with EpisodeLog(path) as log:
+            log.write(record)
+            log.write(_record("after"))
+        assert read_log(path) == [record, _record("after")]
+
+
+def _tmpfs(path: Path, size: str) -> None:
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+
+
+def test_a_full_disk_leaves_the_log_on_a_whole_record(tmp_path):
+    disk = tmp_path / "disk"
+    _tmpfs(disk, "64k")
+    try:
+        path = disk / "episodes.jsonl"
+        with EpisodeLog(path) as log:
+            log.write(_record("q0"))
+            with pytest.raises(OSError) as err:
+                log.write(_record("q1", messages=[{"content": "x" * (1 << 20)}]))
+        assert err.value.errno == 28  # ENOSPC
+        assert read_log(path) == [_record("q0")] and path.read_bytes().endswith(b"\n")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
