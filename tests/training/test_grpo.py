@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, trained_spans
+from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, scripted_trainer, trained_spans
 
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.agent.generation import vision_token_ids
@@ -312,40 +312,18 @@ def test_cut_for_length_needs_a_pending_call_before_the_round_limit():
 # ---------------------------------------------------------------- the reward of a truncated episode, on both engines
 
 
-def _scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, **config):
-    """A trainer on each engine over the tiny row, its episodes written by ``scripts`` (one per episode of the group)."""
-    group = gold_and_wrong_group(tmp_path, tiny_model_dir, MAX_PIXELS, MIN_PIXELS)
-    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
-    data = load_episodes(write_jsonl(tmp_path / "rows.jsonl", [group["row"]]), group["data_root"])
-    script_fields = {k: config.pop(k) for k in list(config) if k in GRPOScriptArguments.__dataclass_fields__}
-    script_args = GRPOScriptArguments(
-        dataset_path="unused", data_root=str(group["data_root"]), tool_backends="replay", max_pixels=MAX_PIXELS,
-        min_pixels=MIN_PIXELS, rollout_engine=engine, max_episode_tokens=2048, **script_fields,
-    )
-    from trl import GRPOConfig
-
-    args = GRPOConfig(**{
-        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "num_generations": 2, "max_steps": 1,
-        "max_completion_length": 1024, "beta": 0.0, "scale_rewards": "group", "use_cpu": True, "bf16": False,
-        "report_to": "none", "save_strategy": "no", "seed": 0, "generation_kwargs": {"do_sample": False}, **config,
-    })
-    policy = ScriptedPolicy(scripts(group["processor"].tokenizer), group["header"])
-    trainer = build_trainer(model, group["processor"], data, script_args, args, logits_processors=[policy])
-    model.train()
-    return trainer, policy
-
-
 @pytest.mark.parametrize("engine", ["trl", "slots"])
 def test_a_truncated_answer_does_not_cancel_the_correct_ones_advantage(tmp_path, tiny_model_dir, engine):
     """One group: the right answer, and the right answer followed by rambling until the token limit cuts it.
     The cut one scores 0 (docs/rl.md), so TRL's own advantages favour the episode that ended."""
 
-    def scripts(tokenizer):
+    def scripts(group):
+        tokenizer = group["processor"].tokenizer
         right = tokenizer("Final Answer: 3", add_special_tokens=False)["input_ids"] + [IM_END]
         ramble = tokenizer(" Final Answer: 3\n" + "and so on " * 20, add_special_tokens=False)["input_ids"]
         return [[right], [ramble]]
 
-    trainer, _ = _scripted_trainer(tmp_path, tiny_model_dir, engine, scripts, max_completion_length=16, mask_truncated_completions=False)
+    trainer, _ = scripted_trainer(tmp_path, tiny_model_dir, engine, scripts, max_completion_length=16, mask_truncated_completions=False)
     with torch.no_grad():
         batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
     assert batch["completion_ids"][1, -1] != IM_END  # the second one was cut

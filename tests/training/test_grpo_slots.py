@@ -293,3 +293,46 @@ def test_an_episode_longer_than_max_completion_length_is_named_in_a_warning(batc
     warned = [r.getMessage() for r in caplog.records if "longer than max_completion_length" in r.getMessage()]
     assert warned == [f"1 of 2 episodes ended on their own but are longer than max_completion_length={limit} (tool results and "
                       "their images count) and train on nothing: raise max_completion_length"]
+
+
+def test_the_slots_engine_trains_the_ids_it_sampled(tmp_path, tiny_model_dir):
+    """Token in, token out: each assistant turn reaches TRL's loss as the ids the policy sampled, for ids that
+    do not round-trip through the tokenizer ("F" + "inal", a word split in two in a tool-call turn), a newline before
+    <|im_end|>, and a turn cut at its token limit on trailing spaces; not the text re-tokenized."""
+    from helpers import scripted_trainer
+
+    def scripts(group):
+        tokenizer = group["processor"].tokenizer
+        enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        call = list(group["scripts"][0][0])  # the gold crop call, <|im_end|> included
+        k = next(i for i in range(1, len(call)) if len(tokenizer.decode(call[i : i + 1]).strip()) > 2)
+        word = tokenizer.decode(call[k : k + 1])
+        call[k : k + 1] = enc(word[:-1]) + enc(word[-1:])
+        answer = enc("F") + enc("inal Answer: 3\n") + [IM_END]
+        spaces = enc("I count") + enc(" ") * 120
+        assert answer[:-1] != enc("Final Answer: 3\n") and call[:-1] != enc(tokenizer.decode(call[:-1]))  # neither round-trips
+        return [[answer], [call, spaces]]
+
+    trainer, policy = scripted_trainer(
+        tmp_path, tiny_model_dir, "slots", scripts, rollout_turn_tokens=96, mask_truncated_completions=False,
+    )
+    with torch.no_grad():
+        batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
+    answer, (call, spaces) = policy.scripts[0][0], policy.scripts[1]
+    trained = []
+    for b in range(2):
+        length = int(batch["completion_mask"][b].sum())
+        trained.append(_runs(batch["completion_ids"][b][:length].tolist(), batch["tool_mask"][b][:length].tolist()))
+    assert trained[0] == [answer]
+    assert trained[1] == [call, spaces[:96]]  # the cut turn: its first 96 sampled ids, spaces and all, no <|im_end|>
+    assert batch["num_images"] == [1, 2]  # the crop came back between the two turns
+
+
+def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            current.append(tok)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
