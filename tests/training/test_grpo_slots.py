@@ -336,3 +336,17 @@ def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
         elif current:
             runs, current = runs + [current], []
     return runs + ([current] if current else [])
+
+
+def test_the_slots_engine_refuses_sharded_weights():
+    """The slot decoder and its kept CUDA graphs read whole weights in place: ZeRO-3 and FSDP are refused
+    when the trainer is built (accelerate's state stands in: neither runs on one CPU)."""
+    from types import SimpleNamespace
+
+    from eogym_sft.training.grpo_slots import check_whole_weights
+
+    check_whole_weights(SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2), fsdp_plugin=None))
+    with pytest.raises(ValueError, match="ZeRO-3 shards them"):
+        check_whole_weights(SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None))
+    with pytest.raises(ValueError, match="FSDP shards them: use --rollout_engine trl"):
+        check_whole_weights(SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=object()))
