@@ -379,7 +379,8 @@ class SlotEngine:
             except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
                 logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
                 samples.append(failed_sample(processor))
-        over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS + ("max_turns",) for s, ep in zip(samples, episodes))
+        limits = TRUNCATING_STOPS + (("max_turns",) if self.mask_turn_limit else ())
+        over = sum(s.truncated and ep.stop not in limits for s, ep in zip(samples, episodes))
         if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
             logger.warning(
                 "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "
