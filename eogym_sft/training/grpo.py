@@ -686,7 +686,8 @@ def merge_groups(parts: list[tuple[dict, int]], group_size: int, pad_id: int) ->
     if any("num_images" in b for b, _ in parts):
         grids, pixels, counts = [], [], []
         for b, r in rows:
-            first, n = sum(b["num_images"][:r]), b["num_images"][r] if "num_images" in b else 0
+            images = b.get("num_images") or [0] * len(b["advantages"])  # a batch without images has none
+            first, n = sum(images[:r]), images[r]
             counts.append(n)
             if n:
                 patches = b["image_grid_thw"].prod(-1)

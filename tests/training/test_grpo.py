@@ -436,3 +436,46 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.04, "cosine", 0.1)
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
     assert (script.dynamic_sampling, script.mask_turn_limit) == (True, True)
+
+
+def test_merge_groups_takes_whole_rows_and_their_images():
+    """Group 1 of a batch with images (prompts 3 wide, completions 2) and group 0 of one without (4 and 3 wide):
+    each row re-padded as TRL pads (prompts left, completions right, tool_mask with 1), the kept rows' images only."""
+    from eogym_sft.training.grpo import merge_groups
+
+    with_images = {
+        "prompt_ids": torch.tensor([[9, 1, 2], [9, 9, 3], [4, 5, 6], [9, 7, 8]]),
+        "prompt_mask": torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 1, 1]]),
+        "completion_ids": torch.tensor([[11, 12], [13, 9], [14, 15], [16, 9]]),
+        "completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0]]),
+        "tool_mask": torch.tensor([[1, 0], [1, 1], [0, 1], [1, 1]]),
+        "mm_token_type_ids": torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 0, 0, 0]]),
+        "advantages": torch.tensor([0.0, 0.0, 0.5, -0.5]),
+        "num_items_in_batch": torch.tensor(6),
+        "num_images": [1, 0, 2, 1],
+        "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 4], [1, 4, 2], [1, 2, 2]]),
+        "pixel_values": torch.arange(24).float().unsqueeze(1),  # 4 + 8 + 8 + 4 patch rows
+    }
+    plain = {
+        "prompt_ids": torch.tensor([[21, 22, 23, 24], [9, 9, 25, 26]]),
+        "prompt_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+        "completion_ids": torch.tensor([[31, 32, 33], [34, 9, 9]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+        "tool_mask": torch.tensor([[1, 1, 1], [1, 1, 1]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "num_items_in_batch": torch.tensor(4),
+    }
+    out = merge_groups([(with_images, 1), (plain, 0)], group_size=2, pad_id=9)
+    assert out["prompt_ids"].tolist() == [[9, 4, 5, 6], [9, 9, 7, 8], [21, 22, 23, 24], [9, 9, 25, 26]]
+    assert out["prompt_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]
+    assert out["completion_ids"].tolist() == [[14, 15, 9], [16, 9, 9], [31, 32, 33], [34, 9, 9]]
+    assert out["completion_mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert out["tool_mask"].tolist() == [[0, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    assert out["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0], [0] * 7, [0] * 7]
+    assert out["advantages"].tolist() == [0.5, -0.5, 1.0, -1.0]
+    assert out["num_images"] == [2, 1, 0, 0]
+    assert out["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 2], [1, 2, 2]]
+    assert out["pixel_values"].squeeze(1).tolist() == [float(v) for v in range(4, 24)]
+    assert int(out["num_items_in_batch"]) == 1 + 1 + 3 + 1
+    with pytest.raises(ValueError, match="importance_sampling_ratio"):
+        merge_groups([({**plain, "importance_sampling_ratio": torch.ones(2, 1)}, 0)], group_size=2, pad_id=9)
