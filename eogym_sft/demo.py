@@ -165,6 +165,12 @@ class AgentDemoConfig:
     grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
     num_generations: int = 8  # GRPO's group: episodes per question, the recipe's 8
     grpo_questions_per_step: int = 1
+    # Levers of a GRPO seed study (issue 37); the defaults are the demo's measured run (docs/agent.md)
+    grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
+    grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
+    grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
+    grpo_dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal by newly drawn questions
+    grpo_mask_turn_limit: bool = False  # an episode stopped by the turn limit with calls pending is masked like a cut
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
@@ -198,7 +204,7 @@ def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root
 
 
 def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path, overwrite: bool = False):
-    """The GRPO recipe's settings (its reward, group-scaled advantages, no KL) shrunk to a CPU run from the
+    """The GRPO recipe's settings (its reward, group-scaled advantages, no KL by default) shrunk to a CPU run from the
     SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step."""
     from trl import GRPOConfig, ModelConfig
 
@@ -208,12 +214,14 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
     script = GRPOScriptArguments(
         dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop", rollout_turn_tokens=cfg.max_new_tokens,
         max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
+        dynamic_sampling=cfg.grpo_dynamic_sampling, mask_turn_limit=cfg.grpo_mask_turn_limit,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(
-        output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate, lr_scheduler_type="constant",
+        output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate,
+        lr_scheduler_type=cfg.grpo_lr_scheduler_type, warmup_steps=cfg.grpo_warmup_steps,
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=0.0, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
+        beta=cfg.grpo_beta, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,

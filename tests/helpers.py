@@ -70,7 +70,7 @@ class ScriptedPolicy:
 
     ``scripts`` are alternative episodes, each a list of turns (token ids, ``<|im_end|>`` included). A
     sequence's turn is the number of ``<|im_start|>assistant\\n`` headers in it; its episode is the one
-    whose first turn it has started writing (episodes must differ in their first token), and a fresh
+    whose first turn starts with the same token (episodes must differ in their first token), and a fresh
     sequence takes episode ``row % len(scripts)``. ``longest`` keeps the longest sequence written per
     episode: the whole conversation the model saw, with its own turns.
     """
@@ -89,9 +89,8 @@ class ScriptedPolicy:
         for row, seq in enumerate(input_ids.tolist()):
             starts = self._turn_starts(seq)
             first = seq[starts[0] :]
-            episode = row % len(self.scripts) if not first else next(
-                k for k, s in enumerate(self.scripts) if s[0][: len(first)] == first[: len(s[0])]
-            )
+            # by the first token only: the slot engine re-renders earlier turns, so a split it sampled may read back canonical
+            episode = row % len(self.scripts) if not first else next(k for k, s in enumerate(self.scripts) if s[0][0] == first[0])
             turns = self.scripts[episode]
             turn = turns[min(len(starts) - 1, len(turns) - 1)]
             pos = len(seq) - starts[-1]
@@ -122,3 +121,38 @@ def gold_and_wrong_group(folder, model_dir, max_pixels: int, min_pixels: int) ->
     header = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     return {"row": row, "data_root": data_root, "processor": processor, "sft": sft,
             "scripts": [trained_spans(sft["labels"][0]), [wrong]], "header": header}
+
+
+def scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, rows: int = 1, **config):
+    """A GRPO trainer on ``engine`` over the tiny row with a crop (``rows`` copies of it, each its own question),
+    its episodes written by ``scripts(group)`` (:class:`ScriptedPolicy` scripts, one per episode of a group;
+    ``group`` is :func:`gold_and_wrong_group`'s);
+    ``config`` sets GRPOScriptArguments and GRPOConfig fields alike. Returns the trainer (model in train mode)
+    and the policy."""
+    import json
+
+    from trl import GRPOConfig
+
+    from eogym_sft.models.loading import apply_lora, load_base_model
+    from eogym_sft.training.grpo import GRPOScriptArguments, build_trainer, load_episodes
+
+    min_pixels, max_pixels = 1024, 4096
+    group = gold_and_wrong_group(tmp_path, tiny_model_dir, max_pixels, min_pixels)
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({**group["row"], "id": f"q{k}"}) + "\n" for k in range(rows)))
+    data = load_episodes(path, group["data_root"])
+    script_fields = {k: config.pop(k) for k in list(config) if k in GRPOScriptArguments.__dataclass_fields__}
+    script_args = GRPOScriptArguments(**{
+        "dataset_path": "unused", "data_root": str(group["data_root"]), "tool_backends": "replay", "max_pixels": max_pixels,
+        "min_pixels": min_pixels, "rollout_engine": engine, "max_episode_tokens": 2048, **script_fields,
+    })
+    args = GRPOConfig(**{
+        "output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 2, "num_generations": 2, "max_steps": 1,
+        "max_completion_length": 1024, "beta": 0.0, "scale_rewards": "group", "use_cpu": True, "bf16": False,
+        "report_to": "none", "save_strategy": "no", "seed": 0, "generation_kwargs": {"do_sample": False}, **config,
+    })
+    policy = ScriptedPolicy(scripts(group), group["header"])
+    trainer = build_trainer(model, group["processor"], data, script_args, args, logits_processors=[policy])
+    model.train()
+    return trainer, policy

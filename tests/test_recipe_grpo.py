@@ -129,3 +129,17 @@ def test_run_as_a_script_it_drops_deepspeeds_cpu_probe_before_training(tmp_path,
     monkeypatch.setattr(sys, "argv", [str(script), "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false"])
     runpy.run_path(str(script), run_name="__main__")
     assert seen == [[_DropDeepSpeedProbe]]
+
+
+def test_an_sft_adapter_of_another_base_is_refused_before_anything_loads(tmp_path, tiny_model_dir):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen3-VL-8B-Instruct"}))
+    recipe = load_recipe()
+    args = recipe.parse_args([
+        "--model_name_or_path", str(tiny_model_dir), "--dataset_path", str(tmp_path / "missing.jsonl"),
+        "--output_dir", str(tmp_path / "out"), "--sft_adapter", str(sft), "--use_cpu", "true", "--bf16", "false",
+    ])
+    with pytest.raises(ValueError, match=f"--sft_adapter {sft} was trained on 'Qwen/Qwen3-VL-8B-Instruct' but --model_name_or_path is"):
+        recipe.train(*args)
+    assert not (tmp_path / "out").exists()

@@ -97,6 +97,7 @@ class Episode:
     error: str | None = None
     final_answer: str | None = None
     images_seen: list[str] = field(default_factory=list)
+    sampled_ids: list[list[int]] = field(default_factory=list)  # per assistant turn, the token ids sampled (end token included)
     _pictures: dict = field(default_factory=dict, repr=False)
 
     def prompt(
@@ -259,6 +260,7 @@ def run_episodes(
 
     def end_turn(s: int, ep: Episode) -> bool:
         tokens = turn.pop(s)
+        ep.sampled_ids.append(tokens)
         ep.new_tokens += len(tokens)
         stats["new_tokens"] += len(tokens)
         truncated = tokens[-1] not in stop_ids

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
+import torch
+from trl import GRPOTrainer
+
 from ..config import ImageConfig, OutputDirConfig
 from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
 from ..data.traces import TraceError
@@ -31,6 +34,8 @@ from ..agent.episodes import canonical_prompt, question_messages
 from ..metrics.judge import DEFAULT_JUDGE_MODEL
 from ..models.tiny import qwen3_vl_chat_template
 from ..agent.rollout_config import SlotRolloutArguments
+from . import grpo_slots
+from .packed_logps import pack_rows, packed_logps_and_entropies
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +90,18 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     judge_timeout: float = field(default=60.0, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
     judge_retries: int = field(default=3, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and draw other questions in their place"},
+    )
+    dynamic_sampling_draws: int = field(
+        default=4,
+        metadata={"help": "with dynamic_sampling, at most this many extra generation rounds a step; all-equal groups fill what is left"},
+    )
+    mask_turn_limit: bool = field(
+        default=False,
+        metadata={"help": "an episode stopped by max_tool_calling_iterations with calls pending is masked like a length cut"},
+    )
     progress_seconds: float = field(
         default=30.0,
         metadata={"help": "log generation progress (tokens, tokens/s) at most this often while episodes are generated"},
@@ -99,6 +116,8 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
             raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
         if self.judge and self.judge_url:
             raise ValueError("give judge or judge_url, not both")
+        if self.dynamic_sampling_draws < 0:
+            raise ValueError(f"dynamic_sampling_draws must be >= 0, got {self.dynamic_sampling_draws}")
         if self.progress_seconds <= 0:
             raise ValueError(f"progress_seconds must be > 0, got {self.progress_seconds}")
 
@@ -342,10 +361,15 @@ class Completions:
     tool_images: list[list]
 
 
+def ends_on_pending_call(messages: list[dict]) -> bool:
+    """True when the episode ends on a turn whose tool calls have no results (a length cut or the turn limit)."""
+    return bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("tool_calls"))
+
+
 def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
     """True when TRL dropped the episode's last tool results because they did not fit ``max_completion_length``:
     the episode then ends on a turn whose tool calls have no results, before its tool-round limit."""
-    if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("tool_calls"):
+    if not ends_on_pending_call(messages):
         return False
     answered_rounds = sum(
         1 for a, b in pairwise(messages) if a.get("role") == "assistant" and b.get("role") == "tool"
@@ -354,12 +378,14 @@ def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
 
 
 def settle_completions(
-    out: Completions, eos_ids, pad_id: int, image_token_id: int, mask_truncated: bool, max_tool_iterations: int
+    out: Completions, eos_ids, pad_id: int, image_token_id: int, mask_truncated: bool, max_tool_iterations: int,
+    mask_turn_limit: bool = False,
 ) -> list[int]:
     """Make TRL's generation output safe to train on; returns the indices of the episodes now truncated.
 
     * An episode cut because a tool result no longer fit ends on ``<|im_end|>`` (TRL rolls the results back):
       its end-of-turn tokens are dropped so it counts as truncated (left out of the loss, scored as unanswered).
+      With ``mask_turn_limit`` so is an episode the tool-round limit stopped with calls still pending.
     * With ``mask_truncated`` a truncated episode's completion is masked from attention, and Qwen3-VL's
       ``get_rope_index`` then skips its image tokens but not their grids: its tool images are dropped and its
       ``<|image_pad|>`` tokens become padding (the masked tokens are never attended to nor trained).
@@ -367,7 +393,7 @@ def settle_completions(
     """
     stops = set(eos_ids) | {pad_id}
     for i, messages in enumerate(out.completions):
-        if cut_for_length(messages, max_tool_iterations):
+        if cut_for_length(messages, max_tool_iterations) or (mask_turn_limit and ends_on_pending_call(messages)):
             while out.completion_ids[i] and out.completion_ids[i][-1] in stops:
                 _drop_last_token(out, i)
     truncated = [i for i, ids in enumerate(out.completion_ids) if not ids or ids[-1] not in stops]
@@ -433,46 +459,260 @@ class GenerationProgress:
         )
 
 
-def grpo_trainer_class():
-    """``GRPOTrainer`` with its generation output settled (:func:`settle_completions`) and its progress logged.
+class TRLEngine:
+    """GRPO's episodes generated by TRL's own loop (``rollout_engine=trl``: ``generate`` and its tool loop),
+    its output settled (:func:`settle_completions`) and its progress logged."""
 
-    Overrides TRL's private ``_generate`` (no public hook sees its output before the loss batch is built);
-    ``tests/training/test_grpo.py`` pins its return layout through CPU steps on mixed and truncated batches."""
-    from trl import GRPOTrainer
+    packed_loss = False  # TRL's padded loss forward
 
-    class EOGymGRPOTrainer(GRPOTrainer):
-        progress: GenerationProgress | None = None
+    def __init__(self, progress: GenerationProgress | None = None, mask_turn_limit: bool = False):
+        self.progress = progress
+        self.mask_turn_limit = mask_turn_limit
 
-        def _generate(self, prompts):
-            hook = self.progress.start(self.accelerator.unwrap_model(self.model), len(prompts)) if self.progress else None
-            try:
-                result = super()._generate(prompts)
-            finally:
-                if hook is not None:
-                    hook.remove()
-            prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
-            out = Completions(completion_ids, tool_mask, logprobs, completions, images, list(tool_images))
-            tokenizer = self.processing_class.tokenizer
-            truncated = settle_completions(
-                out, self.eos_token_ids, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-                self.mask_truncated_completions, self.max_tool_calling_iterations,
+    def bind(self, trainer) -> None:
+        pass
+
+    def generate(self, trainer, prompts, inputs):
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        hook = self.progress.start(model, len(prompts)) if self.progress else None
+        try:
+            result = GRPOTrainer._generate(trainer, prompts)
+        finally:
+            if hook is not None:
+                hook.remove()
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
+        out = Completions(completion_ids, tool_mask, logprobs, completions, images, list(tool_images))
+        tokenizer = trainer.processing_class.tokenizer
+        truncated = settle_completions(
+            out, trainer.eos_token_ids, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            trainer.mask_truncated_completions, trainer.max_tool_calling_iterations, self.mask_turn_limit,
+        )
+        mode = "train" if trainer.model.training else "eval"
+        clipped = trainer._metrics[mode].get("completions/clipped_ratio")
+        if clipped:  # TRL measured it before the cut episodes were marked
+            flags = torch.tensor([i in truncated for i in range(len(completion_ids))], device=trainer.accelerator.device)
+            clipped[-1] = trainer.accelerator.gather(flags).float().mean().item()
+        if self.progress:
+            lengths = [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
+            self.progress.finish(len(prompts), sum(lengths))
+        return (
+            prompt_ids, out.completion_ids, out.tool_mask, out.completions, out.logprobs, extra_fields, out.images,
+            out.tool_images,
+        )
+
+
+class EOGymGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` whose episodes come from ``engine``: :class:`TRLEngine` (TRL's own loop) or
+    :class:`~eogym_sft.training.grpo_slots.SlotEngine` (the slot decoder; its loss forward packs a micro-batch's
+    episodes into one row, :mod:`eogym_sft.training.packed_logps`).
+
+    ``dynamic_sampling`` (DAPO): a group whose rewards are all equal (zero advantage, no gradient) is dropped and
+    other questions drawn in its place, up to ``dynamic_sampling_draws`` more generation rounds a step; groups
+    still missing after those are filled with all-equal ones. Drops are logged as ``dynamic_sampling/*``.
+
+    TRL's private methods overridden (no public hook sees them), each pinned by a test:
+
+    * ``_generate(prompts)``: the engine's episodes, in TRL's 8-tuple return layout
+      (``tests/training/test_grpo_slots.py::test_both_engines_hand_the_loss_the_same_batch``, and
+      ``tests/training/test_grpo.py``'s CPU steps on mixed and truncated batches);
+    * ``_generate_and_score_completions(inputs)``: wrapped to hand the engine each example's row and for dynamic
+      sampling (the same tests; ``test_grpo.py::test_dynamic_sampling_replaces_an_all_equal_group``);
+    * ``_compute_loss`` and ``_get_per_token_logps_and_entropies``: the packed loss forward, slots engine only
+      (``tests/training/test_packed_logps.py``, against TRL's padded forward).
+
+    ``_env_tools`` is read and written after the trainer is built (:func:`show_row_tools`, pinned in test_grpo.py).
+    """
+
+    def __init__(self, *args, engine, dynamic_sampling: bool = False, dynamic_sampling_draws: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_draws = dynamic_sampling_draws
+        self._inputs: list[dict] | None = None
+        self._loss_mask = None
+        if dynamic_sampling and self.accelerator.num_processes > 1:
+            raise ValueError("dynamic_sampling drops whole groups, which span processes: run it on one process")
+        if dynamic_sampling and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError("dynamic_sampling reads an all-equal group from its zero advantages: keep multi_objective_aggregation=sum_then_normalize")
+        engine.bind(self)
+
+    def _generate(self, prompts):
+        return self.engine.generate(self, prompts, self._inputs)
+
+    def _generate_and_score_completions(self, inputs):
+        batch = self._score(inputs)
+        if not self.dynamic_sampling or not self.model.training:
+            return batch
+        return self._refill(batch, len(inputs) // self.num_generations)
+
+    def _score(self, inputs):
+        self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
+        try:
+            return super()._generate_and_score_completions(inputs)
+        finally:
+            self._inputs = None
+
+    def _refill(self, batch: dict, groups: int) -> dict:
+        """``batch`` with its all-equal groups replaced by groups of newly drawn questions (DAPO's dynamic sampling)."""
+        size = self.num_generations
+        varied, equal = [], []
+        for g in range(groups):
+            (varied if batch["advantages"][g * size : (g + 1) * size].abs().max() > 0 else equal).append((batch, g))
+        dropped, draws = len(equal), 0
+        while len(varied) < groups and draws < self.dynamic_sampling_draws:
+            drawn = self._score(self._draw_questions(groups - len(varied), draws))
+            draws += 1
+            for g in range(len(drawn["advantages"]) // size):
+                (varied if drawn["advantages"][g * size : (g + 1) * size].abs().max() > 0 else equal).append((drawn, g))
+        kept = varied[:groups]
+        unfilled = groups - len(kept)
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/dropped_groups"].append(float(dropped))
+        metrics["dynamic_sampling/draws"].append(float(draws))
+        metrics["dynamic_sampling/unfilled_groups"].append(float(unfilled))
+        if not dropped:
+            return batch
+        return merge_groups(kept + equal[:unfilled], size, self.processing_class.tokenizer.pad_token_id)
+
+    def _draw_questions(self, groups: int, draw: int) -> list[dict]:
+        """``groups`` questions drawn from the training set (seeded by the run's seed, step and draw), each
+        repeated ``num_generations`` times as TRL's sampler lays a group out."""
+
+        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1009 + draw)
+        picks = torch.randint(len(self.train_dataset), (groups,), generator=generator).tolist()
+        return [self.train_dataset[i] for i in picks for _ in range(self.num_generations)]
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss, its forward scoring only the tokens the loss counts (:func:`~eogym_sft.training.grpo_slots.loss_token_mask`)."""
+        self._loss_mask = grpo_slots.loss_token_mask(inputs) if self.engine.packed_loss else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_mask = None
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None, **other,
+    ):
+        """TRL's per-token log-probabilities (same arguments, same ``(rows, logits_to_keep)`` result) on packed
+        episodes: each chunk of ``batch_size`` rows is one packed row (:mod:`eogym_sft.training.packed_logps`).
+        Overrides TRL's private method, pinned by ``tests/training/test_packed_logps.py``; TRL's own forward
+        under an engine without ``packed_loss``."""
+        if not self.engine.packed_loss:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                pixel_values=pixel_values, image_grid_thw=image_grid_thw, num_images=num_images,
+                mm_token_type_ids=mm_token_type_ids, **other,
             )
-            mode = "train" if self.model.training else "eval"
-            clipped = self._metrics[mode].get("completions/clipped_ratio")
-            if clipped:  # TRL measured it before the cut episodes were marked
-                import torch
-
-                flags = torch.tensor([i in truncated for i in range(len(completion_ids))], device=self.accelerator.device)
-                clipped[-1] = self.accelerator.gather(flags).float().mean().item()
-            if self.progress:
-                lengths = [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
-                self.progress.finish(len(prompts), sum(lengths))
-            return (
-                prompt_ids, out.completion_ids, out.tool_mask, out.completions, out.logprobs, extra_fields, out.images,
-                out.tool_images,
+        given = sorted(k for k, v in other.items() if v is not None)
+        if given:
+            raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
+        image_processor = self.processing_class.image_processor
+        batch_size = batch_size or input_ids.size(0)
+        score_mask = self._loss_mask
+        if score_mask is not None and score_mask.shape != (input_ids.size(0), logits_to_keep):
+            score_mask = None  # not the loss's own batch: score every completion token
+        logps, entropies, aux = [], [], []
+        first_image = 0
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            images = num_images[start:end] if num_images is not None else None
+            grid, pixels = None, None
+            if image_grid_thw is not None and pixel_values is not None:
+                grid = image_grid_thw[first_image:first_image + sum(images)]
+                rows_before = int(image_grid_thw[:first_image].prod(-1).sum())
+                pixels = pixel_values[rows_before:rows_before + int(grid.prod(-1).sum())]
+                first_image += sum(images)
+            packed = pack_rows(
+                input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                image_processor.merge_size, pixels, grid, images,
+                None if mm_token_type_ids is None else mm_token_type_ids[start:end],
+                None if score_mask is None else score_mask[start:end],
             )
+            lp, ent, aux_loss = packed_logps_and_entropies(
+                model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast
+            )
+            logps.append(lp)
+            entropies.append(ent)
+            aux.append(aux_loss)
+        return (
+            torch.cat(logps),
+            torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux).mean() if compute_aux_loss else None,
+        )
 
-    return EOGymGRPOTrainer
+
+# Keys of TRL's scored batch that merge_groups knows how to take rows of.
+LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
+RIGHT_PADDED = {
+    "completion_ids": "pad", "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0, "ref_per_token_logps": 0.0,
+}
+WHOLE_ROW = ("mm_token_type_ids", "token_type_ids")  # (rows, prompt + completion)
+
+
+def merge_groups(parts: list[tuple[dict, int]], group_size: int, pad_id: int) -> dict:
+    """One scored batch of TRL's layout from group ``g`` of each ``(batch, g)`` in ``parts``: prompts left-padded
+    and completions right-padded to the widest, the images of the kept rows only, ``num_items_in_batch``
+    recounted (one process). A key it does not know fails here, not as a wrong loss."""
+    import torch.nn.functional as F
+
+    rows = [(b, r) for b, g in parts for r in range(g * group_size, (g + 1) * group_size)]
+    known = {*LEFT_PADDED, *RIGHT_PADDED, *WHOLE_ROW, "advantages", "num_items_in_batch", "pixel_values", "image_grid_thw", "num_images"}
+    unknown = sorted({k for b, _ in parts for k in b} - known)
+    if unknown:
+        raise ValueError(f"dynamic_sampling cannot merge batches holding {unknown}")
+    prompt_width = max(b["prompt_ids"].size(1) for b, _ in parts)
+    completion_width = max(b["completion_ids"].size(1) for b, _ in parts)
+
+    def value(fill):
+        return pad_id if fill == "pad" else fill
+
+    def stack(key, pad_row):
+        return torch.stack([pad_row(b, b[key][r]) for b, r in rows])
+
+    out = {}
+    for key, fill in LEFT_PADDED.items():
+        out[key] = stack(key, lambda b, t, f=fill: F.pad(t, (prompt_width - t.size(0), 0), value=value(f)))
+    for key, fill in RIGHT_PADDED.items():
+        if any(key in b for b, _ in parts):
+            if not all(key in b for b, _ in parts):
+                raise ValueError(f"dynamic_sampling cannot merge batches of which only some hold {key}")
+            out[key] = stack(key, lambda b, t, f=fill: F.pad(t, (0, completion_width - t.size(0)), value=value(f)))
+    for key in WHOLE_ROW:
+        if any(key in b for b, _ in parts):
+            out[key] = torch.stack([_whole_row(b, key, r, prompt_width, completion_width) for b, r in rows])
+    out["advantages"] = torch.stack([b["advantages"][r] for b, r in rows])
+    if any("num_images" in b for b, _ in parts):
+        grids, pixels, counts = [], [], []
+        for b, r in rows:
+            images = b.get("num_images") or [0] * len(b["advantages"])  # a batch without images has none
+            first, n = sum(images[:r]), images[r]
+            counts.append(n)
+            if n:
+                patches = b["image_grid_thw"].prod(-1)
+                start = int(patches[:first].sum())
+                grids.append(b["image_grid_thw"][first : first + n])
+                pixels.append(b["pixel_values"][start : start + int(patches[first : first + n].sum())])
+        out["num_images"] = counts
+        if grids:
+            out["image_grid_thw"], out["pixel_values"] = torch.cat(grids), torch.cat(pixels)
+    loss_mask = out["completion_mask"] * out.get("tool_mask", 1)
+    out["num_items_in_batch"] = loss_mask.sum().to(parts[0][0]["num_items_in_batch"].dtype)
+    return out
+
+
+def _whole_row(batch: dict, key: str, row: int, prompt_width: int, completion_width: int):
+    """Row ``row`` of a (rows, prompt + completion) tensor re-padded to the merged widths; zeros where the
+    batch does not hold ``key`` (it has no images)."""
+    import torch.nn.functional as F
+
+    width = batch["prompt_ids"].size(1)
+    if key not in batch:
+        return torch.zeros(prompt_width + completion_width, dtype=torch.long, device=batch["prompt_ids"].device)
+    t = batch[key][row]
+    prompt, completion = t[:width], t[width:]
+    return torch.cat([F.pad(prompt, (prompt_width - width, 0)), F.pad(completion, (0, completion_width - completion.size(0)))])
 
 
 ################
@@ -483,8 +723,9 @@ def grpo_trainer_class():
 def build_trainer(
     model, processor, data: EpisodeData, script_args: GRPOScriptArguments, training_args, judge=None, logits_processors=()
 ):
-    """``GRPOTrainer`` over the episodes in ``data``, with the EO-Gym environment and episode reward; its
-    episodes generated by ``script_args.rollout_engine`` (``slots``: :class:`~eogym_sft.training.grpo_slots.SlotGRPOTrainer`).
+    """:class:`EOGymGRPOTrainer` over the episodes in ``data``, with the EO-Gym environment and episode reward; its
+    episodes generated by ``script_args.rollout_engine`` (``slots``: :class:`~eogym_sft.training.grpo_slots.SlotEngine`,
+    ``trl``: :class:`TRLEngine`).
 
     ``model`` is the LoRA-wrapped policy; ``judge`` an optional ``judge(question, prediction, reference)``;
     ``logits_processors`` (transformers-style) act on every sampling step of either engine.
@@ -493,7 +734,7 @@ def build_trainer(
 
     from ..models.attention import NAMES as VARLEN_NAMES
     from ..agent.generation import vision_token_ids
-    from .grpo_slots import SlotGRPOTrainer, text_attention_of
+    from .grpo_slots import SlotEngine, text_attention_of
     from .rewards import EpisodeReward
 
     check_chat_template(processor)
@@ -516,7 +757,6 @@ def build_trainer(
         kwargs = dict(training_args.generation_kwargs or {})
         kwargs["suppress_tokens"] = sorted(set(kwargs.get("suppress_tokens", [])) | set(vision_token_ids(tokenizer)))
         training_args.generation_kwargs = kwargs
-    trainer_class, extra = grpo_trainer_class(), {}
     text_attention = text_attention_of(model)
     if script_args.rollout_engine == "trl" and text_attention in VARLEN_NAMES:
         raise ValueError(
@@ -524,20 +764,23 @@ def build_trainer(
             "cannot run (no KV cache): set --attn_implementation sdpa, or use --rollout_engine slots"
         )
     if script_args.rollout_engine == "slots":
-        trainer_class, extra = SlotGRPOTrainer, {"rollout_args": script_args, "logits_processors": logits_processors}
-    elif logits_processors:
-        model.generate = _with_logits_processors(model.generate, LogitsProcessorList(logits_processors))
-    trainer = trainer_class(
+        engine = SlotEngine(script_args, logits_processors, script_args.mask_turn_limit)
+    else:
+        engine = TRLEngine(GenerationProgress(script_args.progress_seconds), script_args.mask_turn_limit)
+        if logits_processors:
+            model.generate = _with_logits_processors(model.generate, LogitsProcessorList(logits_processors))
+    trainer = EOGymGRPOTrainer(
+        engine=engine,
+        dynamic_sampling=script_args.dynamic_sampling,
+        dynamic_sampling_draws=script_args.dynamic_sampling_draws,
         model=model,
         reward_funcs=[reward],
         args=training_args,
         train_dataset=episode_dataset(data, script_args.data_root, images=script_args.rollout_engine == "trl"),
         processing_class=processor,
         environment_factory={name: env_class for name in data.schemas},
-        **extra,
     )
     show_row_tools(trainer, data.schemas)
-    trainer.progress = GenerationProgress(script_args.progress_seconds)
     return trainer
 
 
@@ -546,6 +789,19 @@ def _with_logits_processors(generate, processors):
         return generate(*args, logits_processor=processors, **kwargs)
 
     return processed_generate
+
+
+def check_sft_adapter(adapter_dir: str, model: str) -> None:
+    """Refuse an ``--sft_adapter`` recorded for another base than ``--model_name_or_path`` (as ``rollout`` does),
+    before anything is loaded: LoRA deltas trained on other weights load without error and train nonsense."""
+    from ..guards import adapter_base, same_base
+
+    trained_on = adapter_base(adapter_dir)
+    if trained_on and not same_base(trained_on, model):
+        raise ValueError(
+            f"--sft_adapter {adapter_dir} was trained on {trained_on!r} but --model_name_or_path is {model!r}: "
+            "pass the base it was trained on"
+        )
 
 
 def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
@@ -563,6 +819,8 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    if script_args.sft_adapter:
+        check_sft_adapter(script_args.sft_adapter, model_args.model_name_or_path)
     claim_output_dir(training_args, script_args.overwrite_output_dir)
     processor = load_processor(model_args.model_name_or_path, script_args.max_pixels, script_args.min_pixels)
     data = load_episodes(script_args.dataset_path, script_args.data_root, script_args.limit)

@@ -4,7 +4,8 @@ reward = score x (1 - min(tool calls x tool_call_cost x cost_scale, max_penalty)
 
 ``score`` is 1 when the episode ends with a ``Final Answer:`` that matches ``gt_answer`` (the rule-based
 normalised match of :mod:`eogym_sft.metrics.scoring`, or a judge), else 0; an episode that never answers
-scores 0. Every tool call costs, invalid ones included, but the cost can take at most ``max_penalty``
+scores 0, and so does a truncated one (cut before ``<|im_end|>``), whatever its cut text says: evaluation
+scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs, invalid ones included, but the cost can take at most ``max_penalty``
 of the score: the capped action cost of the GeoGuesser seed (run 3). Pure Python, no model.
 """
 
@@ -93,6 +94,10 @@ class EpisodeReward:
                 logger.warning("judge failed (%d so far), episode left unscored: %s", self.judge_errors, error)
         return verdicts
 
+    def truncated(self, completion_ids: list[int]) -> bool:
+        """Whether the episode was cut before its last turn's end token."""
+        return not completion_ids or completion_ids[-1] not in self.eos_token_ids
+
     def outcome(
         self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0, failed: int = 0
     ) -> Outcome:
@@ -104,8 +109,8 @@ class EpisodeReward:
         unparsed = sum(_text(m.get("content")).count("<tool_call>") for m in turns)
         calls = parsed + unparsed
         penalty = min(calls * self.tool_call_cost * self.cost_scale, self.max_penalty)
-        truncated = not completion_ids or completion_ids[-1] not in self.eos_token_ids
-        score = None if correct is None else float(correct)
+        truncated = self.truncated(completion_ids)
+        score = 0.0 if truncated else None if correct is None else float(correct)
         reward = None if score is None else score * (1 - penalty)
         # Parsed calls the environment never ran were refused by TRL itself (a tool name it does not know).
         invalid = unparsed + failed + max(parsed - executed, 0)
@@ -113,7 +118,8 @@ class EpisodeReward:
 
     def __call__(self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None, **_):
         envs = environments or [None] * len(completions)
-        answers = [final_answer(c) for c in completions]
+        # A truncated episode scores 0 whatever it says: the judge is not asked.
+        answers = [None if self.truncated(ids) else final_answer(c) for c, ids in zip(completions, completion_ids)]
         verdicts = self.verdicts([question_text(p) for p in prompts], answers, list(gt_answer))
         outcomes = [
             self.outcome(c, ids, v, getattr(e, "tool_calls", 0), getattr(e, "tool_errors", 0))

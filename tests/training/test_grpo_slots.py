@@ -10,14 +10,15 @@ import json
 import pytest
 import torch
 from conftest import make_row, save_image
-from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b
+from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, trained_spans
 
 from eogym_sft.data.traces import normalize_row
 from eogym_sft.agent.generation import SlotDecoder
 from eogym_sft.models.loading import apply_lora, load_base_model
+from eogym_sft.models.processor import load_processor
 from eogym_sft.data.collator import EOGymCollator
 from eogym_sft.training.grpo import GRPOScriptArguments, build_trainer, load_episodes
-from eogym_sft.training.grpo_slots import SlotGRPOTrainer
+from eogym_sft.training.grpo_slots import SlotEngine
 from eogym_sft.agent.rollout_config import SlotRolloutArguments, kv_bytes_per_token, slots_for
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096
@@ -109,10 +110,10 @@ def test_the_rollout_settings_refuse_nonsense():
 
 def test_the_decoder_is_kept_between_steps_and_emptied(batches):
     trainer = batches["slots"]["trainer"]
-    assert isinstance(trainer, SlotGRPOTrainer)
-    decoder = trainer._decoder
+    assert isinstance(trainer.engine, SlotEngine)
+    decoder = trainer.engine._decoder
     assert decoder is not None and decoder.slots == 2 and decoder.max_len == 2048
-    assert trainer.decoder(2) is decoder and all(not t for t in decoder.tokens)
+    assert trainer.engine.decoder(trainer.model, 2) is decoder and all(not t for t in decoder.tokens)
     assert trainer._metrics["train"]["rollout/failed"] == [0.0]
 
 
@@ -193,7 +194,7 @@ def test_cuda_graphs_replay_weights_updated_in_place(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def gold_episode(tmp_path_factory):
+def gold_episode(tmp_path_factory, tiny_model_dir):
     """The tiny row's gold trajectory (a crop call, its result with the crop, the answer) as an ended episode."""
     from eogym_sft.agent.episodes import new_episode
 
@@ -204,6 +205,10 @@ def gold_episode(tmp_path_factory):
     episode = new_episode(row, "rows.jsonl:1", "policy", 0, env=None)
     episode.row["messages"] = [dict(m) for m in row["messages"]]
     episode.stop = "final_answer"
+    processor = load_processor(str(tiny_model_dir), MAX_PIXELS, MIN_PIXELS)
+    trace = normalize_row(row)
+    sft = EOGymCollator(processor, data_root=str(root))([{"messages": trace.messages, "images": trace.images, "tools": trace.tools}])
+    episode.sampled_ids = trained_spans(sft["labels"][0])  # what a policy writing the gold turns samples
     return episode, root
 
 
@@ -237,11 +242,12 @@ def test_an_episode_is_its_sft_sample_split_at_the_first_turn(gold_episode, tiny
 def test_a_cut_last_turn_ends_without_im_end(gold_episode, tiny_model_dir, capped_processor):
     episode, root = gold_episode
     processor = capped_processor(MAX_PIXELS, MIN_PIXELS)
-    episode.stop = "max_new_tokens"
+    episode.stop, sampled = "max_new_tokens", episode.sampled_ids
+    episode.sampled_ids = sampled[:-1] + [sampled[-1][:-1]]  # the last turn ran out of tokens before <|im_end|>
     try:
         sample = _sample(episode, root, processor)
     finally:
-        episode.stop = "final_answer"
+        episode.stop, episode.sampled_ids = "final_answer", sampled
     full = _sample(episode, root, processor)
     assert sample.truncated and sample.completion_ids == full.completion_ids[:-1]
 
@@ -254,13 +260,13 @@ def test_an_episode_that_fails_trains_on_nothing_and_is_counted(batches):
     row = json.loads(good["row"])
     broken = {**good, "row": json.dumps({**row, "images": ["EO_GYM_DATA/gone.jpg"]})}
     batches["model"].train()
-    trainer.rollout_args.rollout_keep_cache = False  # and the cache is freed after the rollout
+    trainer.engine.rollout_args.rollout_keep_cache = False  # and the cache is freed after the rollout
     try:
         with torch.no_grad():
             batch = trainer._generate_and_score_completions([good, broken])
     finally:
-        trainer.rollout_args.rollout_keep_cache = True
-    assert trainer._decoder is None and trainer.sampling.decoder is None
+        trainer.engine.rollout_args.rollout_keep_cache = True
+    assert trainer.engine._decoder is None and trainer.engine.sampling.decoder is None
     assert int((batch["tool_mask"][1] * batch["completion_mask"][1]).sum()) == 0  # the loss mask TRL uses
     assert int((batch["tool_mask"][0] * batch["completion_mask"][0]).sum()) > 0
     assert batch["num_images"] == [2, 0]
@@ -287,3 +293,60 @@ def test_an_episode_longer_than_max_completion_length_is_named_in_a_warning(batc
     warned = [r.getMessage() for r in caplog.records if "longer than max_completion_length" in r.getMessage()]
     assert warned == [f"1 of 2 episodes ended on their own but are longer than max_completion_length={limit} (tool results and "
                       "their images count) and train on nothing: raise max_completion_length"]
+
+
+def test_the_slots_engine_trains_the_ids_it_sampled(tmp_path, tiny_model_dir):
+    """Token in, token out: each assistant turn reaches TRL's loss as the ids the policy sampled, for ids that
+    do not round-trip through the tokenizer ("F" + "inal", a word split in two in a tool-call turn), a newline before
+    <|im_end|>, and a turn cut at its token limit on trailing spaces; not the text re-tokenized."""
+    from helpers import scripted_trainer
+
+    def scripts(group):
+        tokenizer = group["processor"].tokenizer
+        enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        call = list(group["scripts"][0][0])  # the gold crop call, <|im_end|> included
+        k = next(i for i in range(1, len(call)) if len(tokenizer.decode(call[i : i + 1]).strip()) > 2)
+        word = tokenizer.decode(call[k : k + 1])
+        call[k : k + 1] = enc(word[:-1]) + enc(word[-1:])
+        answer = enc("F") + enc("inal Answer: 3\n") + [IM_END]
+        spaces = enc("I count") + enc(" ") * 120
+        assert answer[:-1] != enc("Final Answer: 3\n") and call[:-1] != enc(tokenizer.decode(call[:-1]))  # neither round-trips
+        return [[answer], [call, spaces]]
+
+    trainer, policy = scripted_trainer(
+        tmp_path, tiny_model_dir, "slots", scripts, rollout_turn_tokens=96, mask_truncated_completions=False,
+    )
+    with torch.no_grad():
+        batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
+    answer, (call, spaces) = policy.scripts[0][0], policy.scripts[1]
+    trained = []
+    for b in range(2):
+        length = int(batch["completion_mask"][b].sum())
+        trained.append(_runs(batch["completion_ids"][b][:length].tolist(), batch["tool_mask"][b][:length].tolist()))
+    assert trained[0] == [answer]
+    assert trained[1] == [call, spaces[:96]]  # the cut turn: its first 96 sampled ids, spaces and all, no <|im_end|>
+    assert batch["num_images"] == [1, 2]  # the crop came back between the two turns
+
+
+def _runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for tok, m in zip(ids, mask):
+        if m:
+            current.append(tok)
+        elif current:
+            runs, current = runs + [current], []
+    return runs + ([current] if current else [])
+
+
+def test_the_slots_engine_refuses_sharded_weights():
+    """The slot decoder and its kept CUDA graphs read whole weights in place: ZeRO-3 and FSDP are refused
+    when the trainer is built (accelerate's state stands in: neither runs on one CPU)."""
+    from types import SimpleNamespace
+
+    from eogym_sft.training.grpo_slots import check_whole_weights
+
+    check_whole_weights(SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2), fsdp_plugin=None))
+    with pytest.raises(ValueError, match="ZeRO-3 shards them"):
+        check_whole_weights(SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None))
+    with pytest.raises(ValueError, match="FSDP shards them: use --rollout_engine trl"):
+        check_whole_weights(SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=object()))

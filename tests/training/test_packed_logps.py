@@ -1,4 +1,4 @@
-"""The packed GRPO loss forward (``eogym_sft.training.packed_logps`` through ``SlotGRPOTrainer``) against TRL
+"""The packed GRPO loss forward (``eogym_sft.training.packed_logps`` through ``EOGymGRPOTrainer`` on the slots engine) against TRL
 1.16's own padded ``GRPOTrainer._get_per_token_logps_and_entropies`` on the tiny Qwen3-VL in float32: the same
 per-token log-probabilities and entropies, the same loss and gradients, on a batch with row images, tool
 crops in the completion, a row without images, a tool mask and a truncated (masked) episode.

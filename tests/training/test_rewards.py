@@ -128,3 +128,22 @@ def test_the_judge_settings_name_one_judge():
     assert GRPOScriptArguments(judge="eogym_sft.metrics.scoring:normalize_answer").load_judge().__name__ == "normalize_answer"
     with pytest.raises(ValueError, match="not both"):
         GRPOScriptArguments(judge="a:b", judge_url="http://x")
+
+
+def test_a_truncated_episode_scores_zero_even_with_a_final_answer():
+    """docs/rl.md: truncated episodes score as unanswered. Its cut text holds the right answer; it must not
+    take the group's reward (and so the advantage) from the correct episode beside it."""
+    asked = []
+
+    def judge(question, prediction, reference):
+        asked.append(prediction)
+        return prediction == reference
+
+    reward = EpisodeReward(num_generations=2, judge=judge)
+    prompts = [[{"role": "user", "content": "How many?"}]] * 2
+    completions = [[answer("Final Answer: 3")], [answer("Final Answer: 3\nand then some more words and")]]
+    rewards = reward(prompts, completions, [[7, END], [7, 8, 9]], ["3", "3"])
+    assert rewards == [1.0, 0.0]
+    assert asked == ["3"]  # the cut episode is not judged
+    out = reward.outcome(completions[1], [7, 8, 9], True)
+    assert out.truncated and out.answer == "3" and (out.score, out.reward) == (0.0, 0.0)
