@@ -453,9 +453,9 @@ def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
     rows = [[arm, a["overall"].get("questions"), a["overall"].get("episodes"), *(a["overall"].get(c) for c in cols)] for arm, a in arms.items()]
     parts = [html_table(["arm", "questions", "episodes", *cols], rows, "per arm")]
     tasks = sorted({t for a in arms.values() for t in a.get("by_EO_task", {})})
-    task_rows = [[t, arm, *(a["by_EO_task"][t].get(f"pass@{k}") for k in ks), a["by_EO_task"][t].get("tool_any")]
-                 for t in tasks for arm, a in arms.items() if t in a.get("by_EO_task", {})]
-    parts.append(html_table(["EO_task", "arm", *(f"pass@{k}" for k in ks), "tool_any"], task_rows, "per EO_task"))
+    task_cols = [(arm, f"pass@{k}") for arm in arms for k in ks]
+    task_rows = [[t, *(arms[arm].get("by_EO_task", {}).get(t, {}).get(metric) for arm, metric in task_cols)] for t in tasks]
+    parts.append(html_table(["EO_task", *(f"{arm} {metric}" for arm, metric in task_cols)], task_rows, "per EO_task"))
     parts.append(paired_html(summary.get("paired") or [], "questions"))
     parts.append(_counts_table(arms, "stop_reasons", "stop reasons (episodes)"))
     parts.append(_counts_table(arms, "tool_error_codes", "tool errors by code"))
@@ -501,7 +501,7 @@ def summarize_records(records: list[dict]) -> dict:
 def plot_keys(history: list[dict]) -> list[str]:
     """The numeric keys of ``log_history`` worth a plot: :data:`PLOTS`' that exist, in order, then the rest."""
     present = dict.fromkeys(k for h in history for k, v in h.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-    rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED]
+    rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))]
     return [k for k in PLOTS if k in present] + rest
 
 

@@ -222,7 +222,7 @@ def test_training_runs_plot_the_keys_that_exist(tmp_path):
 
 
 def test_plot_keys_order_known_first_then_the_rest():
-    history = [{"grad_norm": 1.0, "zeta": 2, "loss": 3.0, "epoch": 1.0, "flag": True}, {"mean_token_accuracy": 0.5, "note": "x"}]
+    history = [{"grad_norm": 1.0, "zeta": 2, "loss": 3.0, "epoch": 1.0, "flag": True}, {"mean_token_accuracy": 0.5, "note": "x", "eval_runtime": 2.0}]
     assert plot_keys(history) == ["loss", "mean_token_accuracy", "grad_norm", "zeta"]
 
 
@@ -295,14 +295,24 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
 def test_a_browser_renders_the_episodes_and_runs_no_injected_script(tmp_path, data_root):
-    records = [episode(HOSTILE, "base", 0, answer=HOSTILE)] + [episode(f"q{i}", "base", 0) for i in range(60)]
+    records = [episode(HOSTILE, "base", 0, answer=HOSTILE)] + [episode(f"q{i}", "base", 0) for i in range(59)]
+    records.append(episode("q59", "base", 0, crop="image_cache/crops/gone.png"))
     out = write_report([write_rollout(tmp_path / "roll", records, data_root)], tmp_path / "report.html")
-    dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-         "--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=120,
-    ).stdout
+
+    def dom(url: str) -> str:
+        return subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
+             "--dump-dom", url], capture_output=True, text=True, timeout=120,
+        ).stdout
+
+    opened = dom(out.as_uri() + "#episode=q59:base:0")  # on page 2, opened: its turns, images, crop box, placeholder
+    assert 'data-ready="1"' in opened and opened.count("data-episode-id=") == 11 and opened.count('class="ep-body"') == 1
+    assert opened.count('<div class="msg ') == 5 and opened.count('class="box"') == 1 and opened.count('<span class="thumb">') == 2
+    assert 'data-placeholder="image_cache/crops/gone.png"' in opened
+    dom = dom(out.as_uri())
     assert 'data-ready="1"' in dom
     assert dom.count("data-episode-id=") == 50  # the first page
     assert 'data-total="61"' in dom and "61 of 61 episodes" in dom
     assert "<title>eogym-sft view: roll</title>" in dom and "pwned</title>" not in dom
-    assert "&lt;/script&gt;&lt;script&gt;document.title='pwned'" in dom  # the hostile id, as text
+    assert '<span class="ep-id">&lt;/script&gt;&lt;script&gt;document.title=\'pwned\'&lt;/script&gt;&lt;img src=x onerror=' in dom  # as text
+    assert '<img src="x"' not in dom and "<script>document.title" not in dom
