@@ -60,6 +60,8 @@ PLOTS = {
     "eval_loss": "eval loss",
     "eval_mean_token_accuracy": "eval token accuracy",
 }
+# What the summary of an unfinished rollout needs of each episode (the fields agent.episodes.Episode.record() writes).
+EPISODE_FIELDS = ("arm", "source_id", "stop_reason", "turns", "tool_calls", "tool_errors", "tool_error_codes", "new_tokens", "final_answer")
 READ_FILES = ("episodes.jsonl", "results.jsonl", "summary.json", "skipped.jsonl", "run.json", "trainer_state.json")
 NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
 
@@ -116,6 +118,8 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
     for given in map(Path, paths):
         if not given.exists():
             raise ViewError(f"{given}: no such file or folder")
+        if given.is_file() and given.name in ("episodes.jsonl", "results.jsonl", "trainer_state.json"):
+            given = given.parent  # the run is the folder the file is in
         found = _runs_in(given, given, depth=2)
         if not found:
             raise ViewError(
@@ -325,8 +329,8 @@ def page_messages(messages, row_images: list, data_root: Path | None, store: Ima
                 item["trunc"] = True
         elif role == "tool":
             call = pending.pop(0) if pending else {"n": None, "a": "{}"}
-            name = message.get("name") or call["n"]
-            item["name"] = str(name)
+            name = str(message.get("name") or call["n"])
+            item["name"] = name
             images += [store.ref(p, data_root) for p in ATTACH_ALL.images(name, text) if p not in parts]
             result, arguments = _json_object(text), _json_object(call["a"])
             aoi = _aoi(result.get("aoi_norm")) or _aoi(arguments.get("aoi"))
@@ -592,8 +596,11 @@ def _episodes_section(page: Page, run: Run, index: int, data_root: str | None) -
         records = [r for f in files for r in read_jsonl(f, page.problems)]
         root = _data_root(run, data_root, page.problems)
         episodes = [rollout_episode(r, root, page.store, page.texts) for r in records]
-        if summary is None and records:
-            summary = summarize_records(records)
+        whole = [r for r in records if all(k in r for k in EPISODE_FIELDS)]
+        if len(whole) < len(records):
+            page.problems.append(f"{run.path}: {len(records) - len(whole)} episodes lack one of {', '.join(EPISODE_FIELDS)}: shown, not counted")
+        if summary is None and whole:
+            summary = summarize_records(whole)
             tables = "<p>no summary.json (an unfinished run): figures from the episodes so far</p>" + rollout_summary_html(summary, skipped)
         else:
             tables = rollout_summary_html(summary, skipped) if summary else "<p>no episodes</p>"

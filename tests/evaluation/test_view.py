@@ -181,10 +181,11 @@ def test_a_missing_or_broken_image_is_a_named_placeholder(tmp_path, data_root):
 def test_a_bad_line_is_named_and_the_rest_shown_and_an_unfinished_run_is_summarised(tmp_path, data_root):
     run = write_rollout(tmp_path / "roll", two_arm_records(), data_root, summary=False)
     with open(run / "episodes.jsonl", "a") as fh:
-        fh.write('{"id": "cut sho')
+        fh.write(json.dumps({"id": "no fields"}) + "\n" + '{"id": "cut sho')
     page = render(find_runs([run]))
-    assert len(page_data(page)["runs"][0]["episodes"]) == 8
-    assert f"{run / 'episodes.jsonl'}:9: not JSON (Unterminated string starting at)" in page
+    assert [e["id"] for e in page_data(page)["runs"][0]["episodes"]][-2:] == ["q1:sft:1", "no fields"]
+    assert f"{run / 'episodes.jsonl'}:10: not JSON (Unterminated string starting at)" in page
+    assert f"{run}: 1 episodes lack one of arm, source_id," in page
     assert "no summary.json (an unfinished run)" in page and "<td>sft</td><td>2</td><td>4</td><td>1.000</td><td>1.000</td>" in page
 
 
@@ -199,7 +200,7 @@ def test_ten_thousand_episodes_render_small_and_fast(tmp_path, data_root):
     size = out.stat().st_size
     assert len(page_data(out.read_text())["runs"][0]["episodes"]) == 10_000
     assert size < 12 * 2**20, size
-    assert seconds < 30, seconds
+    assert seconds < 60, seconds  # about 8 s on an idle core
 
 
 def grpo_state(folder: Path) -> Path:
@@ -235,6 +236,7 @@ def test_a_demo_folder_is_searched_and_a_folder_without_runs_refused(tmp_path, d
     runs = find_runs([demo])
     assert [(r.kind, r.name) for r in runs] == [("training", "demo/grpo"), ("rollout", "demo/rollout"), ("validation", "demo/validation.json")]
     assert "<td>base</td><td>0.500</td><td>2.000</td>" in render(runs)
+    assert [(r.kind, r.name) for r in find_runs([demo / "rollout/episodes.jsonl"])] == [("rollout", "rollout")]
     with pytest.raises(ViewError, match="task: no run found"):
         find_runs([demo / "task"])
 
