@@ -51,12 +51,17 @@ PLOTS = {
     "learning_rate": "learning rate",
     "grad_norm": "grad norm",
     "reward": "reward (mean)",
-    "reward_std": "reward spread (std within groups)",
+    "reward/group_std": "reward spread (std within groups)",
+    "reward_std": "reward std (TRL)",
+    "reward/score": "answer score",
     "entropy": "entropy",
     "completions/mean_length": "episode length (tokens)",
-    "completions/clipped_ratio": "truncated share",
-    "tools/call_frequency": "tool calls per episode",
-    "tools/failure_frequency": "tool failures per call",
+    "episode/turns": "turns per episode",
+    "episode/truncated": "truncated share",
+    "completions/clipped_ratio": "truncated share (TRL's clipped ratio)",
+    "episode/tool_calls": "tool calls per episode",
+    "tools/call_frequency": "tool calls per episode (TRL)",
+    "episode/answered": "answered share",
     "eval_loss": "eval loss",
     "eval_mean_token_accuracy": "eval token accuracy",
 }
@@ -535,13 +540,16 @@ def plot_svg(key: str, points: list[tuple[float, float]]) -> str:
 def training_html(state_path: Path, problems: list[str]) -> str:
     state = _read_json(state_path, problems) or {}
     history = [h for h in state.get("log_history") or [] if isinstance(h, dict)]
-    figures = []
+    main, rest = [], []
     for key in plot_keys(history):
         points = [(h.get("step", i), h[key]) for i, h in enumerate(history) if isinstance(h.get(key), (int, float)) and not isinstance(h.get(key), bool)]
-        if points:
-            figures.append(f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" src="{plot_svg(key, points)}"></figure>')
+        figure = f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" src="{plot_svg(key, points)}"></figure>'
+        (main if key in PLOTS else rest).append(figure)
     head = f"<p>{html.escape(str(state_path))}: {len(history)} log entries, global step {html.escape(_fmt(state.get('global_step')))}</p>"
-    return head + (f'<div class="plots">{"".join(figures)}</div>' if figures else "<p>no metrics logged</p>")
+    if not main + rest:
+        return head + "<p>no metrics logged</p>"
+    more = f'<details><summary>{len(rest)} more logged metrics</summary><div class="plots">{"".join(rest)}</div></details>' if rest else ""
+    return head + f'<div class="plots">{"".join(main)}</div>' + more
 
 
 def validation_html(report: dict) -> str:

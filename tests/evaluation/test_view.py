@@ -218,7 +218,7 @@ def test_training_runs_plot_the_keys_that_exist(tmp_path):
     page = render(find_runs([run]))
     metrics = [line.split('"')[1] for line in page.split("<figure data-metric=")[1:]]
     assert metrics == ["loss", "reward", "reward_std", "completions/clipped_ratio", "tools/call_frequency", "rollout/seconds"]
-    assert "global step 3" in page and "checkpoint-3" in page
+    assert "global step 3" in page and "checkpoint-3" in page and "<summary>1 more logged metrics</summary>" in page
     assert page.count('src="data:image/svg+xml;base64,') == 6
 
 
