@@ -200,7 +200,7 @@ def test_ten_thousand_episodes_render_small_and_fast(tmp_path, data_root):
     size = out.stat().st_size
     assert len(page_data(out.read_text())["runs"][0]["episodes"]) == 10_000
     assert size < 12 * 2**20, size
-    assert seconds < 60, seconds  # about 8 s on an idle core
+    assert seconds < 60, seconds  # 15 s on the 2-core box under a load of 12
 
 
 def grpo_state(folder: Path) -> Path:
