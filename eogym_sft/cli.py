@@ -264,7 +264,7 @@ def run_view(args: argparse.Namespace) -> Path:
     return run(args)
 
 
-COMMANDS["view"] = (add_view_args, run_view, "one self-contained HTML page of rollouts, evaluations and training runs (opens offline)")
+COMMANDS["view"] = (add_view_args, run_view, "one self-contained HTML page of rollouts, evaluations and training runs (offline)")
 
 
 def chosen_command(argv: list[str]) -> str | None:

@@ -123,7 +123,7 @@ def run_demo(
     print(demo_summary(report, output, adapter))
     from .evaluation.view import write_report
 
-    print(f"viewer:   {write_report([output], output / 'report.html')}  (open in a browser: training curves, both arms' scores)")
+    print(f"viewer:   {write_report([output], output / 'report.html')}  (in a browser: training curves, both arms' scores)")
     return report
 
 
@@ -354,7 +354,7 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     print(format_agent_report(report, output))
     from .evaluation.view import write_report
 
-    print(f"viewer: {write_report([output], output / 'report.html')}  (open in a browser: every episode turn by turn, GRPO's curves)")
+    print(f"viewer: {write_report([output], output / 'report.html')}  (in a browser: every episode turn by turn, GRPO's curves)")
     return report
 
 

@@ -29,7 +29,6 @@ import io
 import json
 import re
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.tool_images import ToolImageRule
+from .report import EPISODE_METRICS, TURN_METRICS
 
 TEMPLATE = Path(__file__).with_name("view.html")
 IMAGE_BUDGET = 64 * 2**20  # bytes of embedded image data in one page
@@ -296,7 +296,7 @@ def _call(call) -> dict:
 
 
 def _aoi(value) -> list[float] | None:
-    if isinstance(value, list) and len(value) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and len(value) == 4 and all(map(_is_number, value)):
         x0, y0, x1, y1 = (float(v) for v in value)
         if 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1:
             return [x0, y0, x1, y1]
@@ -381,19 +381,24 @@ def rollout_episode(record: dict, data_root: Path | None, store: ImageStore, tex
     }
 
 
+def _flat_calls(calls) -> list[dict]:
+    """Scoring's parsed calls (``{"name", "arguments"}``) as the page's."""
+    return [{"n": str(c.get("name")), "a": json.dumps(c.get("arguments"), ensure_ascii=False)} for c in calls or [] if isinstance(c, dict)]
+
+
 def evaluation_turn(record: dict, texts: Texts) -> dict:
     """One ``results.jsonl`` record (a reference turn and each arm's outputs for it) as the page's episode."""
     scores = record.get("scores") if isinstance(record.get("scores"), dict) else {}
     turn_correct = scores.get("turn_correct")
     reference = record.get("reference") if isinstance(record.get("reference"), dict) else {}
-    ref_calls = [{"n": str(c.get("name")), "a": json.dumps(c.get("arguments"), ensure_ascii=False)} for c in reference.get("calls") or [] if isinstance(c, dict)]
+    ref_calls = _flat_calls(reference.get("calls"))
     msgs = [{"r": "reference", "t": texts.add(str(reference.get("content") or "")), **({"calls": ref_calls} if ref_calls else {})}]
     parsed = record.get("parsed") if isinstance(record.get("parsed"), list) else []
     for i, output in enumerate(record.get("outputs") or []):
         calls = parsed[i].get("calls") if i < len(parsed) and isinstance(parsed[i], dict) else None
         item = {"r": "assistant", "t": texts.add(str(output))}
         if calls:
-            item["calls"] = [{"n": str(c.get("name")), "a": json.dumps(c.get("arguments"), ensure_ascii=False)} for c in calls if isinstance(c, dict)]
+            item["calls"] = _flat_calls(calls)
         msgs.append(item)
     final = next((p.get("final_answer") for p in parsed if isinstance(p, dict) and p.get("final_answer") is not None), None)
     key = f"{record.get('trace_id')}:{record.get('turn')}"
@@ -407,7 +412,7 @@ def evaluation_turn(record: dict, texts: Texts) -> dict:
         "correct": None if turn_correct is None else turn_correct == 1,
         "answer": None if final is None else str(final),
         "gt": None if record.get("gt_answer") is None else str(record.get("gt_answer")),
-        "meta": {"source": record.get("source"), "turn_correct": turn_correct, "scores": {k: v for k, v in scores.items() if v is not None}},
+        "meta": {"source": record.get("source"), "scores": {k: v for k, v in scores.items() if v is not None}},
         "codes": {},
         "error": None,
         "judge_error": "; ".join(e for e in record.get("judge_errors") or [] if e) or None,
@@ -449,7 +454,10 @@ def paired_html(paired: list[dict], unit: str) -> str:
         rows.append([p.get("a"), p.get("b"), p.get("metric"), p.get("n"), p.get("mean_a"), p.get("mean_b"),
                      None if p.get("delta") is None else f"{p['delta']:+.3f}", None if not ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
                      f"{p.get('wins')}/{p.get('losses')}/{p.get('ties')}"])
-    caption = f"paired, B - A on identical {unit}; 95% CI = delta +/- 1.96 SE (normal approx.); W/L/T = {unit} where B is better/worse/equal"
+    caption = (
+        f"paired, B - A on identical {unit}; 95% CI = delta +/- 1.96 SE (normal approx.); "
+        f"W/L/T = {unit} where B is better/worse/equal"
+    )
     return html_table(["A", "B", "metric", "n", "mean A", "mean B", "delta", "95% CI", "W/L/T"], rows, caption)
 
 
@@ -458,9 +466,9 @@ def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
     ks = summary.get("settings", {}).get("ks") or sorted({int(k[5:]) for a in summary["arms"].values() for k in a["overall"]
                                                          if k.startswith("pass@") and k[5:].isdigit()})
     arms = summary["arms"]
-    cols = [f"pass@{k}" for k in ks] + ["mean_score", "answered", "tool_any", "tool_error_rate", "calls_per_episode", "turns_per_episode", "judge_failed"]
-    rows = [[arm, a["overall"].get("questions"), a["overall"].get("episodes"), *(a["overall"].get(c) for c in cols)] for arm, a in arms.items()]
-    parts = [html_table(["arm", "questions", "episodes", *cols], rows, "per arm")]
+    cols = ["questions", "episodes", *(f"pass@{k}" for k in ks), *EPISODE_METRICS, "judge_failed"]
+    rows = [[arm, *(a["overall"].get(c) for c in cols)] for arm, a in arms.items()]
+    parts = [html_table(["arm", *cols], rows, "per arm")]
     tasks = sorted({t for a in arms.values() for t in a.get("by_EO_task", {})})
     task_cols = [(arm, f"pass@{k}") for arm in arms for k in ks]
     task_rows = [[t, *(arms[arm].get("by_EO_task", {}).get(t, {}).get(metric) for arm, metric in task_cols)] for t in tasks]
@@ -473,21 +481,22 @@ def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
 
 
 def evaluation_summary_html(summary: dict, skipped: list[dict]) -> str:
-    from .report import TURN_METRICS
-
     arms = summary["arms"]
     metrics = [m for m in TURN_METRICS + ("answer_judge",) if any(m in a["overall"] for a in arms.values())]
     rows = [[arm, max((v["n"] for v in a["overall"].values()), default=0), *((a["overall"].get(m) or {}).get("mean") for m in metrics)]
             for arm, a in arms.items()]
-    return html_table(["arm", "turns", *metrics], rows, "per arm (means over turns)") + paired_html(summary.get("paired") or [], "turns") + skipped_html(skipped)
+    per_arm = html_table(["arm", "turns", *metrics], rows, "per arm (means over turns)")
+    return per_arm + paired_html(summary.get("paired") or [], "turns") + skipped_html(skipped)
 
 
 def skipped_html(skipped: list[dict]) -> str:
     by_reason: dict[str, list] = {}
     for item in skipped:
         by_reason.setdefault(str(item.get("reason")), []).append(item)
-    rows = [[reason, len(items), ", ".join(str(i.get("source") or i.get("episode")) for i in items[:5]) + (" ..." if len(items) > 5 else "")]
-            for reason, items in sorted(by_reason.items())]
+    rows = [
+        [reason, len(items), ", ".join(str(i.get("source") or i.get("episode")) for i in items[:5]) + (" ..." if len(items) > 5 else "")]
+        for reason, items in sorted(by_reason.items())
+    ]
     return html_table(["reason", "count", "first sources"], rows, "skipped.jsonl: rows and episodes left out, by reason")
 
 
@@ -507,9 +516,13 @@ def summarize_records(records: list[dict]) -> dict:
 # ---------------------------------------------------------------- training plots
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def plot_keys(history: list[dict]) -> list[str]:
     """The numeric keys of ``log_history`` worth a plot: :data:`PLOTS`' that exist, in order, then the rest."""
-    present = dict.fromkeys(k for h in history for k, v in h.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    present = dict.fromkeys(k for h in history for k, v in h.items() if _is_number(v))
     rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))]
     return [k for k in PLOTS if k in present] + rest
 
@@ -542,7 +555,7 @@ def training_html(state_path: Path, problems: list[str]) -> str:
     history = [h for h in state.get("log_history") or [] if isinstance(h, dict)]
     main, rest = [], []
     for key in plot_keys(history):
-        points = [(h.get("step", i), h[key]) for i, h in enumerate(history) if isinstance(h.get(key), (int, float)) and not isinstance(h.get(key), bool)]
+        points = [(h.get("step", i), h[key]) for i, h in enumerate(history) if _is_number(h.get(key))]
         figure = f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" src="{plot_svg(key, points)}"></figure>'
         (main if key in PLOTS else rest).append(figure)
     head = f"<p>{html.escape(str(state_path))}: {len(history)} log entries, global step {html.escape(_fmt(state.get('global_step')))}</p>"
@@ -589,7 +602,8 @@ def add_run(page: Page, run: Run, data_root: str | None) -> None:
         body = validation_html(json.loads(run.path.read_text()))
     else:
         body = _episodes_section(page, run, index, data_root)
-    page.sections.append(f'<section id="run-{index}"><h2>{html.escape(title)}</h2><p class="path">{html.escape(str(run.path))}</p>{body}</section>')
+    head = f'<h2>{html.escape(title)}</h2><p class="path">{html.escape(str(run.path))}</p>'
+    page.sections.append(f'<section id="run-{index}">{head}{body}</section>')
 
 
 def _episodes_section(page: Page, run: Run, index: int, data_root: str | None) -> str:
@@ -606,7 +620,8 @@ def _episodes_section(page: Page, run: Run, index: int, data_root: str | None) -
         episodes = [rollout_episode(r, root, page.store, page.texts) for r in records]
         whole = [r for r in records if all(k in r for k in EPISODE_FIELDS)]
         if len(whole) < len(records):
-            page.problems.append(f"{run.path}: {len(records) - len(whole)} episodes lack one of {', '.join(EPISODE_FIELDS)}: shown, not counted")
+            lacking = len(records) - len(whole)
+            page.problems.append(f"{run.path}: {lacking} episodes lack one of {', '.join(EPISODE_FIELDS)}: shown, not counted")
         if summary is None and whole:
             summary = summarize_records(whole)
             tables = "<p>no summary.json (an unfinished run): figures from the episodes so far</p>" + rollout_summary_html(summary, skipped)
@@ -635,7 +650,8 @@ def render(runs: list[Run], data_root: str | None = None, image_budget: int = IM
     notes = list(page.problems)
     if over:
         notes.append(f"{over} images over the page's image budget ({image_budget // 2**20} MiB) are links to their files, not embedded")
-    problems = "".join(f"<li>{html.escape(p)}</li>" for p in notes[:50]) + (f"<li>... {len(notes) - 50} more</li>" if len(notes) > 50 else "")
+    problems = "".join(f"<li>{html.escape(p)}</li>" for p in notes[:50])
+    problems += f"<li>... {len(notes) - 50} more</li>" if len(notes) > 50 else ""
     nav = "".join(f'<a href="#run-{i}">{html.escape(r.name)}</a>' for i, r in enumerate(runs))
     nonce = secrets.token_urlsafe(16)
     replacements = {
@@ -708,8 +724,8 @@ def add_view_args(parser) -> None:
     add = parser.add_argument
     add("runs", nargs="+", metavar="RUN", help="rollout, evaluation or training output folder(s), or a demo's output folder")
     add("--output", default="report.html", help="the HTML file to write")
-    add("--data-root", default=None, help="folder the episodes' image paths are relative to (default: the rollout's run.json data_root)")
-    add("--image-budget-mb", type=float, default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it images are links to their files")
+    add("--data-root", default=None, help="folder the episodes' image paths are relative to (None: each rollout's run.json data_root)")
+    add("--image-budget-mb", type=float, default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it, images are links to files")
     add("--serve", action="store_true", help="also serve the page on http://127.0.0.1 (this machine only)")
     add("--port", type=int, default=0, help="port for --serve (0: any free one)")
     add("--serve-seconds", type=float, default=3600.0, help="stop serving after this many seconds")
@@ -722,7 +738,7 @@ def run_view(args) -> Path:
         path = write_report(args.runs, args.output, args.data_root, int(args.image_budget_mb * 2**20))
     except ViewError as err:
         raise SystemExit(f"eogym-sft view: {err}") from None
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s): open it in a browser", file=sys.stdout)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s): open it in a browser")
     if args.serve:
         serve(path, args.port, args.serve_seconds)
     return path

@@ -82,7 +82,7 @@ def data_root(tmp_path) -> Path:
     return root
 
 
-def episode(question: str, arm: str, sample: int, answer: str | None = "red", gt: str = "red", image: str = SCENE, crop: str = CROP) -> dict:
+def episode(question: str, arm: str, sample: int, answer: str | None = "red", gt: str = "red", image=SCENE, crop=CROP) -> dict:
     """A record as agent.episodes.Episode.record() writes it: question, one crop call and its result, an answer."""
     call = {"type": "function", "function": {"name": "crop_optical_or_sar_image", "arguments": json.dumps({"aoi": [0, 0, 0.5, 0.5]})}}
     result = {"cropped_path": crop, "width": 128, "height": 128, "bbox_px": [0, 0, 128, 128], "aoi_norm": [0.0, 0.0, 0.5, 0.5]}
@@ -223,7 +223,7 @@ def test_training_runs_plot_the_keys_that_exist(tmp_path):
 
 
 def test_plot_keys_order_known_first_then_the_rest():
-    history = [{"grad_norm": 1.0, "zeta": 2, "loss": 3.0, "epoch": 1.0, "flag": True}, {"mean_token_accuracy": 0.5, "note": "x", "eval_runtime": 2.0}]
+    history = [{"grad_norm": 1.0, "zeta": 2, "loss": 3.0, "epoch": 1.0, "flag": True}, {"mean_token_accuracy": 0.5, "eval_runtime": 2}]
     assert plot_keys(history) == ["loss", "mean_token_accuracy", "grad_norm", "zeta"]
 
 
@@ -234,7 +234,9 @@ def test_a_demo_folder_is_searched_and_a_folder_without_runs_refused(tmp_path, d
     (demo / "validation.json").write_text(json.dumps({"samples": 3, "models": {"base": {"overall": {"token_accuracy": 0.5, "loss": 2.0}}}}))
     (demo / "task").mkdir()
     runs = find_runs([demo])
-    assert [(r.kind, r.name) for r in runs] == [("training", "demo/grpo"), ("rollout", "demo/rollout"), ("validation", "demo/validation.json")]
+    assert [(r.kind, r.name) for r in runs] == [
+        ("training", "demo/grpo"), ("rollout", "demo/rollout"), ("validation", "demo/validation.json")
+    ]
     assert "<td>base</td><td>0.500</td><td>2.000</td>" in render(runs)
     assert [(r.kind, r.name) for r in find_runs([demo / "rollout/episodes.jsonl"])] == [("rollout", "rollout")]
     with pytest.raises(ViewError, match="task: no run found"):
@@ -250,17 +252,19 @@ def test_the_report_never_overwrites_a_run_file(tmp_path, data_root):
 def test_evaluation_turns_are_shown_per_arm(tmp_path):
     folder = tmp_path / "eval"
     folder.mkdir()
+    crop = [{"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}]
     record = {"arm": "base", "trace_id": "t1", "turn": 0, "source": "d.jsonl:1", "EO_task": "colour", "question_type": "q",
-              "reference": {"action": "call", "content": "", "calls": [{"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}], "is_final": False},
+              "reference": {"action": "call", "content": "", "calls": crop, "is_final": False},
               "gt_answer": None, "outputs": ["<tool_call>x</tool_call>"], "finished": [True],
-              "parsed": [{"content": "", "calls": [{"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}], "errors": [], "final_answer": None}],
+              "parsed": [{"content": "", "calls": crop, "errors": [], "final_answer": None}],
               "scores": {"turn_correct": 1.0, "call_match": 1.0, "answer_exact": None}}
     (folder / "results.jsonl").write_text(json.dumps(record) + "\n")
     (folder / "summary.json").write_text(json.dumps({"arms": {"base": {"overall": {"turn_correct": {"mean": 1.0, "n": 1}}}}, "paired": []}))
     page = render(find_runs([folder]))
     ep = page_data(page)["runs"][0]["episodes"][0]
     assert (ep["id"], ep["q"], ep["correct"], ep["stop"]) == ("t1:0:base", "t1:0", True, "call")
-    assert [m["r"] for m in ep["msgs"]] == ["reference", "assistant"] and ep["msgs"][1]["calls"] == [{"n": "crop", "a": '{"aoi": [0, 0, 1, 1]}'}]
+    assert [m["r"] for m in ep["msgs"]] == ["reference", "assistant"]
+    assert ep["msgs"][0]["calls"] == ep["msgs"][1]["calls"] == [{"n": "crop", "a": '{"aoi": [0, 0, 1, 1]}'}]
     assert "<td>base</td><td>1</td><td>1.000</td>" in page
 
 
@@ -281,7 +285,7 @@ def test_serve_answers_the_page_on_localhost_only(tmp_path):
 
 
 def test_the_viewer_imports_neither_torch_nor_matplotlib_nor_training():
-    code = "import sys, eogym_sft.evaluation.view; print(sorted(m for m in ('torch', 'matplotlib', 'eogym_sft.training') if m in sys.modules))"
+    code = "import sys, eogym_sft.evaluation.view; print([m for m in ('torch', 'matplotlib', 'eogym_sft.training') if m in sys.modules])"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
@@ -303,8 +307,8 @@ def test_a_browser_renders_the_episodes_and_runs_no_injected_script(tmp_path, da
 
     def dom(url: str) -> str:
         return subprocess.run(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000",
-             "--dump-dom", url], capture_output=True, text=True, timeout=120,
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+             "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True, timeout=120,
         ).stdout
 
     opened = dom(out.as_uri() + "#episode=q59:base:0")  # on page 2, opened: its turns, images, crop box, placeholder
@@ -316,5 +320,5 @@ def test_a_browser_renders_the_episodes_and_runs_no_injected_script(tmp_path, da
     assert dom.count("data-episode-id=") == 50  # the first page
     assert 'data-total="61"' in dom and "61 of 61 episodes" in dom
     assert "<title>eogym-sft view: roll</title>" in dom and "pwned</title>" not in dom
-    assert '<span class="ep-id">&lt;/script&gt;&lt;script&gt;document.title=\'pwned\'&lt;/script&gt;&lt;img src=x onerror=' in dom  # as text
+    assert '<span class="ep-id">&lt;/script&gt;&lt;script&gt;document.title=\'pwned\'&lt;/script&gt;&lt;img src=x ' in dom  # as text
     assert '<img src="x"' not in dom and "<script>document.title" not in dom
