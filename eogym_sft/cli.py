@@ -252,6 +252,21 @@ COMMANDS = {
 }
 
 
+def add_view_args(parser: argparse.ArgumentParser) -> None:
+    from .evaluation.view import add_view_args as add
+
+    add(parser)
+
+
+def run_view(args: argparse.Namespace) -> Path:
+    from .evaluation.view import run_view as run
+
+    return run(args)
+
+
+COMMANDS["view"] = (add_view_args, run_view, "one self-contained HTML page of rollouts, evaluations and training runs (offline)")
+
+
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand named on the command line (its first word that is not an option), if any."""
     return next((word for word in argv if not word.startswith("-")), None)

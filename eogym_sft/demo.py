@@ -121,6 +121,9 @@ def run_demo(
         )
     )
     print(demo_summary(report, output, adapter))
+    from .evaluation.view import write_report
+
+    print(f"viewer:   {write_report([output], output / 'report.html')}  (in a browser: training curves, both arms' scores)")
     return report
 
 
@@ -357,6 +360,9 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     report = agent_report(summary, rewards, rft_info, seconds, cfg)
     (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(format_agent_report(report, output))
+    from .evaluation.view import write_report
+
+    print(f"viewer: {write_report([output], output / 'report.html')}  (in a browser: every episode turn by turn, GRPO's curves)")
     return report
 
 
