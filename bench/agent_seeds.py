@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_throughput import machine_info  # noqa: E402
 
+from eogym_sft.demo import grpo_per_step  # noqa: E402
+
 RUN_ONE = """
 import json, sys
 from eogym_sft.demo import AgentDemoConfig, run_agent_demo
@@ -41,9 +43,9 @@ def parse_settings(pairs: list[str]) -> dict:
     return out
 
 
-def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int) -> dict[int, dict]:
+def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int, on_done=lambda reports: None) -> dict[int, dict]:
     """Run every seed (``parallel`` at a time) and return ``{seed: agent_report}``; a failed seed is reported
-    with its log's tail and left out."""
+    with its log's tail and left out. ``on_done(reports)`` runs after each seed ends (the partial JSON)."""
     workdir.mkdir(parents=True, exist_ok=True)
     pending, running, reports = list(seeds), {}, {}
     while pending or running:
@@ -59,13 +61,25 @@ def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int) ->
             log.close()
             del running[seed]
             report = workdir / f"seed{seed}" / "agent_report.json"
-            if proc.returncode == 0 and report.is_file():
-                reports[seed] = json.loads(report.read_text()) | {"wall_s": round(time.time() - start, 1)}
+            if report.is_file():  # written before the demo's viewer page: a failure there loses no figure
+                entropy = grpo_per_step(workdir / f"seed{seed}" / "grpo", "entropy") if (workdir / f"seed{seed}" / "grpo").is_dir() else []
+                reports[seed] = json.loads(report.read_text()) | {"wall_s": round(time.time() - start, 1), "grpo_entropy_per_step": entropy}
             else:
                 tail = (workdir / f"seed{seed}.log").read_text().splitlines()[-15:]
                 print(f"seed {seed}: exit {proc.returncode}\n  " + "\n  ".join(tail), file=sys.stderr)
+            on_done(reports)
         time.sleep(1)
     return reports
+
+
+def by_part(values: list[float], parts: int = 4) -> list[float]:
+    """Means over ``parts`` equal runs of steps (the last takes the remainder); the values themselves when
+    there are too few steps for each part to average several."""
+    if len(values) < 5 * parts:
+        return list(values)
+    size = len(values) // parts
+    bounds = [k * size for k in range(parts)] + [len(values)]
+    return [sum(values[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
 
 
 def seed_row(seed: int, report: dict, a: str = "sft", b: str = "grpo") -> dict:
@@ -79,8 +93,8 @@ def seed_row(seed: int, report: dict, a: str = "sft", b: str = "grpo") -> dict:
         "delta": paired["delta"] if paired else None,
         "ci95": paired[ci_key] if ci_key else None,
         "ci_method": ci_key,
-        "reward_by_part": report.get("grpo_reward_by_part", report.get("grpo_reward_by_quarter")),
-        "entropy_by_part": report.get("grpo_entropy_by_part"),
+        "reward_by_part": by_part(report["grpo_reward_per_step"]),
+        "entropy_by_part": by_part(report["grpo_entropy_per_step"]),
         "wall_s": report["wall_s"],
     }
 
@@ -111,14 +125,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workdir", default="/tmp/agent_seeds")
     parser.add_argument("--json", default="agent_seeds.json")
     args = parser.parse_args(argv)
-    settings = parse_settings(args.set) | {"device": args.device}
-    reports = run_seeds(args.seeds, settings, Path(args.workdir), args.parallel)
-    rows = [seed_row(seed, reports[seed]) for seed in args.seeds if seed in reports]
-    print(format_table(rows))
     import torch
 
-    result = {"settings": settings, "seeds": rows, "reports": reports, "machine": machine_info(torch.device(args.device))}
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    settings = parse_settings(args.set) | {"device": args.device}
+    machine = machine_info(torch.device(args.device))
+
+    def write(reports: dict) -> dict:
+        rows = [seed_row(seed, reports[seed]) for seed in args.seeds if seed in reports]
+        result = {"settings": settings, "seeds": rows, "reports": reports, "machine": machine}
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    result = write(run_seeds(args.seeds, settings, Path(args.workdir), args.parallel, write))
+    print(format_table(result["seeds"]))
     return result
 
 
