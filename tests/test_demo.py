@@ -122,7 +122,7 @@ def test_agent_report_and_table(tmp_path):
 
     summary = {
         "arms": {"base": {"overall": overall(0.0, 0.0)}, "sft": {"overall": overall(0.75, 1.0)}},
-        "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95_normal_approx": [0.3, 1.2]}],
+        "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95": [0.3, 1.2], "ci_method": "paired t"}],
     }
     report = agent_report(summary, [0.2, 0.5], {"episodes_sampled": 8, "episodes_kept": 5, "rows_trained": 9}, {"sft": 1.5, "grpo": 2.0},
                           AgentDemoConfig(samples=2))
@@ -130,17 +130,19 @@ def test_agent_report_and_table(tmp_path):
     assert report["arms"]["sft"]["episodes"] == 8 and report["seconds"]["total"] == 3.5
     text = format_agent_report(report, tmp_path)
     assert "  sft      0.750   1.000   0.750     1.000     1.000" in text
-    assert "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
+    assert "paired over questions (B - A, 95% CI, paired t):" in text and "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
-    assert report["grpo_reward_by_quarter"] == [0.2, 0.5] and "by quarter" not in text  # fewer steps than quarters
+    assert report["grpo_reward_by_quarter"] is None and "by quarter" not in text  # too few steps for quarters
 
 
-def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps():
+def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps_when_each_quarter_has_five():
     from eogym_sft.demo import reward_by_part
 
-    assert reward_by_part([0.0, 1.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0]) == [0.5, 0.5, 1.0, 1 / 3]  # the last takes the rest
-    assert reward_by_part([0.25, 0.75], parts=4) == [0.25, 0.75]
-    assert reward_by_part([]) == []
+    steps = [0.0] * 5 + [1.0] * 5 + [0.5] * 5 + [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # 21 steps: the last quarter takes the rest
+    assert reward_by_part(steps) == [0.0, 1.0, 0.5, 0.5]
+    assert reward_by_part([0.25] * 19) is None  # a quarter of 4 steps would follow the 4 questions drawn
+    assert reward_by_part([0.0, 1.0, 1.0, 1.0, 1.0, 1.0]) is None  # the demo's 6 steps: quarters of 1, 1, 1 and 3
+    assert reward_by_part([]) is None
 
 
 def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path):
@@ -186,7 +188,7 @@ def test_sft_teaches_the_tool_and_the_answer_on_held_out_questions(learned):
     assert base["pass@1"] == 0.0 and base["tool_any"] == 0.0  # a random model calls nothing and answers nothing
     assert sft["tool_any"] >= 0.8
     gain = _paired(report, "base", "sft")
-    assert gain["delta"] >= 0.3 and gain["ci95_normal_approx"][0] > 0, gain
+    assert gain["delta"] >= 0.3 and gain["ci95"][0] > 0, gain
 
 
 @pytest.mark.slow
@@ -194,7 +196,7 @@ def test_grpo_does_not_fall_below_sft(learned):
     _, cfg, report = learned
     assert len(report["grpo_reward_per_step"]) == cfg.grpo_steps
     paired = _paired(report, "sft", "grpo")
-    assert paired["ci95_normal_approx"][1] >= 0, paired  # not significantly worse than SFT
+    assert paired["ci95"][1] >= 0, paired  # not significantly worse than SFT
     assert report["arms"]["grpo"]["tool_any"] >= 0.8
 
 
