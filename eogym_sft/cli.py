@@ -185,22 +185,28 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
     add_overwrite_arg(parser)
 
 
-def run_demo(args: argparse.Namespace) -> dict:
-    from .demo import LEARNING_RATE, STEPS, AgentDemoConfig, run_agent_demo
-    from .demo import run_demo as run
+def agent_demo_config(args: argparse.Namespace):
+    """The agent demo's settings: its defaults, but for the flags given (the others are absent: their
+    default is SUPPRESS, so each demo keeps its own defaults)."""
+    from .demo import AgentDemoConfig
 
-    given = vars(args)  # the flags left out are absent (their default is SUPPRESS): each mode has its own defaults
-    if not args.agent:
-        agent_only = [f"--{flag}" for flag in ("seed", "task") if flag in given]
-        if agent_only:
-            raise SystemExit(f"eogym-sft demo: {' and '.join(agent_only)} apply only to the agent demo: add --agent")
-        return run(args.output, given.get("steps", STEPS), given.get("learning_rate", LEARNING_RATE), args.overwrite)
     fields = {"steps": "sft_steps", "learning_rate": "sft_learning_rate", "seed": "seed", "task": "task"}
     try:
-        cfg = AgentDemoConfig(**{fields[flag]: value for flag, value in given.items() if flag in fields})
+        return AgentDemoConfig(**{fields[flag]: value for flag, value in vars(args).items() if flag in fields})
     except ValueError as err:
         raise SystemExit(f"eogym-sft demo --agent: {err}") from None
-    return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite, cfg)
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    from .demo import LEARNING_RATE, STEPS, run_agent_demo
+    from .demo import run_demo as run
+
+    if args.agent:
+        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite, agent_demo_config(args))
+    agent_only = [f"--{flag}" for flag in ("seed", "task") if flag in vars(args)]
+    if agent_only:
+        raise SystemExit(f"eogym-sft demo: {' and '.join(agent_only)} apply only to the agent demo: add --agent")
+    return run(args.output, vars(args).get("steps", STEPS), vars(args).get("learning_rate", LEARNING_RATE), args.overwrite)
 
 
 def add_make_task_args(parser: argparse.ArgumentParser) -> None:

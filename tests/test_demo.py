@@ -228,3 +228,62 @@ def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
     assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
     assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
     assert model.attn_implementation == "eogym_varlen"  # the packed loss forward, as the recipe (cuDNN's is CUDA only)
+
+
+def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):
+    from eogym_sft.cli import agent_demo_config, build_parser
+    from eogym_sft.demo import AgentDemoConfig
+
+    def config(*flags):
+        argv = ["demo", "--agent", *flags]
+        return agent_demo_config(build_parser(argv).parse_args(argv))
+
+    cfg = config("--steps", "7", "--learning-rate", "0.001", "--seed", "3", "--task", "colour_count")
+    assert (cfg.sft_steps, cfg.sft_learning_rate, cfg.seed, cfg.task) == (7, 0.001, 3, "colour_count")
+    assert (cfg.max_new_tokens, cfg.completion_tokens) == (176, 768)  # the task's budgets
+    assert config() == AgentDemoConfig()  # no flag: the agent demo's own defaults, not the SFT demo's 16 steps
+    with pytest.raises(SystemExit, match="eogym-sft demo --agent: .*must be at least 1"):
+        config("--steps", "0")
+
+
+def test_demo_refuses_agent_only_flags_without_agent(tmp_path):
+    from eogym_sft.cli import main
+
+    with pytest.raises(SystemExit, match="eogym-sft demo: --seed and --task apply only to the agent demo: add --agent"):
+        main(["demo", "--output", str(tmp_path / "d"), "--seed", "1", "--task", "colour_grid"])
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_demo_flags_say_both_defaults(capsys):
+    from eogym_sft.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "SFT optimizer steps (of 2 samples); default 16, with --agent 100" in text and "default 0.01, with --agent 0.005" in text
+    assert "(default: None)" not in text
+
+
+# The smallest agent demo that still runs every stage (SFT, GRPO, rejection sampling, held-out rollouts): run twice.
+SMALLEST_RUN = dict(train_rows=4, held_out_rows=2, sft_steps=2, grpo_steps=1, num_generations=2, rft_steps=1, samples=1)
+
+
+@pytest.mark.slow(90)
+def test_the_same_config_gives_the_same_agent_report(tmp_path):
+    """Crop names, questions, weights and every sampled episode come from the seed: two runs in two folders
+    write the same agent_report.json but for its timings."""
+    import json
+
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+
+    reports = []
+    for run in ("a", "b"):
+        run_agent_demo(tmp_path / run, cfg=AgentDemoConfig(**SMALLEST_RUN))
+        report = json.loads((tmp_path / run / "agent_report.json").read_text())
+        assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
+        reports.append({k: v for k, v in report.items() if k != "seconds"})
+    assert reports[0] == reports[1]
+    assert (tmp_path / "a" / "task" / "train.jsonl").read_bytes() == (tmp_path / "b" / "task" / "train.jsonl").read_bytes()
+    episodes = [(tmp_path / run / "rollout" / "episodes.jsonl").read_text().splitlines() for run in ("a", "b")]
+    strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k != "source"} for x in lines]  # source: the folder's path
+    assert len(episodes[0]) == 6 and strip(episodes[0]) == strip(episodes[1])
