@@ -287,3 +287,17 @@ def test_the_same_config_gives_the_same_agent_report(tmp_path):
     episodes = [(tmp_path / run / "rollout" / "episodes.jsonl").read_text().splitlines() for run in ("a", "b")]
     strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k != "source"} for x in lines]  # source: the folder's path
     assert len(episodes[0]) == 6 and strip(episodes[0]) == strip(episodes[1])
+
+
+@pytest.mark.slow(60)
+def test_the_agent_demo_runs_the_count_task(tmp_path):
+    """colour_count through every stage at the smallest size: four crops a turn fit its turn and episode budgets."""
+    import json
+
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+
+    report = run_agent_demo(tmp_path / "cc", cfg=AgentDemoConfig(task="colour_count", **SMALLEST_RUN))
+    assert (report["settings"]["task"], report["settings"]["max_new_tokens"], report["settings"]["completion_tokens"]) == ("colour_count", 176, 768)
+    assert {"base", "sft", "grpo"} <= set(report["arms"]) and all(a["episodes"] == 2 for a in report["arms"].values())
+    rows = [json.loads(x) for x in (tmp_path / "cc" / "task" / "train.jsonl").read_text().splitlines()]
+    assert [r["EO_task"] for r in rows] == ["colour_count"] * 4 and len(report["grpo_reward_per_step"]) == 1

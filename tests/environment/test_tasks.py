@@ -230,3 +230,15 @@ def test_the_count_is_scored_exactly():
 
     assert right("Final Answer: 2", "2") and right("Final Answer: 2.0", "2")
     assert not right("Final Answer: 3", "2") and not right("Final Answer: two", "2") and not right("Final Answer: 12", "2")
+
+
+def test_make_task_overwrite_replaces_the_jsonl_and_keeps_the_rest(tmp_path, capsys):
+    """What --help says: --output/--name is replaced (refused without --overwrite), other files stay."""
+    with pytest.raises(SystemExit):
+        main(["make-task", "--help"])
+    assert "replace --output/--name if it exists (refused otherwise); other files under --output stay" in " ".join(capsys.readouterr().out.split())
+    main(["make-task", "--output", str(tmp_path), "--rows", "2"])
+    (tmp_path / "notes.txt").write_text("mine")
+    main(["make-task", "--output", str(tmp_path), "--rows", "1", "--start", "5", "--overwrite"])
+    assert [json.loads(x)["id"] for x in (tmp_path / "tasks.jsonl").read_text().splitlines()] == ["cg0_0005"]
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "EO_GYM_DATA/colour_grid/cg0_0000.png").is_file()
