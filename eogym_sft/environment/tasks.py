@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,18 +205,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
-# Bytes a question adds on disk, beyond its scene: its crops (a quadrant's PNG is about a quarter of a
-# scene's), the JSONL line (under 2 KB with four calls) and the file-system blocks they round up to.
-ROW_OVERHEAD_BYTES = 4096 * 6
+BLOCK_BYTES = 4096  # a file's size on disk rounds up to whole blocks
+LINE_BYTES = 2048  # a JSONL row: about 1.2 KB with one call, 2 KB with four
 
 
 def check_disk(output: Path, rows: int, scene_bytes: int, n_crops: int) -> None:
-    """Refuse a ``rows`` that cannot fit the disk under ``output`` before anything is written."""
-    need = rows * (scene_bytes * (1 + n_crops // 2) + ROW_OVERHEAD_BYTES)
+    """Refuse a ``rows`` that cannot fit the disk (bytes or files) under ``output`` before anything is
+    written. A question is its scene, its crops (each a part of the scene, so no larger) and its line."""
+    files = rows * (1 + n_crops)
+    need = files * -(-scene_bytes // BLOCK_BYTES) * BLOCK_BYTES + rows * LINE_BYTES
     probe = next(p for p in (output, *output.parents) if p.exists())
-    free = shutil.disk_usage(probe).free
+    disk = os.statvfs(probe)
+    free = disk.f_bavail * disk.f_frsize
     if need > free:
         raise ValueError(f"--rows {rows} needs about {need / 1e9:,.1f} GB under {output}, which has {free / 1e9:,.1f} GB free")
+    if disk.f_files and files > disk.f_favail:  # f_files is 0 where the file system has no inode limit
+        raise ValueError(f"--rows {rows} needs {files:,} files under {output}, where {disk.f_favail:,} more fit")
 
 
 def write_task(
