@@ -162,33 +162,69 @@ def run_rollout(args: argparse.Namespace) -> dict:
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
-    from .demo import LEARNING_RATE, STEPS
+    from .demo import LEARNING_RATE, STEPS, AgentDemoConfig
+    from .environment.tasks import TASKS
 
-    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (of 2 samples)")
-    parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE, help="high, so a few steps move a small random model")
+    agent = AgentDemoConfig()
+    parser.add_argument(
+        "--steps", type=int, default=argparse.SUPPRESS, help=f"SFT optimizer steps (of 2 samples); default {STEPS}, with --agent {agent.sft_steps}"
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, default=argparse.SUPPRESS,
+        help=f"SFT learning rate, high so that a few steps move a small random model; default {LEARNING_RATE}, with --agent {agent.sft_learning_rate}",
+    )
     parser.add_argument(
         "--agent", action="store_true",
         help="the agent demo instead: SFT -> closed-loop rollouts -> GRPO -> rejection sampling on a task only the crop tool solves (docs/agent.md)",
     )
+    parser.add_argument(
+        "--seed", type=int, default=argparse.SUPPRESS,
+        help=f"with --agent: the questions, the model's weights and every sampled episode (default {agent.seed}); the same seed, the same report",
+    )
+    parser.add_argument("--task", choices=sorted(TASKS), default=argparse.SUPPRESS, help=f"with --agent: the task (default {agent.task})")
     add_overwrite_arg(parser)
+
+
+def agent_demo_config(args: argparse.Namespace):
+    """The agent demo's settings: its defaults, but for the flags given (the others are absent: their
+    default is SUPPRESS, so each demo keeps its own defaults)."""
+    from .demo import AgentDemoConfig
+
+    fields = {"steps": "sft_steps", "learning_rate": "sft_learning_rate", "seed": "seed", "task": "task"}
+    try:
+        return AgentDemoConfig(**{fields[flag]: value for flag, value in vars(args).items() if flag in fields})
+    except ValueError as err:
+        raise SystemExit(f"eogym-sft demo --agent: {err}") from None
 
 
 def run_demo(args: argparse.Namespace) -> dict:
-    from .demo import run_agent_demo
+    from .demo import LEARNING_RATE, STEPS, run_agent_demo
     from .demo import run_demo as run
 
     if args.agent:
-        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite)
-    return run(args.output, args.steps, args.learning_rate, args.overwrite)
+        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite, agent_demo_config(args))
+    agent_only = [f"--{flag}" for flag in ("seed", "task") if flag in vars(args)]
+    if agent_only:
+        raise SystemExit(f"eogym-sft demo: {' and '.join(agent_only)} apply only to the agent demo: add --agent")
+    return run(args.output, vars(args).get("steps", STEPS), vars(args).get("learning_rate", LEARNING_RATE), args.overwrite)
 
 
 def add_make_task_args(parser: argparse.ArgumentParser) -> None:
+    from .environment.tasks import TASKS
+
     parser.add_argument("--output", required=True, help="data root to write: tasks.jsonl, EO_GYM_DATA/ (scenes) and image_cache/ (gold crops)")
+    parser.add_argument(
+        "--task", choices=list(TASKS), default="colour_grid",
+        help="colour_grid: one quadrant's colour (one crop); colour_count: how many quadrants show a colour (four crops) (docs/agent.md)",
+    )
     parser.add_argument("--rows", type=int, required=True, help="questions to write")
-    parser.add_argument("--seed", type=int, default=0, help="which questions: the same seed writes the same rows")
+    parser.add_argument("--seed", type=int, default=0, help="which questions: the same seed writes the same bytes")
     parser.add_argument("--start", type=int, default=0, help="index of the first question (disjoint ranges give disjoint splits)")
     parser.add_argument("--name", default="tasks.jsonl", help="file name of the JSONL under --output")
-    add_overwrite_arg(parser)
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace --output/--name if it exists (refused otherwise); other files under --output stay, the scenes of these rows are rewritten",
+    )
 
 
 def run_make_task(args: argparse.Namespace) -> None:
@@ -197,10 +233,10 @@ def run_make_task(args: argparse.Namespace) -> None:
     if (Path(args.output) / args.name).exists() and not args.overwrite:
         raise SystemExit(f"eogym-sft make-task: {Path(args.output) / args.name} exists: pick another --name or pass --overwrite")
     try:
-        path = write_task(args.output, args.rows, args.seed, args.start, args.name)
+        path = write_task(args.output, args.rows, args.seed, args.start, args.name, args.task)
     except ValueError as err:
         raise SystemExit(f"eogym-sft make-task: {err}") from None
-    print(f"wrote {args.rows} colour_grid questions to {path} (data root {args.output})")
+    print(f"wrote {args.rows} {args.task} questions to {path} (data root {args.output})")
 
 
 def add_episodes_args(parser: argparse.ArgumentParser) -> None:

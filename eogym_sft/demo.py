@@ -157,6 +157,7 @@ class AgentDemoConfig:
     closed-loop rollouts -> GRPO -> rejection sampling on it (docs/agent.md). The defaults are the
     CPU demo's; ``bench/h200_session.sh agent_1gpu`` runs the same loop larger."""
 
+    task: str = "colour_grid"  # eogym_sft.environment.tasks.TASKS: colour_grid (one crop) or colour_count (four)
     train_rows: int = 96  # questions trained on (SFT gold traces, GRPO prompts, rejection-sampling prompts)
     held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
     seed: int = 0
@@ -178,16 +179,22 @@ class AgentDemoConfig:
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
     temperature: float = 0.7  # rollouts' sampling temperature (GRPO samples at 1.0, as the recipe does)
-    max_new_tokens: int = 48  # per turn: the gold call renders to 40 tokens with <|im_end|>, an answer to 5
+    max_new_tokens: int | None = None  # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
     max_turns: int = 3
     # GRPO's max_completion_length: an episode's turns AND its tool results and their images (about 150
     # tokens here); an episode longer than this counts as truncated and trains on nothing
-    completion_tokens: int = 512
+    completion_tokens: int | None = None  # None: the task's episode_tokens (colour_grid 512)
     model_config: dict | None = None  # the architecture (default: the demo's 128-wide tiny Qwen3-VL)
     device: str = "cpu"  # "cpu" for the demo; "cuda" for the GPU stage (training and rollouts)
     embedding_std: float = 0.4  # of the tied embeddings: room for confident logits (save_agent_model)
 
     def __post_init__(self):
+        from .environment.tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"no task {self.task!r}: choose one of {', '.join(TASKS)}")
+        self.max_new_tokens = TASKS[self.task].turn_tokens if self.max_new_tokens is None else self.max_new_tokens
+        self.completion_tokens = TASKS[self.task].episode_tokens if self.completion_tokens is None else self.completion_tokens
         if min(self.train_rows, self.held_out_rows, self.sft_steps, self.samples, self.rft_samples) < 1:
             raise ValueError("train_rows, held_out_rows, sft_steps, samples and rft_samples must be at least 1")
         if self.grpo_steps < 0 or self.rft_steps < 0:
@@ -251,7 +258,7 @@ def _rollout(
         RolloutConfig(
             model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
             include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_episode_tokens=1024, seed=cfg.seed,
+            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_episode_tokens=cfg.completion_tokens + 512, seed=cfg.seed,
             max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
             overwrite=overwrite,
         ),
@@ -295,19 +302,22 @@ def grpo_per_step(grpo_dir: str | Path, key: str = "reward") -> list[float]:
     return [h[key] for h in history if key in h]
 
 
-def reward_by_part(rewards: list[float], parts: int = 4) -> list[float]:
-    """GRPO's training reward averaged over ``parts`` consecutive runs of steps (the last takes the remainder):
-    one step's reward is one group's, so the per-step curve follows the questions drawn; the parts' means
-    show whether the policy's reward rises. Fewer steps than ``parts``: the steps themselves."""
-    if len(rewards) < parts:
-        return list(rewards)
+MIN_STEPS_PER_QUARTER = 5  # one step's reward is one group's: a quarter's mean over fewer steps follows the questions drawn
+
+
+def reward_by_part(rewards: list[float], parts: int = 4, min_steps: int = MIN_STEPS_PER_QUARTER) -> list[float] | None:
+    """GRPO's training reward averaged over ``parts`` consecutive runs of steps (the last takes the remainder),
+    to show whether the policy's reward rises; None when a part would hold fewer than ``min_steps`` steps
+    (the per-step rewards are then the curve)."""
+    if len(rewards) < parts * min_steps:
+        return None
     size = len(rewards) // parts
     bounds = [k * size for k in range(parts)] + [len(rewards)]
     return [sum(rewards[a:b]) / (b - a) for a, b in pairwise(bounds)]
 
 
 def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
-    """The agent loop on the ``colour_grid`` task; prints the table and writes ``agent_report.json``."""
+    """The agent loop on ``cfg.task`` (``colour_grid`` by default); prints the table and writes ``agent_report.json``."""
     from .environment.tasks import write_task
     from .guards import refuse_nonempty_output
     from .training import grpo
@@ -327,8 +337,8 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         print(f"[agent demo] {stage} done in {seconds[stage]:.1f} s", flush=True)
 
     root = output / "task"
-    train_rows = write_task(root, cfg.train_rows, cfg.seed, start=0, name="train.jsonl")
-    held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl")
+    train_rows = write_task(root, cfg.train_rows, cfg.seed, start=0, name="train.jsonl", task=cfg.task)
+    held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl", task=cfg.task)
     model_dir = save_agent_model(output / "small-qwen3-vl", cfg)
     lap("task and model")
 
@@ -413,16 +423,17 @@ def format_agent_report(report: dict, output: Path) -> str:
     for name, a in report["arms"].items():
         cells = [a["pass@1"], a[f"pass@{k}"], a["mean_score"], a["tool_any"], a["calls_per_episode"]]
         lines.append(f"  {name:<6}" + "".join(f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}" for v, w in zip(cells, (8, 8, 8, 10, 10))))
-    lines.append("  paired over questions (B - A, 95% CI):")
+    methods = sorted({p["ci_method"] for p in report["paired"]})
+    lines.append(f"  paired over questions (B - A, 95% CI, {', '.join(methods)}):")
     for p in report["paired"]:
         if p["metric"] in ("pass@1", "tool_any"):
-            ci = p.get("ci95_normal_approx")
+            ci = p["ci95"]
             ci_text = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "(n < 2)"
             lines.append(f"    {p['b']:>4} - {p['a']:<4} {p['metric']:<8} {p['delta']:+.3f} {ci_text}  n={p['n']}")
     rewards = report["grpo_reward_per_step"]
     if rewards:
         lines.append("  GRPO training reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
-        if len(rewards) >= 8:
+        if report["grpo_reward_by_quarter"] is not None:
             lines.append("  GRPO training reward by quarter of its steps: " + " ".join(f"{r:.3f}" for r in report["grpo_reward_by_quarter"]))
     if report["rejection_sampling"]:
         r = report["rejection_sampling"]

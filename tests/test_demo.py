@@ -122,7 +122,7 @@ def test_agent_report_and_table(tmp_path):
 
     summary = {
         "arms": {"base": {"overall": overall(0.0, 0.0)}, "sft": {"overall": overall(0.75, 1.0)}},
-        "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95_normal_approx": [0.3, 1.2]}],
+        "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95": [0.3, 1.2], "ci_method": "paired t"}],
     }
     report = agent_report(summary, [0.2, 0.5], {"episodes_sampled": 8, "episodes_kept": 5, "rows_trained": 9}, {"sft": 1.5, "grpo": 2.0},
                           AgentDemoConfig(samples=2))
@@ -130,17 +130,19 @@ def test_agent_report_and_table(tmp_path):
     assert report["arms"]["sft"]["episodes"] == 8 and report["seconds"]["total"] == 3.5
     text = format_agent_report(report, tmp_path)
     assert "  sft      0.750   1.000   0.750     1.000     1.000" in text
-    assert "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
+    assert "paired over questions (B - A, 95% CI, paired t):" in text and "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
-    assert report["grpo_reward_by_quarter"] == [0.2, 0.5] and "by quarter" not in text  # fewer steps than quarters
+    assert report["grpo_reward_by_quarter"] is None and "by quarter" not in text  # too few steps for quarters
 
 
-def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps():
+def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps_when_each_quarter_has_five():
     from eogym_sft.demo import reward_by_part
 
-    assert reward_by_part([0.0, 1.0, 0.5, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0]) == [0.5, 0.5, 1.0, 1 / 3]  # the last takes the rest
-    assert reward_by_part([0.25, 0.75], parts=4) == [0.25, 0.75]
-    assert reward_by_part([]) == []
+    steps = [0.0] * 5 + [1.0] * 5 + [0.5] * 5 + [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # 21 steps: the last quarter takes the rest
+    assert reward_by_part(steps) == [0.0, 1.0, 0.5, 0.5]
+    assert reward_by_part([0.25] * 19) is None  # a quarter of 4 steps would follow the 4 questions drawn
+    assert reward_by_part([0.0, 1.0, 1.0, 1.0, 1.0, 1.0]) is None  # the demo's 6 steps: quarters of 1, 1, 1 and 3
+    assert reward_by_part([]) is None
 
 
 def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path):
@@ -186,7 +188,7 @@ def test_sft_teaches_the_tool_and_the_answer_on_held_out_questions(learned):
     assert base["pass@1"] == 0.0 and base["tool_any"] == 0.0  # a random model calls nothing and answers nothing
     assert sft["tool_any"] >= 0.8
     gain = _paired(report, "base", "sft")
-    assert gain["delta"] >= 0.3 and gain["ci95_normal_approx"][0] > 0, gain
+    assert gain["delta"] >= 0.3 and gain["ci95"][0] > 0, gain
 
 
 @pytest.mark.slow
@@ -194,7 +196,7 @@ def test_grpo_does_not_fall_below_sft(learned):
     _, cfg, report = learned
     assert len(report["grpo_reward_per_step"]) == cfg.grpo_steps
     paired = _paired(report, "sft", "grpo")
-    assert paired["ci95_normal_approx"][1] >= 0, paired  # not significantly worse than SFT
+    assert paired["ci95"][1] >= 0, paired  # not significantly worse than SFT
     assert report["arms"]["grpo"]["tool_any"] >= 0.8
 
 
@@ -226,3 +228,76 @@ def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
     assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
     assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
     assert model.attn_implementation == "eogym_varlen"  # the packed loss forward, as the recipe (cuDNN's is CUDA only)
+
+
+def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):
+    from eogym_sft.cli import agent_demo_config, build_parser
+    from eogym_sft.demo import AgentDemoConfig
+
+    def config(*flags):
+        argv = ["demo", "--agent", *flags]
+        return agent_demo_config(build_parser(argv).parse_args(argv))
+
+    cfg = config("--steps", "7", "--learning-rate", "0.001", "--seed", "3", "--task", "colour_count")
+    assert (cfg.sft_steps, cfg.sft_learning_rate, cfg.seed, cfg.task) == (7, 0.001, 3, "colour_count")
+    assert (cfg.max_new_tokens, cfg.completion_tokens) == (176, 768)  # the task's budgets
+    assert config() == AgentDemoConfig()  # no flag: the agent demo's own defaults, not the SFT demo's 16 steps
+    with pytest.raises(SystemExit, match="eogym-sft demo --agent: .*must be at least 1"):
+        config("--steps", "0")
+
+
+def test_demo_refuses_agent_only_flags_without_agent(tmp_path):
+    from eogym_sft.cli import main
+
+    with pytest.raises(SystemExit, match="eogym-sft demo: --seed and --task apply only to the agent demo: add --agent"):
+        main(["demo", "--output", str(tmp_path / "d"), "--seed", "1", "--task", "colour_grid"])
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_demo_flags_say_both_defaults(capsys):
+    from eogym_sft.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "SFT optimizer steps (of 2 samples); default 16, with --agent 100" in text and "default 0.01, with --agent 0.005" in text
+    assert "(default: None)" not in text
+
+
+# The smallest agent demo that still runs every stage (SFT, GRPO, rejection sampling, held-out rollouts): run twice.
+SMALLEST_RUN = dict(train_rows=4, held_out_rows=2, sft_steps=2, grpo_steps=1, num_generations=2, rft_steps=1, samples=1)
+
+
+@pytest.mark.slow(90)
+def test_the_same_config_gives_the_same_agent_report(tmp_path):
+    """Crop names, questions, weights and every sampled episode come from the seed: two runs in two folders
+    write the same agent_report.json but for its timings."""
+    import json
+
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+
+    reports = []
+    for run in ("a", "b"):
+        run_agent_demo(tmp_path / run, cfg=AgentDemoConfig(**SMALLEST_RUN))
+        report = json.loads((tmp_path / run / "agent_report.json").read_text())
+        assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
+        reports.append({k: v for k, v in report.items() if k != "seconds"})
+    assert reports[0] == reports[1]
+    assert (tmp_path / "a" / "task" / "train.jsonl").read_bytes() == (tmp_path / "b" / "task" / "train.jsonl").read_bytes()
+    episodes = [(tmp_path / run / "rollout" / "episodes.jsonl").read_text().splitlines() for run in ("a", "b")]
+    strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k != "source"} for x in lines]  # source: the folder's path
+    assert len(episodes[0]) == 6 and strip(episodes[0]) == strip(episodes[1])
+
+
+@pytest.mark.slow(60)
+def test_the_agent_demo_runs_the_count_task(tmp_path):
+    """colour_count through every stage at the smallest size: four crops a turn fit its turn and episode budgets."""
+    import json
+
+    from eogym_sft.demo import AgentDemoConfig, run_agent_demo
+
+    report = run_agent_demo(tmp_path / "cc", cfg=AgentDemoConfig(task="colour_count", **SMALLEST_RUN))
+    assert (report["settings"]["task"], report["settings"]["max_new_tokens"], report["settings"]["completion_tokens"]) == ("colour_count", 176, 768)
+    assert {"base", "sft", "grpo"} <= set(report["arms"]) and all(a["episodes"] == 2 for a in report["arms"].values())
+    rows = [json.loads(x) for x in (tmp_path / "cc" / "task" / "train.jsonl").read_text().splitlines()]
+    assert [r["EO_task"] for r in rows] == ["colour_count"] * 4 and len(report["grpo_reward_per_step"]) == 1

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from math import comb
 
-from ..metrics.scoring import POSITIVE_METRICS, mean_scores, paired_stats
+from ..metrics.scoring import CI_METHOD, POSITIVE_METRICS, mean_scores, paired_stats
 
 GROUP_FIELDS = ("EO_task", "question_type")
 # The evaluate report's columns, in this order, where any arm has them; its paired table shows these
@@ -95,20 +95,21 @@ def arm_tables(arms: dict, columns: list[tuple[str, int]], metrics: list[str], r
 def paired_table(
     paired: list[dict], unit: str = "questions", cluster: str | None = None, notes: tuple[str, ...] = ()
 ) -> list[str]:
-    """The paired comparisons as text lines (SE = sd(diff)/sqrt(n); 95% CI = delta +/- 1.96 SE); with
+    """The paired comparisons as text lines (SE = sd(diff)/sqrt(n); 95% CI = delta +/- t SE, Student's t
+    at n - 1 degrees of freedom, named in the header as each record's ``ci_method``); with
     ``cluster`` (what units cluster in, e.g. ``"trace"``) a column of the clustered SE; ``notes`` go
     under the legend."""
     wlt = f"W/L/T = {unit} where B is better/worse/equal"
     clustered_head = f" {f'SE ({cluster}-cl.)':>14}" if cluster else ""
     lines = [
-        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, {CI_METHOD} = delta +/- t(0.975, n - 1) SE;",
         f"SE ({cluster}-clustered) allows for correlated {unit} of one {cluster}; {wlt};" if cluster else wlt,
         *notes,
         f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
-        f"{'95% CI, normal approx.':>22}{clustered_head} {'W/L/T':>13}",
+        f"{f'95% CI, {CI_METHOD}':>22}{clustered_head} {'W/L/T':>13}",
     ]
     for p in paired:
-        ci = "-" if p["ci95_normal_approx"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95_normal_approx"])
+        ci = "-" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
         se = "-" if p["se"] is None else f"{p['se']:.4f}"
         sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
         names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5}"

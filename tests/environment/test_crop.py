@@ -105,6 +105,26 @@ def test_a_source_that_changes_is_cropped_again(tmp_path):
     assert np.array_equal(np.asarray(Image.open(tmp_path / second)), inverted[3:9, 4:12])
 
 
+def test_the_crop_is_named_by_content_and_box_not_path_or_mtime(tmp_path):
+    """The name is part of the tool result a model trains on: a copy of the scene elsewhere, written at
+    another time, gives the same name; the name is sha256([sha256(bytes), box])[:32]."""
+    import hashlib
+    import os
+    import shutil
+
+    _gradient(tmp_path / "a", "EO_GYM_DATA/ab/scene.png", 16, 12)
+    (tmp_path / "b" / "EO_GYM_DATA" / "cd").mkdir(parents=True)
+    shutil.copyfile(tmp_path / "a" / "EO_GYM_DATA/ab/scene.png", tmp_path / "b" / "EO_GYM_DATA/cd/other.png")
+    os.utime(tmp_path / "b" / "EO_GYM_DATA/cd/other.png", ns=(1, 10**18))
+    names = []
+    for root, rel in ((tmp_path / "a", "EO_GYM_DATA/ab/scene.png"), (tmp_path / "b", "EO_GYM_DATA/cd/other.png")):
+        backend = CropBackend(root, root / "image_cache" / "crops")
+        names.append(json.loads(backend.answer("crop_optical_or_sar_image", {"image_url": rel, "aoi": [0.25, 0.25, 0.75, 0.75]})[0])["cropped_path"])
+    content = hashlib.sha256((tmp_path / "a" / "EO_GYM_DATA/ab/scene.png").read_bytes()).hexdigest()
+    expected = hashlib.sha256(json.dumps([content, [4, 3, 12, 9]]).encode()).hexdigest()[:32]
+    assert names == [f"image_cache/crops/{expected}.png"] * 2
+
+
 ################
 # Property tests of the AOI validator (issue 28)
 ################

@@ -107,3 +107,138 @@ def test_make_task_command(tmp_path, capsys):
         main(["make-task", "--output", str(tmp_path), "--rows", "3", "--name", "held.jsonl"])
     with pytest.raises(SystemExit, match="rows must be at least 1"):
         main(["make-task", "--output", str(tmp_path), "--rows", "0", "--name", "other.jsonl"])
+
+
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("task_name", ["colour_grid", "colour_count"])
+def test_make_task_writes_the_same_bytes_for_a_seed(tmp_path, task_name):
+    """The crop names are in the gold tool results: two runs (in two folders, at two times) write
+    byte-equal JSONL, scenes and crops."""
+    import os
+    import time
+
+    for run in ("a", "b"):
+        main(["make-task", "--task", task_name, "--output", str(tmp_path / run), "--rows", "4", "--seed", "0"])
+        for scene in (tmp_path / run / "EO_GYM_DATA").rglob("*.png"):
+            os.utime(scene, ns=(1, time.time_ns() + 10**9 * (run == "a")))  # scenes of the first run look older or newer
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a == b and "tasks.jsonl" in a and sum(k.startswith("EO_GYM_DATA/") for k in a) == 4
+    assert sum(k.startswith("image_cache/crops/") for k in a) == (4 if task_name == "colour_grid" else 16)
+
+
+def test_rows_stream_to_a_temporary_file_and_a_stopped_run_leaves_no_jsonl(tmp_path, monkeypatch):
+    """The 21st question's write finds the rows before it on disk (not held in memory; a few may still be in
+    the file's buffer) under a dot-name;
+    stopped there, the run leaves the old JSONL as it was, no temporary file and only whole scenes."""
+    from eogym_sft.environment import tasks
+
+    (tmp_path / "tasks.jsonl").write_text("old\n")
+    real, seen = tasks._write_question, []
+
+    def stop_at_the_21st(output, spec, task):
+        if spec["id"].endswith("_0020"):
+            seen.extend(p.read_text().count("\n") for p in tmp_path.glob(".tasks.jsonl.*.tmp"))
+            raise KeyboardInterrupt
+        return real(output, spec, task)
+
+    monkeypatch.setattr(tasks, "_write_question", stop_at_the_21st)
+    with pytest.raises(KeyboardInterrupt):
+        write_task(tmp_path, 1000, seed=0)
+    assert len(seen) == 1 and 10 <= seen[0] <= 20, seen
+    assert (tmp_path / "tasks.jsonl").read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.rglob(".*")) == []
+    scenes = sorted(tmp_path.rglob("*.png"))
+    assert all(Image.open(p).size in ((SCENE_PX, SCENE_PX), (SCENE_PX // 2, SCENE_PX // 2)) for p in scenes)
+
+
+def test_rows_that_cannot_fit_the_disk_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(SystemExit, match=r"make-task: --rows 1000000000000 needs about [\d,.]+ GB under .* GB free"):
+        main(["make-task", "--output", str(tmp_path / "big"), "--rows", "1000000000000"])
+    assert not (tmp_path / "big").exists()
+
+
+def test_make_task_refuses_an_unknown_task(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["make-task", "--task", "nope", "--output", str(tmp_path), "--rows", "1"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- colour_count: four crops, one count
+
+
+@pytest.fixture(scope="module")
+def count_task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colour_count")
+    path = write_task(root, 20, seed=1, task="colour_count")
+    return root, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_count_gold_traces_reach_the_answer_through_the_real_crop_backend(count_task):
+    """Each gold call re-run through the crop backend returns the gold result; the colours read back from
+    the four crops give the count; one crop alone leaves the count open."""
+    from eogym_sft.environment.tasks import count_spec
+
+    root, rows = count_task
+    for index, row in enumerate(rows):
+        asked = row["question_type"]
+        assert row["messages"][1]["content"].startswith(f"<image>\nHow many of the four quadrants are {asked} ")
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "tool", "tool", "tool", "tool", "assistant"]
+        calls = [json.loads(c["function"]["arguments"]) for c in row["messages"][2]["tool_calls"]]
+        assert calls == [{"aoi": aoi} for aoi in QUADRANTS.values()]
+        env = EOGymEnvironment(row, root, backends=("crop",))
+        seen = []
+        for call, gold in zip(calls, row["messages"][3:7]):
+            result = env.call("crop_optical_or_sar_image", call)
+            assert result.ok and result.text == gold["content"]
+            seen.append(read_colour(np.array(Image.open(root / json.loads(result.text)["cropped_path"]).convert("RGB"))))
+        assert seen == list(count_spec(1, index)["colours"].values())
+        assert str(seen.count(asked)) == row["gt_answer"] and row["messages"][-1]["content"] == f"Final Answer: {row['gt_answer']}"
+        assert len(normalize_row(row).images) == 5  # data prep shows the scene and the four crops
+    assert {r["gt_answer"] for r in rows} == {"0", "1", "2", "3", "4"}
+
+
+def test_count_answers_are_spread_evenly():
+    from collections import Counter
+
+    from eogym_sft.environment.tasks import count_spec
+
+    counts = Counter(count_spec(0, i)["answer"] for i in range(2000))
+    assert sorted(counts) == ["0", "1", "2", "3", "4"] and max(counts.values()) < 2000 * 0.23  # no answer is a free 42%
+
+
+def test_the_full_count_image_at_the_demo_cap_shows_no_colour(count_task):
+    from eogym_sft.models.tiny import build_offline_processor
+
+    root, rows = count_task
+    processor = build_offline_processor(DEMO_CAP, 4096)
+    full = [processor.image_processor(images=[Image.open(root / r["images"][0]).convert("RGB")], return_tensors="pt")["pixel_values"] for r in rows]
+    assert len({r["gt_answer"] for r in rows}) == 5
+    for f in full[1:]:
+        assert float((f - full[0]).abs().mean()) < 0.005
+    assert float(full[0].std()) < 0.02
+
+
+def test_the_count_is_scored_exactly():
+    from eogym_sft.metrics.scoring import extract_final_answer, normalize_answer
+
+    def right(text, gt):
+        answer = extract_final_answer(text)
+        return answer is not None and normalize_answer(answer) == normalize_answer(gt)
+
+    assert right("Final Answer: 2", "2") and right("Final Answer: 2.0", "2")
+    assert not right("Final Answer: 3", "2") and not right("Final Answer: two", "2") and not right("Final Answer: 12", "2")
+
+
+def test_make_task_overwrite_replaces_the_jsonl_and_keeps_the_rest(tmp_path, capsys):
+    """What --help says: --output/--name is replaced (refused without --overwrite), other files stay."""
+    with pytest.raises(SystemExit):
+        main(["make-task", "--help"])
+    assert "replace --output/--name if it exists (refused otherwise); other files under --output stay" in " ".join(capsys.readouterr().out.split())
+    main(["make-task", "--output", str(tmp_path), "--rows", "2"])
+    (tmp_path / "notes.txt").write_text("mine")
+    main(["make-task", "--output", str(tmp_path), "--rows", "1", "--start", "5", "--overwrite"])
+    assert [json.loads(x)["id"] for x in (tmp_path / "tasks.jsonl").read_text().splitlines()] == ["cg0_0005"]
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "EO_GYM_DATA/colour_grid/cg0_0000.png").is_file()

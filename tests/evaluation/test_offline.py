@@ -287,8 +287,8 @@ def test_paired_stats_by_hand():
     assert out["mean_a"] == pytest.approx(0.6) and out["mean_b"] == pytest.approx(0.8)
     assert out["delta"] == pytest.approx(0.2)
     assert out["se"] == pytest.approx(math.sqrt(0.14))
-    z = 1.959963984540054
-    assert out["ci95_normal_approx"] == pytest.approx([0.2 - z * math.sqrt(0.14), 0.2 + z * math.sqrt(0.14)])
+    t4 = 2.7764451051977934  # Student's t, 97.5%, 4 degrees of freedom
+    assert out["ci95"] == pytest.approx([0.2 - t4 * math.sqrt(0.14), 0.2 + t4 * math.sqrt(0.14)], rel=1e-9)
     assert (out["wins"], out["losses"], out["ties"]) == (2, 1, 2)
     assert out["se_clustered"] == pytest.approx(0.36)
 
@@ -540,7 +540,7 @@ def test_end_to_end_two_adapters_on_identical_turns(data, models, tmp_path, caps
     final = by_arm["base"][("r1", 1)]
     assert final["gt_answer"] == "5" and final["sample_scores"][0]["answer_judge"] is not None
     assert "Object Counting" in summary["arms"]["one"]["by_EO_task"]
-    assert "95% CI, normal approx." in capsys.readouterr().out
+    assert "95% CI, paired t" in capsys.readouterr().out
 
 
 def test_batching_and_base_arm_match_a_plain_model(data, models, processor):

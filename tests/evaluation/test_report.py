@@ -91,16 +91,16 @@ def test_arm_tables_rows_per_group_and_arm():
 
 
 PAIR = {"a": "base", "b": "an-adapter-name-too-long", "metric": "pass@1", "n": 4, "mean_a": 0.25, "mean_b": 0.75,
-        "delta": 0.5, "se": 0.2886751, "ci95_normal_approx": [-0.0657, 1.0657], "wins": 2, "losses": 0, "ties": 2}
+        "delta": 0.5, "se": 0.2886751, "ci95": [-0.4187, 1.4187], "ci_method": "paired t", "wins": 2, "losses": 0, "ties": 2}
 
 
 def test_paired_table_per_question():
-    one = dict(PAIR, n=1, se=None, ci95_normal_approx=None, wins=1, ties=0)
+    one = dict(PAIR, n=1, se=None, ci95=None, wins=1, ties=0)
     assert paired_table([PAIR, one]) == [
-        "paired, B - A on identical questions; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        "paired, B - A on identical questions; SE = sd(diff)/sqrt(n); 95% CI, paired t = delta +/- t(0.975, n - 1) SE;",
         "W/L/T = questions where B is better/worse/equal",
-        "A            B            metric                     n  mean A  mean B    delta      SE 95% CI, normal approx.         W/L/T",
-        "base         an-adapter-n pass@1                     4   0.250   0.750   +0.500  0.2887       [-0.066, +1.066]    2/0/2",
+        "A            B            metric                     n  mean A  mean B    delta      SE       95% CI, paired t         W/L/T",
+        "base         an-adapter-n pass@1                     4   0.250   0.750   +0.500  0.2887       [-0.419, +1.419]    2/0/2",
         "base         an-adapter-n pass@1                     1   0.250   0.750   +0.500       -                      -    1/0/0",
     ]
 
@@ -108,12 +108,12 @@ def test_paired_table_per_question():
 def test_paired_table_per_turn_with_the_clustered_se():
     lines = paired_table([dict(PAIR, se_clustered=0.3)], "turns", cluster="trace", notes=("a note",))
     assert lines == [
-        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, paired t = delta +/- t(0.975, n - 1) SE;",
         "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal;",
         "a note",
-        "A            B            metric                     n  mean A  mean B    delta      SE 95% CI, normal approx. "
+        "A            B            metric                     n  mean A  mean B    delta      SE       95% CI, paired t "
         "SE (trace-cl.)         W/L/T",
-        "base         an-adapter-n pass@1                     4   0.250   0.750   +0.500  0.2887       [-0.066, +1.066]"
+        "base         an-adapter-n pass@1                     4   0.250   0.750   +0.500  0.2887       [-0.419, +1.419]"
         "         0.3000    2/0/2",
     ]
 
@@ -196,11 +196,11 @@ def test_format_turn_report_text():
         "qt | base                   3        0.333      1.000      0.000             0.500",
         "qt | lora                   2        1.000      1.000      1.000             1.000",
         "",
-        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, paired t = delta +/- t(0.975, n - 1) SE;",
         "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal;",
         "headline metrics only: summary.json has every positive metric",
-        "A            B            metric                     n  mean A  mean B    delta      SE 95% CI, normal approx. SE (trace-cl.)         W/L/T",
-        "base         lora         turn_correct               2   0.500   1.000   +0.500  0.5000       [-0.480, +1.480]              -    1/0/1",
+        "A            B            metric                     n  mean A  mean B    delta      SE       95% CI, paired t SE (trace-cl.)         W/L/T",
+        "base         lora         turn_correct               2   0.500   1.000   +0.500  0.5000       [-5.853, +6.853]              -    1/0/1",
         "base         lora         call_match                 1   0.000   1.000   +1.000       -                      -              -    1/0/0",
         "base         lora         answer_normalized          1   1.000   1.000   +0.000       -                      -              -    0/0/1",
     ]
@@ -248,7 +248,8 @@ def test_summary_pass_at_k_and_paired_deltas_by_hand():
     se = (sum((d - mean) ** 2 for d in diffs) / 2 / 3) ** 0.5
     assert (p1["a"], p1["b"], p1["n"], p1["wins"], p1["losses"]) == ("base", "lora", 3, 2, 1)
     assert p1["delta"] == pytest.approx(mean) and p1["se"] == pytest.approx(se)
-    assert p1["ci95_normal_approx"] == pytest.approx([mean - 1.959964 * se, mean + 1.959964 * se], rel=1e-5)
+    t2 = 4.302652729749462  # Student's t, 97.5%, 2 degrees of freedom (3 questions)
+    assert p1["ci95"] == pytest.approx([mean - t2 * se, mean + t2 * se], rel=1e-9) and p1["ci_method"] == "paired t"
     assert paired["pass@3"]["n"] == 2 and paired["pass@3"]["delta"] == pytest.approx(0.5)
     assert summary["arms"]["lora"]["by_EO_task"]["Counting"]["pass@1"] == lora["pass@1"]
 
@@ -283,9 +284,9 @@ def test_format_rollout_report_text():
         "  lora: final_answer 2",
         "  lora: 12.3 episodes/min, 67.9 generated tokens/s",
         "",
-        "paired, B - A on identical questions; SE = sd(diff)/sqrt(n); 95% CI, normal approx. = delta +/- 1.96 SE;",
+        "paired, B - A on identical questions; SE = sd(diff)/sqrt(n); 95% CI, paired t = delta +/- t(0.975, n - 1) SE;",
         "W/L/T = questions where B is better/worse/equal",
-        "A            B            metric                     n  mean A  mean B    delta      SE 95% CI, normal approx.         W/L/T",
+        "A            B            metric                     n  mean A  mean B    delta      SE       95% CI, paired t         W/L/T",
         "base         lora         pass@1                     1   0.500   1.000   +0.500       -                      -    1/0/0",
         "base         lora         pass@2                     1   1.000   1.000   +0.000       -                      -    0/0/1",
         "base         lora         tool_any                   1   0.500   1.000   +0.500       -                      -    1/0/0",

@@ -9,8 +9,9 @@ is not published, and this one is documented in ``docs/environment.md``.
 
 The crop is the source decoded to 8-bit RGB by :func:`eogym_sft.data.images.load_rgb` (so 16-bit SAR is
 stretched as everywhere else in the library), saved as PNG under the crop cache, named by a hash of
-the source path (with its size and modification time) and the box, so that the same call gives the
-same file.
+the source's bytes and the box: the same call on the same image gives the same name on every machine
+and every run (the name is part of the tool result a model trains on), and a source that changes
+gets a new name.
 """
 
 from __future__ import annotations
@@ -76,15 +77,29 @@ def _decoded(path: str, size: int, mtime_ns: int):
     return load_rgb(path)
 
 
-def crop_image(source: Path, source_rel: str, aoi: list[float], cache_dir: Path, data_root: Path) -> dict:
-    """Crop ``source`` (``source_rel`` under ``data_root``) to ``aoi``; write the PNG under ``cache_dir``
+@functools.lru_cache(maxsize=64)
+def _content_digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of the file's bytes; keyed by size and mtime (as :func:`_decoded`), so a file that changes
+    is hashed again while the turns of one row read it once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def crop_name(content_digest: str, box: list[int]) -> str:
+    """The crop's file name: a hash of the source's content and the pixel box, never of its path or mtime."""
+    return hashlib.sha256(json.dumps([content_digest, box]).encode()).hexdigest()[:32] + ".png"
+
+
+def crop_image(source: Path, aoi: list[float], cache_dir: Path, data_root: Path) -> dict:
+    """Crop ``source`` (an image under ``data_root``) to ``aoi``; write the PNG under ``cache_dir``
     (inside ``data_root``) unless it is there already; return the tool's result fields."""
     stat = source.stat()
     image = _decoded(str(source), stat.st_size, stat.st_mtime_ns)
     box = crop_box(aoi, *image.size)
-    # the source's size and mtime are in the name: a source that changes never gets another's stale crop
-    digest = hashlib.sha256(json.dumps([source_rel, stat.st_size, stat.st_mtime_ns, box]).encode()).hexdigest()[:32]
-    out = cache_dir / f"{digest}.png"
+    out = cache_dir / crop_name(_content_digest(str(source), stat.st_size, stat.st_mtime_ns), box)
     if not out.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         # write then rename: parallel episodes asking for the same crop never see half a file
@@ -137,7 +152,7 @@ class CropBackend:
         if not found:
             raise CannotAnswer(f"no image {short(rel, 120)} under the data root")
         try:
-            result = crop_image(source, rel, aoi, self.cache_dir, self.data_root)
+            result = crop_image(source, aoi, self.cache_dir, self.data_root)
         except ImageError as err:
             raise CannotAnswer(f"cannot read {short(rel, 120)}: {err.reason}: {short(err.detail, 120)}") from None
         except OSError as err:  # the crop cache is full, read-only or not a folder: the tool failed, not the model
