@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
-from ..config import TokenBudget
+from ..config import TOOL_IMAGES, TokenBudget
 from ..safe_json import UntrustedJSONError, loads
 from .encoding import Encoded, encode_conversation, render
 from .images import ImageError, checked_image_size, resolve_image_path
@@ -37,7 +37,7 @@ class PrepConfig(TokenBudget):
 
     data_root: str = "."
     overlong: str = "split"
-    tool_images: str = "produced"  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
+    tool_images: str = TOOL_IMAGES  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
     strict: bool = False
     max_row_bytes: int = MAX_ROW_BYTES  # a longer line is dropped as row_too_large before it is parsed
     max_messages: int = MAX_MESSAGES  # a row with more messages is dropped as too_many_messages before it is rendered

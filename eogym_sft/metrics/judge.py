@@ -68,6 +68,10 @@ class ChatJudge:
         from ..net import check_url
 
         check_url(self.url)
+        if not self.timeout > 0:
+            raise ValueError(f"the judge's timeout must be > 0 seconds, got {self.timeout}")
+        if self.retries < 0:
+            raise ValueError(f"the judge's retries must be 0 or more, got {self.retries}")
 
     def __call__(self, question: str, prediction: str, reference: str) -> bool:
         from .. import net
