@@ -7,38 +7,24 @@ import json
 import sys
 from pathlib import Path
 
-from .config import TOOL_IMAGES, TOOL_IMAGES_HELP, SampleConfig, config_from_args
+from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args
 from .guards import check_model_source, check_torch_stack, refuse_nonempty_output, user_errors
 from .quiet import quiet_deepspeed_probe
-
-
-def add_sample_args(parser: argparse.ArgumentParser) -> None:
-    """``--max-pixels``, ``--min-pixels`` and ``--max-length``, with :class:`SampleConfig`'s defaults and help."""
-    help_of = {name: f.metadata["help"] for name, f in SampleConfig.__dataclass_fields__.items()}
-    parser.add_argument("--max-pixels", type=int, default=SampleConfig.max_pixels, help=help_of["max_pixels"])
-    parser.add_argument("--min-pixels", type=int, default=SampleConfig.min_pixels, help=help_of["min_pixels"])
-    # --max-tokens: the flag's name before it matched SFTConfig.max_length
-    parser.add_argument("--max-length", "--max-tokens", type=int, default=SampleConfig.max_length, help=help_of["max_length"])
 
 
 def add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output (refused otherwise)")
 
 
-def sample_settings(args: argparse.Namespace) -> dict:
-    return {"max_pixels": args.max_pixels, "min_pixels": args.min_pixels, "max_length": args.max_length}
-
-
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
+    from .data.prepare import PrepConfig
+
     parser.add_argument("--input", nargs="+", required=True, help="EO-Gym JSONL file(s)")
-    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     parser.add_argument("--model", required=True, help="hub id or local folder whose processor and chat template are used")
     parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
-    add_sample_args(parser)
-    parser.add_argument("--overlong", choices=("split", "drop"), default="split", help="what to do with traces over the budget")
-    parser.add_argument("--tool-images", default=TOOL_IMAGES, help=TOOL_IMAGES_HELP)
+    add_dataclass_args(parser, ImageConfig)  # the processor carries the pixel settings, PrepConfig the rest
+    add_dataclass_args(parser, PrepConfig)
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
-    parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
     parser.add_argument(
         "--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
     )
@@ -46,6 +32,10 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
+    from .data.prepare import DROP_SHARE, PrepConfig
+
+    image = config_from_args(ImageConfig, args)
+    cfg = config_from_args(PrepConfig, args, max_drop_share=1.0 if args.allow_drops else DROP_SHARE)
     for path in args.input:  # refused before the heavy imports below
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
@@ -53,15 +43,9 @@ def run_prepare(args: argparse.Namespace) -> dict:
     check_model_source(args.model)
     check_torch_stack()
     from .data.datasets import prepare_dataset
-    from .data.prepare import PrepConfig
     from .models.processor import load_processor
 
-    sample = SampleConfig(**sample_settings(args))
-    cfg = PrepConfig(
-        max_length=sample.max_length, data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images,
-        strict=args.strict, max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
-    )
-    processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)
+    processor = load_processor(args.model, image.max_pixels, image.min_pixels)
     stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
     return stats

@@ -63,19 +63,26 @@ def field_default(f: dataclasses.Field):
     return None if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
-@pytest.mark.parametrize("command", ["validate", "evaluate", "rollout"])
+@pytest.mark.parametrize("command", ["prepare", "validate", "evaluate", "rollout"])
 def test_each_flag_is_a_config_field_with_the_fields_default(command):
-    """No second declaration: every field of the command's config is one flag, its dest the field's name and its
-    default the field's own; the flags that are no field are the command's own switches."""
+    """No second declaration: every field of the command's configs is one flag, its dest the field's name and its
+    default and help the field's own; the flags that are no field are the command's own switches."""
+    from eogym_sft.config import ImageConfig
+    from eogym_sft.data.prepare import PrepConfig
     from eogym_sft.evaluation.run_args import EvalConfig, RolloutConfig, ValidateConfig
 
-    config = {"validate": ValidateConfig, "evaluate": EvalConfig, "rollout": RolloutConfig}[command]
+    configs = {"prepare": (ImageConfig, PrepConfig), "validate": (ValidateConfig,), "evaluate": (EvalConfig,), "rollout": (RolloutConfig,)}
     actions = {a.dest: a for a in command_parser(command)._actions if a.dest != "help"}
-    fields = [f for f in dataclasses.fields(config) if f.metadata.get("flag") is not False]
+    fields = [f for config in configs[command] for f in dataclasses.fields(config) if f.metadata.get("flag") is not False]
     for f in fields:
         assert actions[f.name].default == field_default(f) and actions[f.name].help == f.metadata["help"], f.name
         assert actions[f.name].required == (field_default(f) is None and f.metadata.get("required", f.default is dataclasses.MISSING))
-    own = {"validate": set(), "evaluate": {"no_progress"}, "rollout": {"no_progress", "policy_url", "policy_model", "policy_config"}}
+    own = {
+        "prepare": {"input", "model", "output", "num_proc", "allow_drops", "overwrite"},
+        "validate": set(),
+        "evaluate": {"no_progress"},
+        "rollout": {"no_progress", "policy_url", "policy_model", "policy_config"},
+    }
     assert set(actions) - {f.name for f in fields} == own[command]
 
 
