@@ -218,6 +218,7 @@ def test_a_recipe_flag_is_never_taken_by_its_prefix(recipe):
         recipe.parse_args([*CPU, "--max_step", "5"])
 
 
+@pytest.mark.slow(40)  # two runs of the recipe script, each importing torch and TRL
 def test_a_recipe_error_is_one_line_and_debug_shows_the_traceback():
     argv = [sys.executable, str(REPO / "recipes" / "eo_gym_4b.py"), *CPU, "--eval_fraction", "1.0"]
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
