@@ -7,40 +7,24 @@ import json
 import sys
 from pathlib import Path
 
-from .config import SampleConfig
-from .guards import refuse_nonempty_output, user_errors
+from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args
+from .guards import check_model_source, check_torch_stack, refuse_nonempty_output, user_errors
 from .quiet import quiet_deepspeed_probe
-
-
-def add_sample_args(parser: argparse.ArgumentParser) -> None:
-    """``--max-pixels``, ``--min-pixels`` and ``--max-length``, with :class:`SampleConfig`'s defaults and help."""
-    help_of = {name: f.metadata["help"] for name, f in SampleConfig.__dataclass_fields__.items()}
-    parser.add_argument("--max-pixels", type=int, default=SampleConfig.max_pixels, help=help_of["max_pixels"])
-    parser.add_argument("--min-pixels", type=int, default=SampleConfig.min_pixels, help=help_of["min_pixels"])
-    # --max-tokens: the flag's name before it matched SFTConfig.max_length
-    parser.add_argument("--max-length", "--max-tokens", type=int, default=SampleConfig.max_length, help=help_of["max_length"])
 
 
 def add_overwrite_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output (refused otherwise)")
 
 
-def sample_settings(args: argparse.Namespace) -> dict:
-    return {"max_pixels": args.max_pixels, "min_pixels": args.min_pixels, "max_length": args.max_length}
-
-
 def add_prepare_args(parser: argparse.ArgumentParser) -> None:
+    from .data.prepare import PrepConfig
+
     parser.add_argument("--input", nargs="+", required=True, help="EO-Gym JSONL file(s)")
-    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
     parser.add_argument("--model", required=True, help="hub id or local folder whose processor and chat template are used")
     parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
-    add_sample_args(parser)
-    parser.add_argument("--overlong", choices=("split", "drop"), default="split", help="what to do with traces over the budget")
-    parser.add_argument(
-        "--tool-images", default="produced", help="which tool-result images the model sees: produced|attach|text[,TOOL=MODE...] (docs/data.md)"
-    )
+    add_dataclass_args(parser, ImageConfig)  # the processor carries the pixel settings, PrepConfig the rest
+    add_dataclass_args(parser, PrepConfig)
     parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
-    parser.add_argument("--strict", action="store_true", help="stop at the first bad line with file, line and field")
     parser.add_argument(
         "--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
     )
@@ -48,20 +32,20 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> dict:
+    from .data.prepare import DROP_SHARE, PrepConfig
+
+    image = config_from_args(ImageConfig, args)
+    cfg = config_from_args(PrepConfig, args, max_drop_share=1.0 if args.allow_drops else DROP_SHARE)
     for path in args.input:  # refused before the heavy imports below
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
     refuse_nonempty_output(args.output, args.overwrite, "eogym-sft prepare")
+    check_model_source(args.model)
+    check_torch_stack()
     from .data.datasets import prepare_dataset
-    from .data.prepare import PrepConfig
     from .models.processor import load_processor
 
-    sample = SampleConfig(**sample_settings(args))
-    cfg = PrepConfig(
-        max_length=sample.max_length, data_root=args.data_root, overlong=args.overlong, tool_images=args.tool_images,
-        strict=args.strict, max_drop_share=1.0 if args.allow_drops else PrepConfig.max_drop_share,
-    )
-    processor = load_processor(args.model, sample.max_pixels, sample.min_pixels)
+    processor = load_processor(args.model, image.max_pixels, image.min_pixels)
     stats = prepare_dataset(args.input, args.model, processor, cfg, args.output, args.num_proc)
     print(f"wrote {args.output}/dataset, manifest.jsonl, stats.json")
     return stats
@@ -77,87 +61,80 @@ def add_tiny_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny(args: argparse.Namespace) -> None:
+    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft tiny-model")
+    check_torch_stack()
     from .models.tiny import save_tiny_model
 
-    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft tiny-model")
     config = json.loads(Path(args.config).read_text()) if args.config else None
     path = save_tiny_model(args.output, args.seed, config, args.dtype, args.device)
     print(f"random-weight Qwen3-VL written to {path}")
 
 
 def add_validate_args(parser: argparse.ArgumentParser) -> None:
-    from .evaluation.validate import ValidateConfig
+    from .evaluation.run_args import add_validate_args as add
 
-    parser.add_argument("--model", required=True, help="base model: hub id or local folder")
-    parser.add_argument("--adapter", nargs="+", action="extend", default=[], metavar="[NAME=]DIR", help="LoRA adapter folder(s), each one arm")
-    parser.add_argument("--no-base", action="store_true", help="do not score the base model (adapters off) as an arm")
-    parser.add_argument("--data", required=True, help="prepared folder, or EO-Gym JSONL (prepared on the way in)")
-    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/")
-    parser.add_argument("--output", required=True, help="report.json to write")
-    parser.add_argument("--batch-size", type=int, default=ValidateConfig.batch_size, help="samples packed into one forward")
-    add_sample_args(parser)
-    parser.add_argument("--num-proc", type=int, default=1, help="data-prep workers when --data is JSONL")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"), help="auto = bf16 on GPU, fp32 on CPU")
-    parser.add_argument(
-        "--attn-implementation", default=None,
-        help="text attention: eogym_varlen_cudnn (default on CUDA, the recipe's), eogym_varlen (default elsewhere) or sdpa (padded batches)",
-    )
-    parser.add_argument(
-        "--dataloader-workers", type=int, default=ValidateConfig.dataloader_workers,
-        help="processes that collate batches while the model runs (at most CPUs - 1; 0: the main process)",
-    )
-    parser.add_argument(
-        "--compile-layers", action=argparse.BooleanOptionalAction, default=None,
-        help="compile the decoder layers as the SFT recipe does (default: on CUDA only)",
-    )
-    parser.add_argument("--allow-other-base", action="store_true", help="use an adapter trained on a base of another name (the same weights renamed)")
-    parser.add_argument(
-        "--held-out-fraction", type=float, default=None,
-        help="score only the traces a training run held out: its eval_fraction (with --seed, its seed)",
-    )
-    parser.add_argument("--seed", type=int, default=42, help="the training run's seed, for --held-out-fraction")
-    add_overwrite_arg(parser)
+    add(parser)
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .evaluation.validate import ValidateConfig, validate
+    from .evaluation.run_args import ValidateConfig, refuse_foreign_adapters, refuse_missing_inputs
 
-    try:
-        cfg = ValidateConfig(
-            **sample_settings(args), model=args.model, adapters=args.adapter, include_base=not args.no_base, data=args.data,
-            data_root=args.data_root, output=args.output, batch_size=args.batch_size, num_proc=args.num_proc, device=args.device,
-            dtype=args.dtype, attn_implementation=args.attn_implementation, dataloader_workers=args.dataloader_workers,
-            compile_layers=args.compile_layers, allow_other_base=args.allow_other_base,
-            overwrite=args.overwrite, held_out_fraction=args.held_out_fraction, seed=args.seed,
-        )
-    except ValueError as err:
-        raise SystemExit(f"eogym-sft validate: {err}") from None
+    cfg = config_from_args(ValidateConfig, args)
+    refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
+    if not Path(cfg.data).is_dir():
+        refuse_missing_inputs([p for p in cfg.data.split(",") if p], "eogym-sft validate")
+    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
+    check_model_source(cfg.model)
+    check_torch_stack()
+    from .evaluation.validate import validate
+
     return validate(cfg)
 
 
 def add_evaluate_args(parser: argparse.ArgumentParser) -> None:
-    from .evaluation.offline import add_evaluate_args as add_args
+    from .evaluation.run_args import add_evaluate_args as add
 
-    add_args(parser)
+    add(parser)
 
 
 def run_evaluate(args: argparse.Namespace) -> dict:
-    from .evaluation.offline import run_evaluate as run
+    from .evaluation.run_args import EvalConfig, refuse_foreign_adapters, refuse_missing_inputs
 
-    return run(args)
+    cfg = config_from_args(EvalConfig, args)
+    refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
+    refuse_missing_inputs(cfg.data, "eogym-sft evaluate")
+    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft evaluate")
+    check_model_source(cfg.model)
+    check_torch_stack()
+    from .evaluation.offline import evaluate
+
+    return evaluate(cfg, progress=not args.no_progress)
 
 
 def add_rollout_args(parser: argparse.ArgumentParser) -> None:
-    from .evaluation.rollout import add_rollout_args as add
+    from .evaluation.run_args import add_rollout_args as add
 
     add(parser)
 
 
 def run_rollout(args: argparse.Namespace) -> dict:
-    from .evaluation.rollout import run_rollout as run
+    from .evaluation.run_args import RolloutConfig, refuse_foreign_adapters, refuse_missing_inputs, refuse_taken_run_folder
 
-    return run(args)
+    policies = []
+    if args.policy_url or args.policy_model or args.policy_config:  # the policy client imports torch: only when asked for
+        check_torch_stack()
+        from .agent.policy_server import policy_servers
+
+        policies = policy_servers(args.policy_url, args.policy_model, args.policy_config)
+    cfg = config_from_args(RolloutConfig, args, policies=policies)
+    refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
+    refuse_missing_inputs(cfg.data, "eogym-sft rollout")
+    refuse_taken_run_folder(cfg.output, cfg.overwrite, "eogym-sft rollout")
+    check_model_source(cfg.model)
+    check_torch_stack()
+    from .evaluation.rollout import rollout
+
+    return rollout(cfg, progress=not args.no_progress)
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
@@ -198,6 +175,7 @@ def agent_demo_config(args: argparse.Namespace):
 
 
 def run_demo(args: argparse.Namespace) -> dict:
+    check_torch_stack()
     from .demo import LEARNING_RATE, STEPS, run_agent_demo
     from .demo import run_demo as run
 
@@ -257,7 +235,7 @@ def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row", nargs=2, metavar=("FILE.jsonl", "ID"), help="take the tool schemas and the replay trace from this row")
     parser.add_argument("--http-url", help="tool server URL for the http backend (shape: docs/environment.md)")
     parser.add_argument("--http-config", default="{}", help='other HttpToolServer fields as JSON, e.g. \'{"result_field": "data", "timeout_s": 10}\'')
-    parser.add_argument("--tool-images", default="produced", help="which result images are attached, as in data prep")
+    parser.add_argument("--tool-images", default=TOOL_IMAGES, help="which result images are attached, as in data prep")
     parser.add_argument("name", help="tool name, e.g. crop_optical_or_sar_image")
     parser.add_argument("arguments", help='arguments as JSON, e.g. \'{"image_url": "EO_GYM_DATA/..", "aoi": [0.25, 0.25, 0.75, 0.75]}\'')
 
@@ -268,7 +246,7 @@ def run_tool_call(args: argparse.Namespace) -> None:
 
     row = find_row(*args.row) if args.row else None
     backends = tuple(b.strip() for b in args.tools.split(",") if b.strip())
-    http = HttpToolServer(args.http_url, **json.loads(args.http_config)) if args.http_url else None
+    http = HttpToolServer.from_config(args.http_url, args.http_config) if args.http_url else None
     result = single_call(args.data_root, args.name, args.arguments, backends, row, http=http, attach=args.tool_images)
     print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
     if not result.ok:
@@ -308,16 +286,27 @@ def chosen_command(argv: list[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default shown, but for a ``--no-X`` switch, whose default (the setting it turns off is on) would read as
+    its opposite."""
+
+    def _get_help_string(self, action):
+        return action.help if isinstance(action, argparse._StoreFalseAction) else super()._get_help_string(action)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Every subcommand is listed, but only the chosen one's flags are built: some ``add_*_args`` import
     torch, and ``eogym-sft --help`` or a refused command should not wait for it."""
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter)
+    formatter = HelpFormatter
+    # allow_abbrev=False: a mistyped flag (--max-turn) is refused, not taken as the flag it begins
+    parser = argparse.ArgumentParser(
+        prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter, allow_abbrev=False
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: EOGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = chosen_command(argv)
     for name, (add_args, _, help_text) in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter, allow_abbrev=False)
         if name == chosen:
             add_args(command_parser)
     return parser

@@ -13,7 +13,14 @@ and ``ModelConfig``.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass, field
+
+# Which tool-result images the model sees unless told otherwise (a ToolImageRule spec, docs/data.md):
+# the images a tool produced, not those it was given.
+TOOL_IMAGES = "produced"
+TOOL_IMAGES_HELP = "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"
 
 
 @dataclass
@@ -33,7 +40,8 @@ class TokenBudget:
     """The token budget of one sample, image tokens included (data prep splits longer traces)."""
 
     max_length: int = field(
-        default=8192, metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)"}
+        default=8192,
+        metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)", "aliases": ["--max-tokens"]},
     )
 
     def __post_init__(self):
@@ -73,11 +81,8 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     )
     eval_fraction: float = field(default=0.02, metadata={"help": "share of traces held out for evaluation, split by trace id"})
     overlong: str = field(default="split", metadata={"help": "over-long traces: split (at assistant turns) or drop"})
-    tool_images: str = field(
-        default="produced",
-        metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
-    )
-    prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes"})
+    tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
+    prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes (at most the CPUs this process may use)"})
     allow_drops: bool = field(
         default=False,
         metadata={
@@ -108,3 +113,57 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     def sample_config(self, max_length: int | None) -> SampleConfig:
         """The run's :class:`SampleConfig`: these pixel settings and ``SFTConfig.max_length``."""
         return SampleConfig(max_pixels=self.max_pixels, min_pixels=self.min_pixels, max_length=max_length or SampleConfig.max_length)
+
+
+# ---------------------------------------------------------------- flags from fields
+
+SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def field_type(f: dataclasses.Field) -> tuple[type, bool]:
+    """``(scalar type, is a list)`` of a field annotated ``T``, ``T | None``, ``list[T]`` or ``list[T] | None``."""
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    (one,) = [part.strip() for part in text.split("|") if part.strip() != "None"]
+    if one.startswith("list[") and one.endswith("]"):
+        return SCALARS[one[5:-1]], True
+    return SCALARS[one], False
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> None:
+    """One flag per field of the dataclass ``config_type``, the one place a CLI setting is declared.
+
+    The flag is ``--field-name`` (``metadata["flag"]`` renames it, ``metadata["aliases"]`` adds names, ``"flag":
+    False`` leaves the field off the command line); its default is the field's (none: required); its type comes
+    from the annotation (``list[T]``: one or more values); ``help``, ``choices``, ``metavar``, ``nargs``, ``type``,
+    ``action`` and ``required`` in the metadata go to ``add_argument`` as they are. A ``bool`` that defaults to
+    false is a switch; one that defaults to true or None has a ``--no-`` form."""
+    for f in dataclasses.fields(config_type):
+        meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        if flag is False:
+            continue
+        names = [flag, *meta.pop("aliases", [])]
+        kwargs = {"dest": f.name, **meta}
+        if f.default is not dataclasses.MISSING:
+            kwargs["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            kwargs["default"] = f.default_factory()
+        else:
+            kwargs["required"] = True
+        if "action" not in kwargs and "type" not in kwargs:
+            scalar, is_list = field_type(f)
+            if scalar is bool:
+                kwargs["action"] = "store_true" if kwargs.get("default") is False else argparse.BooleanOptionalAction
+            else:
+                if scalar is not str:
+                    kwargs["type"] = scalar
+                if is_list:
+                    kwargs.setdefault("nargs", "+")
+        parser.add_argument(*names, **kwargs)
+
+
+def config_from_args(config_type: type, args: argparse.Namespace, **given):
+    """``config_type`` built from the flags :func:`add_dataclass_args` made (and ``given``, for fields off the
+    command line): its ``__post_init__`` checks them all before a command touches anything."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_type) if f.init and hasattr(args, f.name)}
+    return config_type(**{**values, **given})

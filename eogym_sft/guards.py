@@ -48,12 +48,48 @@ def refuse_output_over_input(output: str | Path, inputs, command: str) -> None:
 USER_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENAMETOOLONG})
 
 
+class BrokenInstall(RuntimeError):
+    """torch, torchvision or transformers cannot be imported: an install to repair, not a bug of ours."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
-    """What a user's input or setup causes (a bad flag value, a missing file, a taken output, a refused URL):
-    shown as one line. Anything else is a bug and keeps its traceback."""
+    """What a user's input or setup causes (a bad flag value, a missing file, a taken output, a refused URL,
+    a broken install): shown as one line. Anything else is a bug and keeps its traceback."""
     from .net import NetError
 
-    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError)
+    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError, BrokenInstall)
+
+
+TORCH_STACK = ("torch", "torchvision", "transformers")
+CPU_ROUTE = 'pip install "torch>=2.10,<2.15" torchvision --index-url https://download.pytorch.org/whl/cpu'
+
+
+def check_torch_stack() -> None:
+    """Import torch, torchvision and transformers now, so that a broken install (most often a torchvision built
+    for another torch) is :class:`BrokenInstall` naming the installed versions and the fix, not a traceback
+    from deep inside transformers that blames one of its models."""
+    import importlib
+    import importlib.metadata
+    import importlib.util
+
+    for name in TORCH_STACK:
+        if name == "torchvision" and importlib.util.find_spec(name) is None:
+            continue  # not installed: transformers runs without it
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # torchvision raises RuntimeError for operators its torch lacks
+            installed = []
+            for package in TORCH_STACK:
+                try:
+                    installed.append(f"{package} {importlib.metadata.version(package)}")
+                except importlib.metadata.PackageNotFoundError:
+                    installed.append(f"{package} not installed")
+            cause = (str(err).strip().splitlines() or [""])[0][:200]
+            raise BrokenInstall(
+                f"importing {name} failed ({type(err).__name__}: {cause}); installed: {', '.join(installed)}. torch and "
+                f"torchvision must be a matching pair: reinstall both from one index, e.g. on CPU `{CPU_ROUTE}` "
+                "(README, the CPU route), then `pip install -e .`"
+            ) from err
 
 
 class ModelUnreachable(FileNotFoundError):
@@ -190,3 +226,14 @@ def check_adapter_base(adapter_dir: str | Path, model: str, allow_other_base: bo
         f"adapter {adapter_dir} was trained on {trained_on!r} but --model is {model!r}: pass the base it was "
         "trained on (or --allow-other-base if they are the same weights under another name)"
     )
+
+
+def run_recipe(name: str, main, argv: list[str]) -> None:
+    """Run a recipe's ``main(argv)`` as the CLI runs a command: a user error (a bad setting, a missing file, a
+    broken install) is one line and exit status 1; a bare ``--debug`` (no value: transformers' ``--debug OPTION``
+    keeps its meaning) or ``EOGYM_DEBUG=1`` shows the traceback."""
+    debug = [i for i, word in enumerate(argv) if word == "--debug" and (i + 1 == len(argv) or argv[i + 1].startswith("--"))]
+    argv = [word for i, word in enumerate(argv) if i not in debug]
+    with user_errors(name, bool(debug)):
+        check_torch_stack()
+        main(argv)

@@ -18,20 +18,29 @@ from pathlib import Path
 # Set before torch starts CUDA; a value the user exported wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from trl import ModelConfig, SFTConfig, TrlParser  # noqa: E402
-
-from eogym_sft.config import EOGymScriptArguments  # noqa: E402
+from eogym_sft.guards import run_recipe  # noqa: E402 (neither imports torch nor TRL: a broken install is one line)
 from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
-from eogym_sft.training.sft import train  # noqa: E402
 
 
 def parse_args(argv: list[str]):
+    from trl import ModelConfig, SFTConfig, TrlParser
+
+    from eogym_sft.config import EOGymScriptArguments
+
     if "--config" not in argv:
         argv = ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
-    parser = TrlParser((EOGymScriptArguments, SFTConfig, ModelConfig))
+    # allow_abbrev=False: a mistyped flag (--max_step) is refused, not taken as the flag it begins (--max_steps)
+    parser = TrlParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False)
     return parser.parse_args_and_config(argv)
+
+
+def main(argv: list[str]) -> str:
+    """Train as the flags (and the YAML) say; return the folder the adapter was saved to."""
+    from eogym_sft.training.sft import train
+
+    return train(*parse_args(argv))
 
 
 if __name__ == "__main__":
     quiet_deepspeed_probe()
-    train(*parse_args(sys.argv[1:]))
+    run_recipe(Path(__file__).name, main, sys.argv[1:])

@@ -19,6 +19,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from trl import GRPOConfig, ModelConfig, TrlParser  # noqa: E402
 
+from eogym_sft.guards import run_recipe  # noqa: E402
 from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
 from eogym_sft.training.grpo import GRPOScriptArguments, train  # noqa: E402
 
@@ -26,10 +27,15 @@ from eogym_sft.training.grpo import GRPOScriptArguments, train  # noqa: E402
 def parse_args(argv: list[str]):
     if "--config" not in argv:
         argv = ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
-    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig))
+    # allow_abbrev=False: a mistyped flag is refused, not taken as the flag it begins
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig), allow_abbrev=False)
     return parser.parse_args_and_config(argv)
+
+
+def main(argv: list[str]) -> str:
+    return train(*parse_args(argv))
 
 
 if __name__ == "__main__":
     quiet_deepspeed_probe()
-    train(*parse_args(sys.argv[1:]))
+    run_recipe(Path(__file__).name, main, sys.argv[1:])  # a user error: one line (--debug: the traceback)

@@ -38,7 +38,7 @@ INDEX_TOOL = {
 # glibc's malloc hands every block over 32 MiB (a micro-batch's vocabulary-wide logits are hundreds of MiB) to
 # mmap and back on free, so each one is fresh pages the kernel zeroes: on the 2-core box a third of the suite's
 # CPU time was system time. Keeping freed memory in the heap (no mmap, no trim) and in huge pages halves that
-# (the SFT demo: 60.7 s -> 48.9 s wall, docs/training.md). Read when a process starts: set here in the controller, it reaches the
+# (the SFT demo: 60.7 s -> 48.9 s wall, docs/contributing.md). Read when a process starts: set here in the controller, it reaches the
 # pytest-xdist workers and the subprocesses tests start, not the process already running (with -n 0).
 MALLOC_TUNABLES = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 

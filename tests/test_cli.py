@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +50,146 @@ def test_an_unknown_command_is_refused_by_name(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["train-everything"])
     assert stop.value.code == 2 and "invalid choice: 'train-everything'" in capsys.readouterr().err
+
+
+def command_parser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser([command])
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
+def field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return None if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+@pytest.mark.parametrize("command", ["prepare", "validate", "evaluate", "rollout"])
+def test_each_flag_is_a_config_field_with_the_fields_default(command):
+    """No second declaration: every field of the command's configs is one flag, its dest the field's name and its
+    default and help the field's own; the flags that are no field are the command's own switches."""
+    from eogym_sft.config import ImageConfig
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.evaluation.run_args import EvalConfig, RolloutConfig, ValidateConfig
+
+    configs = {"prepare": (ImageConfig, PrepConfig), "validate": (ValidateConfig,), "evaluate": (EvalConfig,), "rollout": (RolloutConfig,)}
+    actions = {a.dest: a for a in command_parser(command)._actions if a.dest != "help"}
+    fields = [f for config in configs[command] for f in dataclasses.fields(config) if f.metadata.get("flag") is not False]
+    for f in fields:
+        assert actions[f.name].default == field_default(f) and actions[f.name].help == f.metadata["help"], f.name
+        assert actions[f.name].required == (field_default(f) is None and f.metadata.get("required", f.default is dataclasses.MISSING))
+    own = {
+        "prepare": {"input", "model", "output", "num_proc", "allow_drops", "overwrite"},
+        "validate": set(),
+        "evaluate": {"no_progress"},
+        "rollout": {"no_progress", "policy_url", "policy_model", "policy_config"},
+    }
+    assert set(actions) - {f.name for f in fields} == own[command]
+
+
+def test_flags_build_the_config_without_a_mapping(tmp_path):
+    from eogym_sft.config import config_from_args
+    from eogym_sft.evaluation.run_args import RolloutConfig
+
+    argv = ["rollout", "--model", "m", "--data", "a.jsonl", "b.jsonl", "--output", "o", "--no-base", "--adapter", "sft=runs/a",
+            "--pass-k", "1", "2", "--samples", "2", "--temperature", "0.5", "--tools", "crop,http", "--tool-url", "http://127.0.0.1:9/t",
+            "--no-cuda-graphs", "--max-length", "4096"]
+    cfg = config_from_args(RolloutConfig, build_parser(argv).parse_args(argv))
+    assert (cfg.include_base, cfg.adapters, cfg.ks, cfg.tools, cfg.cuda_graphs, cfg.max_episode_tokens, cfg.data) == (
+        False, ["sft=runs/a"], [1, 2], ["crop", "http"], False, 4096, ["a.jsonl", "b.jsonl"])
+    assert (cfg.judge_timeout, cfg.judge_retries, cfg.tool_images, cfg.limit) == (60.0, 3, "produced", None)
+
+
+def test_a_flag_is_never_taken_by_its_prefix(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["rollout", "--model", "m", "--data", "d.jsonl", "--output", "o", "--max-turn", "3"])
+    assert stop.value.code == 2 and "unrecognized arguments: --max-turn 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("validate", ["--batch-size", "0"], "batch_size must be at least 1"),
+    ("evaluate", ["--batch-size", "0"], "batch_size must be at least 1, got 0"),
+    ("rollout", ["--slots", "0"], "max_turns, slots and max_episode_tokens must be at least 1"),
+])
+def test_a_config_error_is_one_line_and_debug_shows_its_traceback(tmp_path, command, flags, message):
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    argv = [command, "--model", "m", "--data", str(tmp_path / "d.jsonl"), "--output", str(tmp_path / "out"), *flags]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == f"eogym-sft {command}: {message} (--debug or EOGYM_DEBUG=1 shows the traceback)"
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        main(["--debug", *argv])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "0"], "--limit must be at least 1 (leave it out to read every row), got 0"),
+    (["--limit", "-1"], "--limit must be at least 1 (leave it out to read every row), got -1"),
+    (["--judge-url", "ftp://judge.example/v1"], "'ftp://judge.example/v1' is not an http:// or https:// URL with a host"),
+    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-retries", "-1"], "the judge's retries must be 0 or more, got -1"),
+    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-timeout", "0"], "the judge's timeout must be > 0 seconds, got 0.0"),
+    (["--tools", "crop,http", "--tool-url", "file:///etc/passwd"], "'file:///etc/passwd' is not an http:// or https:// URL with a host"),
+])
+def test_rollout_refuses_a_bad_setting_before_it_writes_anything(data_root, row_factory, flags, message):
+    """Refused after run.json was written, the corrected rerun would be refused as a run of other settings."""
+    data = data_root / "q.jsonl"
+    data.write_text(json.dumps(row_factory()) + "\n")
+    out = data_root / "out"
+    argv = ["rollout", "--model", "m", "--data", str(data), "--data-root", str(data_root), "--output", str(out), "--no-progress", *flags]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == f"eogym-sft rollout: {message} (--debug or EOGYM_DEBUG=1 shows the traceback)"
+    assert not out.exists()
+
+
+def test_help_and_refusals_of_validate_evaluate_and_rollout_import_no_torch(tmp_path):
+    """Their --help and a refused command (missing --data, taken --output, bad setting, wrong adapter) answer
+    before torch is imported: at once, not after 10-20 s of imports."""
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/other"}))
+    data, missing, taken = str(tmp_path / "d.jsonl"), str(tmp_path / "missing.jsonl"), str(tmp_path / "taken")
+    runs = [
+        ["rollout", "--help"], ["evaluate", "--help"], ["validate", "--help"],
+        ["rollout", "--model", "m", "--data", missing, "--output", "out"],
+        ["rollout", "--model", "m", "--data", data, "--output", taken],
+        ["rollout", "--model", "m", "--data", data, "--output", "out", "--limit", "0"],
+        ["evaluate", "--model", "m", "--data", missing, "--output", "out"],
+        ["evaluate", "--model", "m", "--data", data, "--output", taken],
+        ["validate", "--model", "m", "--data", missing, "--output", "out.json"],
+        ["validate", "--model", "org/m", "--adapter", str(tmp_path / "adapter"), "--data", data, "--output", "out.json"],
+    ]
+    code = (
+        "import json, sys\n"
+        "from eogym_sft.cli import main\n"
+        f"for argv in json.loads({json.dumps(json.dumps(runs))}):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as stop:\n"
+        "        print('exit', str(stop.code).split(':')[0], 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    exits = [line for line in done.stdout.splitlines() if line.startswith("exit ")]  # the rest is --help's text
+    assert exits == ["exit 0 False"] * 3 + [f"exit eogym-sft {argv[0]} False" for argv in runs[3:]], done.stderr
+
+
+def test_a_broken_torchvision_is_one_line_naming_the_versions_and_the_fix(tmp_path):
+    """A torchvision built for another torch raises while transformers imports it; the command says so in one
+    line instead of an 85-line traceback that blames one of transformers' models."""
+    import importlib.metadata
+
+    fake = tmp_path / "site" / "torchvision"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    done = subprocess.run([sys.executable, "-m", "eogym_sft.cli", "tiny-model", "--output", str(tmp_path / "tiny")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}", "PATH": "/usr/bin:/bin"})
+    installed = ", ".join(f"{name} {importlib.metadata.version(name)}" for name in ("torch", "torchvision", "transformers"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "eogym-sft tiny-model: importing torchvision failed (RuntimeError: operator torchvision::nms does not exist); "
+        f"installed: {installed}. torch and torchvision must be a matching pair: reinstall both from one index, e.g. on CPU "
+        '`pip install "torch>=2.10,<2.15" torchvision --index-url https://download.pytorch.org/whl/cpu` (README, the CPU route), '
+        "then `pip install -e .` (--debug or EOGYM_DEBUG=1 shows the traceback)"
+    )
+    assert not (tmp_path / "tiny").exists()

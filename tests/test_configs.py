@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,38 @@ def test_accelerate_configs_for_zero2_zero3_and_ddp_are_shipped():
     if not names:
         pytest.skip("no accelerate configs under recipes/accelerate/ yet")
     assert {"deepspeed_zero2", "deepspeed_zero3"} <= names and names & {"ddp", "multi_gpu"}
+
+
+def test_a_recipe_flag_is_never_taken_by_its_prefix(recipe):
+    """``--max_step`` was taken as ``--max_steps`` (argparse's prefix matching): now it is refused by name."""
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--max_step', '5'\]"):
+        recipe.parse_args([*CPU, "--max_step", "5"])
+
+
+@pytest.mark.slow(40)  # two runs of the recipe script, each importing torch and TRL
+def test_a_recipe_error_is_one_line_and_debug_shows_the_traceback():
+    argv = [sys.executable, str(REPO / "recipes" / "eo_gym_4b.py"), *CPU, "--eval_fraction", "1.0"]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == "eo_gym_4b.py: eval_fraction must be in [0, 1), got 1.0 (--debug or EOGYM_DEBUG=1 shows the traceback)"
+    debug = subprocess.run([*argv, "--debug"], capture_output=True, text=True, timeout=300, env=env)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    assert debug.stderr.splitlines()[-1] == "ValueError: eval_fraction must be in [0, 1), got 1.0"
+
+
+def test_the_tool_images_default_is_written_once():
+    """``"produced"`` is :data:`eogym_sft.config.TOOL_IMAGES`, imported wherever a default is needed; the only other
+    literal is the list of the modes."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "eogym_sft").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "produced":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    from eogym_sft.config import TOOL_IMAGES
+    from eogym_sft.data.tool_images import TOOL_IMAGE_MODES
+
+    assert TOOL_IMAGES == TOOL_IMAGE_MODES[0] == "produced"
+    assert [place.split(":")[0] for place in found] == ["eogym_sft/config.py", "eogym_sft/data/tool_images.py"], found

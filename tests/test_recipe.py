@@ -178,7 +178,7 @@ def run_recipe(recipe, argv: list[str]):
     original = sft.EOGymSFTTrainer
     sft.EOGymSFTTrainer = RecordingTrainer
     try:
-        output = recipe.train(*recipe.parse_args(argv))
+        output = recipe.main(argv)
     finally:
         sft.EOGymSFTTrainer = original
     (trainer,) = made
@@ -367,14 +367,14 @@ def test_resume_refuses_another_runs_checkpoint_saying_what_differs(first_run, t
     argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
     argv[argv.index("--learning_rate") + 1] = "2e-2"
     with pytest.raises(ValueError, match=r"checkpoint-2 belongs to another run.*\n  training.learning_rate: 0.01 -> 0.02$"):
-        first_run["recipe"].train(*first_run["recipe"].parse_args(argv + ["--resume_from_checkpoint", "last"]))
+        first_run["recipe"].main(argv + ["--resume_from_checkpoint", "last"])
 
 
 def test_last_on_a_finished_run_is_a_no_op(first_run, tiny_model_dir, workspace, caplog):
     before = _adapter(first_run["out"])
     argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
     with caplog.at_level("WARNING", logger="eogym_sft.training.sft"):
-        assert first_run["recipe"].train(*first_run["recipe"].parse_args(argv + ["--resume_from_checkpoint", "last"])) == str(first_run["out"])
+        assert first_run["recipe"].main(argv + ["--resume_from_checkpoint", "last"]) == str(first_run["out"])
     assert "checkpoint-2: this run already finished (step 2); nothing to train" in caplog.text
     assert _same_tensors(_adapter(first_run["out"]), before)
     assert sorted(p.name for p in first_run["out"].glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
@@ -383,7 +383,7 @@ def test_last_on_a_finished_run_is_a_no_op(first_run, tiny_model_dir, workspace,
 def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(first_run, tiny_model_dir, workspace):
     argv = recipe_args(tiny_model_dir, workspace["data"], first_run["out"], workspace["prepared"], steps=2)
     with pytest.raises(FileExistsError, match=r"holds an earlier run \(checkpoint-2, checkpoint-1, adapter_model.safetensors\)"):
-        first_run["recipe"].train(*first_run["recipe"].parse_args(argv))
+        first_run["recipe"].main(argv)
 
 
 def test_samples_per_step_is_resolved_from_the_world_size(first_run):
@@ -458,7 +458,7 @@ def test_a_prepared_folder_with_the_wrong_data_root_refuses_to_train(first_run, 
     at = argv.index("--data_root")
     argv[at + 1] = str(workspace["root"] / "nowhere")
     with pytest.raises(FileNotFoundError, match=r"of the first \d+ samples are not under --data_root .*nowhere .*pass the --data_root"):
-        first_run["recipe"].train(*first_run["recipe"].parse_args(argv))
+        first_run["recipe"].main(argv)
     assert not (workspace["root"] / "wrong_root" / "adapter_model.safetensors").exists()
 
 
@@ -558,3 +558,39 @@ def test_skipped_samples_are_counted_and_listed_exactly_and_an_overwrite_starts_
     run_recipe(recipe, argv + ["--overwrite_output_dir", "true"])
     counts, listed = skipped()
     assert counts == {"train": 2, "eval": 0} and len(listed) == 2 and set(listed) == expected
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num_train_epochs", "0"], "max_steps -1 and num_train_epochs 0.0 train nothing: set num_train_epochs > 0 (or max_steps > 0)"),
+    (["--max_steps", "0"], "max_steps 0 and num_train_epochs 3 train nothing: set num_train_epochs > 0 (or max_steps > 0)"),
+])
+def test_a_run_that_would_train_nothing_is_refused_before_it_writes(tmp_path, flags, message):
+    """It would save the untrained adapter as its result."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        load_recipe().main(["--use_cpu", "true", "--output_dir", str(out), *flags])
+    assert not out.exists()
+
+
+def test_an_eval_fraction_that_holds_out_no_trace_is_refused_before_data_prep(tmp_path, tiny_model_dir):
+    from eogym_sft.data.datasets import is_held_out
+
+    data = write_rows(tmp_path / "data")
+    ids = [f"train_{i:07d}_tiny" for i in range(N_ROWS)]
+    assert not any(is_held_out(i, 0.02, 42) for i in ids)  # what the refusal is about
+    argv = recipe_args(tiny_model_dir, data, tmp_path / "run", tmp_path / "prepared", steps=1)
+    argv[argv.index("--eval_fraction") + 1] = "0.02"
+    message = (f"eval_fraction=0.02 holds out 0 of the {N_ROWS} traces of {data} (seed 42): raise eval_fraction, or set it to 0 "
+               "to train on every trace with no eval set")
+    with pytest.raises(ValueError) as refused:
+        load_recipe().main(argv)
+    assert str(refused.value) == message
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "run").exists()
+
+
+def test_data_prep_workers_are_capped_at_the_cpus(monkeypatch):
+    """8 workers on 2 cores made 44 rows take 4 min 20 s."""
+    from eogym_sft.training import sft
+
+    monkeypatch.setattr(sft.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [sft.prep_processes(n) for n in (8, 2, 1, 0)] == [2, 2, 1, 1]

@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..config import TOOL_IMAGES
 from ..data.encoding import render
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import normalize_row
@@ -66,7 +67,7 @@ def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
     )
 
 
-def canonical_prompt(row: dict, tool_images="produced"):
+def canonical_prompt(row: dict, tool_images=TOOL_IMAGES):
     """The normalised conversation of ``row`` up to the assistant turn to generate next, as a
     :class:`~eogym_sft.data.traces.Trace` (prep's own normalisation: the rendering matches SFT's)."""
     messages = row.get("messages")
@@ -101,7 +102,7 @@ class Episode:
     _pictures: dict = field(default_factory=dict, repr=False)
 
     def prompt(
-        self, processor, data_root, tool_images="produced", pictures: ImageCache | None = None
+        self, processor, data_root, tool_images=TOOL_IMAGES, pictures: ImageCache | None = None
     ) -> tuple[list[int], list[ImageInput]]:
         """The token ids (image pads expanded) and images of the next prompt; images come from ``pictures``
         (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own)."""
@@ -113,7 +114,7 @@ class Episode:
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         return expand_image_pads(ids, [im.tokens for im in images], processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
-    def preload(self, pictures: ImageCache, data_root, tool_images="produced") -> None:
+    def preload(self, pictures: ImageCache, data_root, tool_images=TOOL_IMAGES) -> None:
         """Decode and preprocess the images of the next prompt ahead of time (from a worker thread);
         a failure here shows again, named, when :meth:`prompt` runs."""
         for rel in canonical_prompt(self.row, tool_images).images:
@@ -217,7 +218,7 @@ class LoopConfig:
 
     max_turns: int = 8
     max_new_tokens: int = 512
-    tool_images: str = "produced"  # which tool-result images the model sees: data prep's rule (a ToolImageRule spec)
+    tool_images: str = TOOL_IMAGES  # which tool-result images the model sees: data prep's rule (a ToolImageRule spec)
     seed: int = 0
 
 

@@ -69,16 +69,17 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def is_held_out(source_id: str, eval_fraction: float, seed: int = 42) -> bool:
+    """Whether :func:`split_by_trace` puts the trace ``source_id`` (a row's id) in the eval set: a seeded hash of the id."""
+    digest = hashlib.sha256(f"{seed}:{source_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
+
+
 def split_by_trace(dataset, eval_fraction: float, seed: int = 42):
-    """``(train, eval)`` with every window of a trace on the same side, chosen by a seeded hash of its id."""
+    """``(train, eval)`` with every window of a trace on the same side, chosen by :func:`is_held_out`."""
     if eval_fraction <= 0:
         return dataset, None
-
-    def is_eval(source_id: str) -> bool:
-        digest = hashlib.sha256(f"{seed}:{source_id}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
-
-    flags = [is_eval(s) for s in dataset["source_id"]]
+    flags = [is_held_out(s, eval_fraction, seed) for s in dataset["source_id"]]
     train = dataset.select([i for i, f in enumerate(flags) if not f])
     held_out = dataset.select([i for i, f in enumerate(flags) if f])
     if len(held_out) == 0 or len(train) == 0:

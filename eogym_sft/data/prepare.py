@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 
-from ..config import TokenBudget
+from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, TokenBudget
 from ..models.layout import image_factor, image_token_count
 from ..safe_json import UntrustedJSONError, loads
 from .encoding import Encoded, encode_conversation, render
@@ -36,13 +36,16 @@ class PrepConfig(TokenBudget):
     """Settings of a data-prep run (the flags of ``eogym-sft prepare``): the token budget, and the rest. The pixel
     cap is not one of them: the processor carries it (:func:`pixel_cap`), so prep and training cannot disagree."""
 
-    data_root: str = "."
-    overlong: str = "split"
-    tool_images: str = "produced"  # a ToolImageRule spec: "MODE[,TOOL=MODE...]"
-    strict: bool = False
-    max_row_bytes: int = MAX_ROW_BYTES  # a longer line is dropped as row_too_large before it is parsed
-    max_messages: int = MAX_MESSAGES  # a row with more messages is dropped as too_many_messages before it is rendered
-    max_drop_share: float = DROP_SHARE  # more rows than this share dropped for one reason stops the run (1.0: never)
+    data_root: str = dataclass_field(default=".", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
+    overlong: str = dataclass_field(default="split", metadata={"choices": OVERLONG_MODES, "help": "what to do with traces over the budget"})
+    tool_images: str = dataclass_field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})  # a ToolImageRule spec
+    strict: bool = dataclass_field(default=False, metadata={"help": "stop at the first bad line with file, line and field"})
+    # a longer line is dropped as row_too_large before it is parsed
+    max_row_bytes: int = dataclass_field(default=MAX_ROW_BYTES, metadata={"flag": False})
+    # a row with more messages is dropped as too_many_messages before it is rendered
+    max_messages: int = dataclass_field(default=MAX_MESSAGES, metadata={"flag": False})
+    # more rows than this share dropped for one reason stops the run (1.0: never; the CLI's --allow-drops)
+    max_drop_share: float = dataclass_field(default=DROP_SHARE, metadata={"flag": False})
 
     def __post_init__(self):
         super().__post_init__()

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..config import TOOL_IMAGES
+
 TOOL_IMAGE_MODES = ("produced", "attach", "text")
 # Tool results name their outputs with the dataset's portable prefixes; an absolute prefix in front
 # of them (a tool server's cache dir) is ignored, and `..` is rejected later by the path check.
@@ -31,7 +33,7 @@ CROPPED_PATH_RE = re.compile(r"[\"']?cropped_path[\"']?\s*[:=]\s*[\"']([^\"']+)[
 class ToolImageRule:
     """The attach mode for each tool name (``per_tool``), else ``default``."""
 
-    default: str = "produced"
+    default: str = TOOL_IMAGES
     per_tool: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -44,7 +46,7 @@ class ToolImageRule:
         """``"MODE[,TOOL=MODE...]"`` -> a rule; a rule passes through unchanged."""
         if isinstance(spec, ToolImageRule):
             return spec
-        default, per_tool = "produced", {}
+        default, per_tool = TOOL_IMAGES, {}
         for item in (part.strip() for part in str(spec).split(",")):
             if "=" in item:
                 name, mode = (s.strip() for s in item.split("=", 1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..config import TOOL_IMAGES
 from ..safe_json import UntrustedJSONError, loads
 from .tool_images import ToolImageRule
 
@@ -321,7 +322,7 @@ def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
     return ordered
 
 
-def normalize_row(row: dict, tool_images: str | ToolImageRule = "produced") -> Trace:
+def normalize_row(row: dict, tool_images: str | ToolImageRule = TOOL_IMAGES) -> Trace:
     """Turn one parsed EO-Gym JSONL row into a canonical :class:`Trace`.
 
     ``tool_images`` says which image paths named in tool results become image parts

@@ -20,6 +20,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from ..config import TOOL_IMAGES
 from ..data.images import ImageError, checked_image_size, resolve_image_path
 from ..data.tool_images import ToolImageRule
 from ..data.traces import TraceError, normalize_tools, parse_arguments
@@ -93,7 +94,7 @@ class EOGymEnvironment:
         self.data_root = Path(data_root).resolve()
         self.tools = normalize_tools(row.get("tools"))
         self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
-        self.rule = ToolImageRule.parse("produced" if attach is None else attach)
+        self.rule = ToolImageRule.parse(TOOL_IMAGES if attach is None else attach)
         cache = Path(cache_dir).resolve() if cache_dir is not None else self.data_root / "image_cache" / "crops"
         if not cache.is_relative_to(self.data_root):
             raise ValueError(f"cache_dir {cache} must lie inside the data root {self.data_root}")

@@ -67,7 +67,7 @@ def filter_episodes(input_path: str | Path, output_path: str | Path, keep: str =
 def add_episodes_args(parser) -> None:
     parser.add_argument("--input", required=True, help="episodes.jsonl of eogym-sft rollout")
     parser.add_argument("--output", required=True, help="JSONL of the episodes kept (EO-Gym rows: eogym-sft prepare reads it)")
-    parser.add_argument("--filter", choices=KEEP, default="correct", help="which episodes to keep (docs/evaluation.md, section 12)")
+    parser.add_argument("--filter", choices=KEEP, default="correct", help="which episodes to keep (docs/evaluation.md, section 15)")
     parser.add_argument("--arm", default=None, help="keep only this arm's episodes (e.g. sft)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 

@@ -20,7 +20,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import SampleConfig
 from ..data.datasets import read_rows
 from ..data.prepare import DROP_SHARE, check_reason_share
 from ..data.encoding import render
@@ -43,24 +42,7 @@ from ..metrics.scoring import (
 from ..models import loading
 from ..models.loading import Arm, use_arm
 from .report import format_turn_report, summarize_turns
-from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
-
-
-@dataclass(kw_only=True)
-class EvalConfig(ArmsConfig):
-    """Settings of an evaluation run (the flags of ``eogym-sft evaluate``); ``max_prompt_tokens`` caps a turn's
-    prompt, image tokens included (a training sample's budget by default)."""
-
-    max_prompt_tokens: int = SampleConfig.max_length
-    batch_size: int = 8
-    num_tolerance: float = 1e-6
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.num_tolerance < 0:
-            raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
+from .run_args import EvalConfig, recorded_settings
 
 
 @dataclass
@@ -523,31 +505,3 @@ def _count(problems: list[dict]) -> dict:
     for p in problems:
         counts[p["reason"]] += 1
     return dict(sorted(counts.items()))
-
-
-# ---------------------------------------------------------------- command line
-
-
-def add_evaluate_args(parser) -> None:
-    """The flags of ``eogym-sft evaluate`` (one per :class:`EvalConfig` field)."""
-    add_shared_args(parser, "evaluate")
-    add = parser.add_argument
-    add("--data", nargs="+", required=True, help="raw EO-Gym JSONL file(s) with reference trajectories")
-    add("--output", required=True, help="folder for results.jsonl, skipped.jsonl, summary.json, report.txt")
-    add("--batch-size", type=int, default=8, help="prompts per generate() call")
-    add("--num-tolerance", type=float, default=1e-6, help="numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)")
-    add("--max-prompt-tokens", "--max-length", type=int, default=SampleConfig.max_length, help="skip turns whose prompt is longer (image tokens included)")
-
-
-def run_evaluate(args) -> dict:
-    """``eogym-sft evaluate``: build the :class:`EvalConfig` from parsed flags and run :func:`evaluate`."""
-    try:
-        cfg = EvalConfig(
-            **shared_settings(args, "eogym-sft evaluate"),
-            batch_size=args.batch_size,
-            num_tolerance=args.num_tolerance,
-            max_prompt_tokens=args.max_prompt_tokens,
-        )
-    except ValueError as err:
-        raise SystemExit(f"eogym-sft evaluate: {err}") from None
-    return evaluate(cfg, progress=not args.no_progress)

@@ -13,20 +13,17 @@ continues, :mod:`eogym_sft.evaluation.resume`), ``run.json``, ``skipped.jsonl``,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.datasets import read_rows
 from ..data.prepare import DROP_SHARE, check_reason_share
 from ..data.images import ImageError, image_size, resolve_image_path
 from ..data.traces import TraceError
-from ..environment.env import BACKENDS, DEFAULT_BACKENDS
-from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge, judge_all, load_judge
+from ..metrics.judge import ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
 from ..agent.generation import Sampling, SlotDecoder
 from . import ranks
@@ -37,7 +34,7 @@ from ..agent.episodes import (
     question_messages,
     run_episodes,
 )
-from ..agent.policy_server import PolicyServer, policy_servers, run_policy_episodes
+from ..agent.policy_server import run_policy_episodes
 from ..atomic import write_lines_atomic, write_text_atomic
 from ..safe_json import record_line
 from .report import format_rollout_report, policy_error_code, summarize_rollouts
@@ -51,45 +48,7 @@ from .resume import (
     redacted,
     resume_key,
 )
-from .run_args import ArmsConfig, add_shared_args, recorded_settings, shared_settings
-
-
-@dataclass(kw_only=True)
-class RolloutConfig(ArmsConfig):
-    """Settings of a closed-loop run (the flags of ``eogym-sft rollout``); ``max_episode_tokens`` is an episode's
-    token budget, image tokens included (the KV cache holds ``slots`` x ``max_episode_tokens`` tokens)."""
-
-    max_episode_tokens: int = 16384  # an episode is prompt and turns: longer than a training sample's default
-    tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
-    tool_url: str | None = None  # the tool server of the http backend
-    ks: list[int] | None = None  # Pass@k reported for these k (default: 1 and samples)
-    max_turns: int = 8
-    slots: int = 32
-    compile: str | None = None
-    cuda_graphs: bool = True  # replay the decode step from CUDA graphs on a CUDA device (unless compile is set)
-    judge_url: str | None = None
-    judge_model: str = DEFAULT_JUDGE_MODEL
-    judge_retries: int = 3
-    judge_timeout: float = 60.0  # seconds for judging one answer, retries included
-    policies: list[PolicyServer] = field(default_factory=list)  # arms behind chat-completions servers
-
-    def has_arms(self) -> bool:
-        return super().has_arms() or bool(self.policies)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if min(self.max_turns, self.slots) < 1:
-            raise ValueError("max_turns and slots must be at least 1")
-        self.ks = sorted(set(self.ks or [1, self.samples]))
-        if self.ks[0] < 1 or self.ks[-1] > self.samples:
-            raise ValueError(f"Pass@k needs 1 <= k <= samples ({self.samples}), got k in {self.ks}")
-        if self.judge and self.judge_url:
-            raise ValueError("give --judge or --judge-url, not both")
-        unknown = set(self.tools) - set(BACKENDS)
-        if unknown:
-            raise ValueError(f"--tools: unknown backend(s) {sorted(unknown)}; known: {', '.join(BACKENDS)}")
-        if "http" in self.tools and not self.tool_url:
-            raise ValueError("--tools http needs --tool-url (the tool server's URL)")
+from .run_args import RolloutConfig, recorded_settings
 
 
 def read_questions(cfg: RolloutConfig) -> tuple[list[tuple[str, dict]], list[dict]]:
@@ -356,49 +315,3 @@ def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
 def _episode_problem(record: dict) -> dict:
     reason = "episode_error" if record["stop_reason"] == "error" else "judge_failed"
     return {"source": record["source"], "episode": record["id"], "reason": reason, "detail": record["error"] or record["judge_error"]}
-
-
-# ---------------------------------------------------------------- command line
-
-
-def add_rollout_args(parser) -> None:
-    """The flags of ``eogym-sft rollout`` (one per :class:`RolloutConfig` field)."""
-    add_shared_args(parser, "roll out")
-    add = parser.add_argument
-    add("--data", nargs="+", required=True, help="EO-Gym JSONL file(s); rows may carry only the question")
-    add("--output", required=True, help="folder for episodes.jsonl, skipped.jsonl, summary.json, report.txt")
-    add("--tools", default=",".join(DEFAULT_BACKENDS), help="tool backends, first that answers wins (comma-separated: crop,replay,http)")
-    add("--tool-url", default=None, help="URL of a running tool server for the http backend (docs/environment.md)")
-    add("--pass-k", type=int, nargs="+", default=None, metavar="K", help="report Pass@k for these k (default: 1 and --samples)")
-    add("--max-turns", type=int, default=RolloutConfig.max_turns, help="assistant turns per episode")
-    add("--slots", type=int, default=RolloutConfig.slots, help="episodes decoded at once")
-    add("--max-episode-tokens", "--max-length", type=int, default=RolloutConfig.max_episode_tokens,
-        help="tokens per episode, images included (the KV cache holds --slots x this)")
-    add("--compile", default=None, choices=("default", "reduce-overhead"), help="torch.compile the decode step")
-    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=RolloutConfig.cuda_graphs,
-        help="replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)")
-    add("--judge-url", default=None, help="OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)")
-    add("--judge-model", default=RolloutConfig.judge_model, help="model name sent to --judge-url")
-    add("--judge-retries", type=int, default=RolloutConfig.judge_retries, help="retries of a failed judge request before it is counted")
-    add("--judge-timeout", type=float, default=RolloutConfig.judge_timeout, help="seconds for judging one answer, retries included")
-    add("--policy-url", action="append", default=[], metavar="URL",
-        help="an OpenAI-compatible chat-completions endpoint as one more arm (repeat for several; docs/evaluation.md)")
-    add("--policy-model", action="append", default=[], metavar="[ARM=]MODEL", help="the model name sent to the i-th --policy-url")
-    add("--policy-config", action="append", default=[], metavar="JSON",
-        help="settings of the policy servers as a JSON object or file: api_key_env, concurrency, deadline_s, retries, "
-             "max_response_bytes, tool_images_as, max_tokens_field, body (one for all, or one per --policy-url)")
-
-
-def run_rollout(args) -> dict:
-    """``eogym-sft rollout``: build the :class:`RolloutConfig` from parsed flags and run :func:`rollout`."""
-    try:
-        cfg = RolloutConfig(
-            **shared_settings(args, "eogym-sft rollout"), tools=[t for t in args.tools.split(",") if t],
-            tool_url=args.tool_url, ks=args.pass_k, max_turns=args.max_turns, slots=args.slots,
-            max_episode_tokens=args.max_episode_tokens, compile=args.compile, cuda_graphs=args.cuda_graphs, judge_url=args.judge_url,
-            judge_model=args.judge_model, judge_retries=args.judge_retries, judge_timeout=args.judge_timeout,
-            policies=policy_servers(args.policy_url, args.policy_model, args.policy_config),
-        )
-    except (ValueError, OSError) as err:
-        raise SystemExit(f"eogym-sft rollout: {err}") from None
-    return rollout(cfg, progress=not args.no_progress, env_factory=None)

@@ -22,13 +22,12 @@ import time
 from bisect import bisect_right
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import SampleConfig
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_predictions, token_classes
+from .run_args import ValidateConfig
 
 GROUP_FIELDS = ("EO_task", "question_type")
 
@@ -265,45 +264,6 @@ def format_report(report: dict) -> str:
             cells += f"{r['loss']:>16.4f}{r['token_accuracy']:>14.4f}"
         lines.append(f"{group[:44]:<44}{cells}{row['tokens']:>10}")
     return "\n".join(lines)
-
-
-@dataclass(kw_only=True)
-class ValidateConfig(SampleConfig):
-    """Settings of ``eogym-sft validate``."""
-
-    model: str  # base model: hub id or local folder
-    data: str  # prepared folder, or EO-Gym JSONL (prepared on the way in)
-    output: str  # report.json to write
-    adapters: list[str] = field(default_factory=list)  # "DIR" or "NAME=DIR", one arm each
-    include_base: bool = True  # score the base model (every adapter off) as an arm
-    data_root: str = "."
-    batch_size: int = 8  # samples packed into one forward
-    num_proc: int = 1  # data-prep workers when data is JSONL
-    device: str = "auto"
-    dtype: str = "auto"  # bf16 on GPU, fp32 on CPU
-    # The text tower's attention: the recipe's variable-length kernels (default: eogym_varlen_cudnn on
-    # CUDA, eogym_varlen elsewhere), or sdpa.
-    attn_implementation: str | None = None
-    # Processes that collate batches (decode, resize and patchify images) while the model runs: at most one
-    # fewer than the CPUs this process may use; 0 collates in the main process.
-    dataloader_workers: int = 8
-    # Compile the decoder layers as the SFT recipe does (models.loading.compile_language_layers); default:
-    # on CUDA, where it pays, not on CPU, where Inductor's compile takes longer than a small run.
-    compile_layers: bool | None = None
-    allow_other_base: bool = False  # use an adapter whose adapter_config.json names another base
-    overwrite: bool = False  # replace an existing report
-    # Score only the traces a training run held out: its eval_fraction and seed (split_by_trace).
-    held_out_fraction: float | None = None
-    seed: int = 42
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.include_base and not self.adapters:
-            raise ValueError("nothing to score: no base arm and no adapters")
-        if self.batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        if self.dataloader_workers < 0:
-            raise ValueError("dataloader_workers must be 0 or more")
 
 
 def default_attention(device) -> str:

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from trl import GRPOTrainer
 
-from ..config import ImageConfig, OutputDirConfig
+from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, OutputDirConfig
 from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
 from ..data.traces import TraceError
 from ..environment.env import DEFAULT_BACKENDS
 from ..agent.episodes import canonical_prompt, question_messages
-from ..metrics.judge import DEFAULT_JUDGE_MODEL
+from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge
 from ..models.tiny import qwen3_vl_chat_template
 from ..agent.rollout_config import SlotRolloutArguments
 from . import grpo_slots
@@ -65,10 +65,7 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         default=None,
         metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
     )
-    tool_images: str = field(
-        default="produced",
-        metadata={"help": "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"},
-    )
+    tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
     tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
     action_cost_scale: float = field(
         default=0.2,
@@ -87,8 +84,8 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
     )
     judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to judge_url"})
-    judge_timeout: float = field(default=60.0, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
-    judge_retries: int = field(default=3, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
+    judge_timeout: float = field(default=ChatJudge.timeout, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
+    judge_retries: int = field(default=ChatJudge.retries, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
     dynamic_sampling: bool = field(
         default=False,
@@ -135,7 +132,7 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
 ################
 
 
-def prompt_trace(row: dict, tool_images="produced"):
+def prompt_trace(row: dict, tool_images=TOOL_IMAGES):
     """The row normalised up to its first assistant turn (system, question, its images), as a
     :class:`~eogym_sft.data.traces.Trace`: the prompt ``eogym-sft rollout`` starts an episode from."""
     return canonical_prompt({**row, "messages": question_messages(row)}, tool_images)

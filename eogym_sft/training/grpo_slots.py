@@ -38,7 +38,6 @@ from ..metrics.scoring import END_MARKERS
 from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.layout import expand_image_pads_and_mask
 from ..agent.generation import Sampling, SlotDecoder
-from .packed_logps import pack_rows, packed_logps_and_entropies
 from ..agent.rollout_config import kv_bytes_per_token, slots_for
 
 logger = logging.getLogger(__name__)

@@ -4,13 +4,14 @@ call :func:`train` with TrlParser's three configs."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl import ModelConfig, SFTConfig
 
 from ..config import EOGymScriptArguments
-from ..data.datasets import load_or_prepare, split_by_trace
+from ..data.datasets import is_held_out, load_or_prepare, read_rows, split_by_trace
 from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
 from ..models.processor import load_processor
@@ -82,12 +83,44 @@ def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share
         )
 
 
+def refuse_no_training(training_args: SFTConfig) -> None:
+    """``max_steps`` 0, or ``num_train_epochs`` 0 without ``max_steps``, would save the untrained adapter as the result."""
+    if training_args.max_steps == 0 or (training_args.max_steps < 0 and training_args.num_train_epochs <= 0):
+        raise ValueError(
+            f"max_steps {training_args.max_steps} and num_train_epochs {training_args.num_train_epochs} train nothing: "
+            "set num_train_epochs > 0 (or max_steps > 0)"
+        )
+
+
+def refuse_empty_split(script_args: EOGymScriptArguments, seed: int) -> None:
+    """Before data prep: an ``eval_fraction`` that holds out none (or all) of the traces of JSONL input is refused
+    now, from the rows' ids, rather than after prep (:func:`split_by_trace` checks the prepared samples again)."""
+    if script_args.eval_fraction <= 0 or Path(script_args.dataset_path).is_dir():
+        return
+    files = [p for p in script_args.dataset_path.split(",") if p]
+    ids = {str(row["id"]) for _, row in read_rows(files) if isinstance(row, dict) and isinstance(row.get("id"), (str, int))}
+    held_out = sum(is_held_out(trace_id, script_args.eval_fraction, seed) for trace_id in ids)
+    if ids and held_out in (0, len(ids)):
+        raise ValueError(
+            f"eval_fraction={script_args.eval_fraction} holds out {held_out} of the {len(ids)} traces of {script_args.dataset_path} "
+            f"(seed {seed}): raise eval_fraction, or set it to 0 to train on every trace with no eval set"
+        )
+
+
+def prep_processes(requested: int) -> int:
+    """``requested`` data-prep workers, at most the CPUs this process may use: more only wait for the same cores."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(requested, cpus))
+
+
 def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
     """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder."""
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
+    refuse_no_training(training_args)
     sample = script_args.sample_config(training_args.max_length)
+    refuse_empty_split(script_args, training_args.seed)
     claim_output_dir(training_args, script_args.overwrite_output_dir)
     set_samples_per_step(script_args, training_args)
 
@@ -100,7 +133,7 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     with training_args.main_process_first(desc="data prep"):
         dataset, data_stats = load_or_prepare(
             script_args.dataset_path, model_args.model_name_or_path, processor, prep, script_args.prepared_dir,
-            script_args.prep_num_proc, ALLOW_FLAG,
+            prep_processes(script_args.prep_num_proc), ALLOW_FLAG,
         )
     refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path, drop_share(script_args))
     train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)

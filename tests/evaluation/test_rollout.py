@@ -260,7 +260,7 @@ def test_an_environment_that_fails_ends_its_episodes_only(tmp_path, data_root, r
 def test_cuda_graphs_flag():
     import argparse
 
-    from eogym_sft.evaluation.rollout import add_rollout_args
+    from eogym_sft.evaluation.run_args import add_rollout_args
 
     parser = argparse.ArgumentParser()
     add_rollout_args(parser)
