@@ -259,6 +259,7 @@ def episode_metrics(eps: list[dict], per_question: list[dict], ks: list[int]) ->
             "tool_any": sum(e["tool_calls"] > 0 for e in eps) / n,
             "tool_error_rate": sum(e["tool_errors"] for e in eps) / attempts if attempts else None,
             "calls_per_episode": sum(e["tool_calls"] for e in eps) / n,
+            "skipped_calls": sum(e.get("skipped_calls", 0) for e in eps),  # past the per-turn cap: not run
             "turns_per_episode": sum(e["turns"] for e in eps) / n,
             "new_tokens_per_episode": sum(e["new_tokens"] for e in eps) / n,
             "stop_reasons": dict(sorted(Counter(e["stop_reason"] for e in eps).items())),

@@ -254,6 +254,12 @@ def test_summary_pass_at_k_and_paired_deltas_by_hand():
     assert summary["arms"]["lora"]["by_EO_task"]["Counting"]["pass@1"] == lora["pass@1"]
 
 
+def test_summary_counts_the_calls_past_the_per_turn_cap():
+    records = [_record("base", "q1", True, calls=8) | {"skipped_calls": 12}, _record("base", "q2", False), _record("base", "q3", True)]
+    summary = summarize_rollouts(records, ["base"], [1], {"ks": [1], "samples": 1}, {}, {})
+    assert summary["arms"]["base"]["overall"]["skipped_calls"] == 12
+
+
 def test_format_rollout_report_text():
     records = [
         _record("base", "q1", False), _record("base", "q1", True, calls=1, stop="max_turns"),
