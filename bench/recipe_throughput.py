@@ -121,7 +121,7 @@ def run(args, extra: list[str]) -> dict:
     original, sft.EOGymSFTTrainer = sft.EOGymSFTTrainer, ProbedTrainer
     try:
         with RecompileLog() as recompiles, CacheBypassLog() as bypasses:
-            recipe.train(script_args, training_args, model_args)
+            sft.train(script_args, training_args, model_args)
     finally:
         sft.EOGymSFTTrainer = original
     trainer = made[0]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args
-from .guards import check_model_source, check_torch_stack, refuse_nonempty_output, user_errors
+from .guards import check_model_source, check_torch_stack, refuse_nonempty_output, refuse_output_over_input, user_errors
 from .quiet import quiet_deepspeed_probe
 
 
@@ -84,6 +84,7 @@ def run_validate(args: argparse.Namespace) -> dict:
     if not Path(cfg.data).is_dir():
         refuse_missing_inputs([p for p in cfg.data.split(",") if p], "eogym-sft validate")
     refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
+    refuse_output_over_input(cfg.output, [p for p in cfg.data.split(",") if p], "eogym-sft validate")
     check_model_source(cfg.model)
     check_torch_stack()
     from .evaluation.validate import validate
@@ -104,6 +105,7 @@ def run_evaluate(args: argparse.Namespace) -> dict:
     refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
     refuse_missing_inputs(cfg.data, "eogym-sft evaluate")
     refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft evaluate")
+    refuse_output_over_input(cfg.output, cfg.data, "eogym-sft evaluate")
     check_model_source(cfg.model)
     check_torch_stack()
     from .evaluation.offline import evaluate

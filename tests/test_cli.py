@@ -124,8 +124,8 @@ def test_a_config_error_is_one_line_and_debug_shows_its_traceback(tmp_path, comm
     (["--limit", "0"], "--limit must be at least 1 (leave it out to read every row), got 0"),
     (["--limit", "-1"], "--limit must be at least 1 (leave it out to read every row), got -1"),
     (["--judge-url", "ftp://judge.example/v1"], "'ftp://judge.example/v1' is not an http:// or https:// URL with a host"),
-    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-retries", "-1"], "the judge's retries must be 0 or more, got -1"),
-    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-timeout", "0"], "the judge's timeout must be > 0 seconds, got 0.0"),
+    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-retries", "-1"], "the judge's retries must be a whole number >= 0, got -1"),
+    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-timeout", "0"], "the judge's timeout must be a positive number of seconds, got 0.0"),
     (["--tools", "crop,http", "--tool-url", "file:///etc/passwd"], "'file:///etc/passwd' is not an http:// or https:// URL with a host"),
 ])
 def test_rollout_refuses_a_bad_setting_before_it_writes_anything(data_root, row_factory, flags, message):

@@ -9,7 +9,10 @@ with each other and with ``processor(text, images)`` and ``Qwen3VLModel.get_rope
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # data prep's plan (image_factor, image_token_count) runs before torch loads, keeping refusals fast
+    import torch
 
 
 def image_factor(processor) -> int:
@@ -78,6 +81,8 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, im
     side: the rule of ``Qwen3VLModel.get_rope_index``. The first row is the plain token index, which
     attention uses to tell packed samples apart; the rotary rows alone are ``[1:]``.
     """
+    import torch
+
     length = input_ids.shape[0]
     image_positions = (input_ids == image_token_id).nonzero().flatten().tolist()
     chunks, cursor, pos, k = [], 0, 0, 0
