@@ -122,6 +122,8 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
 def run_rollout(args: argparse.Namespace) -> dict:
     from .evaluation.run_args import RolloutConfig, refuse_foreign_adapters, refuse_missing_inputs, refuse_taken_run_folder
 
+    refuse_missing_inputs(args.data, "eogym-sft rollout")  # before the policy client below, which imports torch
+    refuse_taken_run_folder(args.output, args.overwrite, "eogym-sft rollout")
     policies = []
     if args.policy_url or args.policy_model or args.policy_config:  # the policy client imports torch: only when asked for
         check_torch_stack()
