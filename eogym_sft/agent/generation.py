@@ -180,8 +180,6 @@ class SlotDecoder:
         is what this call computed."""
         if len(ids) >= self.max_len:
             raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
-        if isinstance(self._step, GraphedStep):  # once a turn: the walk over every parameter costs ~ms
-            self._step.check_weights()
         starts = image_starts(ids, images, self.image_token_id)
         source, start = max(((s, self._reusable(s, ids, images, starts)) for s in self._by_preference(slot)), key=lambda x: x[1])
         if source != slot and start:
@@ -275,6 +273,13 @@ class SlotDecoder:
     # ------------------------------------------------------------ decode
 
     @torch.inference_mode()
+    def check_weights(self) -> None:
+        """Drop the kept CUDA graphs if a parameter was replaced (not updated in place) since their capture; the
+        next step captures them again. Weights only change between runs of episodes, so :func:`run_episodes`
+        calls this once a run (the walk over every parameter costs about a millisecond), not once a turn."""
+        if isinstance(self._step, GraphedStep):
+            self._step.check_weights()
+
     def warm_up(self) -> int:
         """Run the decode step once per attention span, so that a compiled step compiles (and captures its
         CUDA graphs) before a timed or long run rather than during it. Caches are untouched: every slot
@@ -282,8 +287,7 @@ class SlotDecoder:
         spans = sorted({min(self.max_len, b) for b in range(self.attn_bucket, self.max_len + self.attn_bucket, self.attn_bucket)})
         zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         scratch = torch.full((self.slots,), self.max_len - 1, dtype=torch.long, device=self.device)
-        if isinstance(self._step, GraphedStep):
-            self._step.check_weights()
+        self.check_weights()
         for span in spans:
             self._step(zeros, scratch, zeros, zeros + 1, span)
         return len(spans)

@@ -272,15 +272,23 @@ def test_graphs_are_dropped_when_a_parameter_is_replaced_not_updated_in_place():
     assert graphed.check_weights() is False  # no graphs: nothing to check
 
 
-def test_prefill_recaptures_after_the_weights_moved():
+def test_a_run_of_episodes_recaptures_after_the_weights_moved(processor, tmp_path):
+    from eogym_sft.agent.episodes import LoopConfig, run_episodes
+
     decoder = SlotDecoder(build_tiny_model(0).eval(), slots=2, max_len=128, attn_bucket=64)
     decoder._step = _graphed_on_cpu(decoder._decode_step, (decoder.text, decoder.lm_head))
     zeros = torch.zeros(2, dtype=torch.long)
     decoder._step(zeros, zeros, zeros, zeros + 1, 64)
-    decoder.prefill(0, [1, 2, 3], [])
+
+    def run() -> None:
+        run_episodes(decoder, processor, iter([]), Sampling(), LoopConfig(2, 8), tmp_path, lambda episode: None)
+
+    run()
     assert list(decoder._step.graphs) == [64]  # unchanged weights: the graphs stay
     decoder.lm_head.weight = torch.nn.Parameter(decoder.lm_head.weight.detach().clone())
-    decoder.prefill(1, [4, 5], [])
+    decoder.prefill(1, [4, 5], [])  # within a run the weights are not checked again (a walk over every parameter)
+    assert list(decoder._step.graphs) == [64]
+    run()
     assert decoder._step.graphs == {}
 
 
