@@ -173,8 +173,6 @@ class AgentDemoConfig:
     grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
     grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
-    grpo_dynamic_sampling: bool = False  # DAPO: replace groups whose rewards are all equal by newly drawn questions
-    grpo_mask_turn_limit: bool = False  # an episode stopped by the turn limit with calls pending is masked like a cut
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
@@ -224,7 +222,6 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
     script = GRPOScriptArguments(
         dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop", rollout_turn_tokens=cfg.max_new_tokens,
         max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
-        dynamic_sampling=cfg.grpo_dynamic_sampling, mask_turn_limit=cfg.grpo_mask_turn_limit,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(

@@ -87,18 +87,6 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     judge_timeout: float = field(default=ChatJudge.timeout, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
     judge_retries: int = field(default=ChatJudge.retries, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
-    dynamic_sampling: bool = field(
-        default=False,
-        metadata={"help": "DAPO's dynamic sampling: drop groups whose rewards are all equal and draw other questions in their place"},
-    )
-    dynamic_sampling_draws: int = field(
-        default=4,
-        metadata={"help": "with dynamic_sampling, at most this many extra generation rounds a step; all-equal groups fill what is left"},
-    )
-    mask_turn_limit: bool = field(
-        default=False,
-        metadata={"help": "an episode stopped by max_tool_calling_iterations with calls pending is masked like a length cut"},
-    )
     progress_seconds: float = field(
         default=30.0,
         metadata={"help": "log generation progress (tokens, tokens/s) at most this often while episodes are generated"},
@@ -113,8 +101,6 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
             raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
         if self.judge and self.judge_url:
             raise ValueError("give judge or judge_url, not both")
-        if self.dynamic_sampling_draws < 0:
-            raise ValueError(f"dynamic_sampling_draws must be >= 0, got {self.dynamic_sampling_draws}")
         if self.progress_seconds <= 0:
             raise ValueError(f"progress_seconds must be > 0, got {self.progress_seconds}")
 
@@ -376,13 +362,11 @@ def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
 
 def settle_completions(
     out: Completions, eos_ids, pad_id: int, image_token_id: int, mask_truncated: bool, max_tool_iterations: int,
-    mask_turn_limit: bool = False,
 ) -> list[int]:
     """Make TRL's generation output safe to train on; returns the indices of the episodes now truncated.
 
     * An episode cut because a tool result no longer fit ends on ``<|im_end|>`` (TRL rolls the results back):
       its end-of-turn tokens are dropped so it counts as truncated (left out of the loss, scored as unanswered).
-      With ``mask_turn_limit`` so is an episode the tool-round limit stopped with calls still pending.
     * With ``mask_truncated`` a truncated episode's completion is masked from attention, and Qwen3-VL's
       ``get_rope_index`` then skips its image tokens but not their grids: its tool images are dropped and its
       ``<|image_pad|>`` tokens become padding (the masked tokens are never attended to nor trained).
@@ -390,7 +374,7 @@ def settle_completions(
     """
     stops = set(eos_ids) | {pad_id}
     for i, messages in enumerate(out.completions):
-        if cut_for_length(messages, max_tool_iterations) or (mask_turn_limit and ends_on_pending_call(messages)):
+        if cut_for_length(messages, max_tool_iterations):
             while out.completion_ids[i] and out.completion_ids[i][-1] in stops:
                 _drop_last_token(out, i)
     truncated = [i for i, ids in enumerate(out.completion_ids) if not ids or ids[-1] not in stops]
@@ -462,9 +446,8 @@ class TRLEngine:
 
     packed_loss = False  # TRL's padded loss forward
 
-    def __init__(self, progress: GenerationProgress | None = None, mask_turn_limit: bool = False):
+    def __init__(self, progress: GenerationProgress | None = None):
         self.progress = progress
-        self.mask_turn_limit = mask_turn_limit
 
     def bind(self, trainer) -> None:
         pass
@@ -482,7 +465,7 @@ class TRLEngine:
         tokenizer = trainer.processing_class.tokenizer
         truncated = settle_completions(
             out, trainer.eos_token_ids, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-            trainer.mask_truncated_completions, trainer.max_tool_calling_iterations, self.mask_turn_limit,
+            trainer.mask_truncated_completions, trainer.max_tool_calling_iterations,
         )
         mode = "train" if trainer.model.training else "eval"
         clipped = trainer._metrics[mode].get("completions/clipped_ratio")
@@ -503,81 +486,34 @@ class EOGymGRPOTrainer(GRPOTrainer):
     :class:`~eogym_sft.training.grpo_slots.SlotEngine` (the slot decoder; its loss forward packs a micro-batch's
     episodes into one row, :mod:`eogym_sft.training.packed_logps`).
 
-    ``dynamic_sampling`` (DAPO): a group whose rewards are all equal (zero advantage, no gradient) is dropped and
-    other questions drawn in its place, up to ``dynamic_sampling_draws`` more generation rounds a step; groups
-    still missing after those are filled with all-equal ones. Drops are logged as ``dynamic_sampling/*``.
-
     TRL's private methods overridden (no public hook sees them), each pinned by a test:
 
     * ``_generate(prompts)``: the engine's episodes, in TRL's 8-tuple return layout
       (``tests/training/test_grpo_slots.py::test_both_engines_hand_the_loss_the_same_batch``, and
       ``tests/training/test_grpo.py``'s CPU steps on mixed and truncated batches);
-    * ``_generate_and_score_completions(inputs)``: wrapped to hand the engine each example's row and for dynamic
-      sampling (the same tests; ``test_grpo.py::test_dynamic_sampling_replaces_an_all_equal_group``);
+    * ``_generate_and_score_completions(inputs)``: wrapped to hand the engine each example's row (the same tests);
     * ``_compute_loss`` and ``_get_per_token_logps_and_entropies``: the packed loss forward, slots engine only
       (``tests/training/test_packed_logps.py``, against TRL's padded forward).
 
     ``_env_tools`` is read and written after the trainer is built (:func:`show_row_tools`, pinned in test_grpo.py).
     """
 
-    def __init__(self, *args, engine, dynamic_sampling: bool = False, dynamic_sampling_draws: int = 4, **kwargs):
+    def __init__(self, *args, engine, **kwargs):
         super().__init__(*args, **kwargs)
         self.engine = engine
-        self.dynamic_sampling = dynamic_sampling
-        self.dynamic_sampling_draws = dynamic_sampling_draws
         self._inputs: list[dict] | None = None
         self._loss_mask = None
-        if dynamic_sampling and self.accelerator.num_processes > 1:
-            raise ValueError("dynamic_sampling drops whole groups, which span processes: run it on one process")
-        if dynamic_sampling and self.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError("dynamic_sampling reads an all-equal group from its zero advantages: keep multi_objective_aggregation=sum_then_normalize")
         engine.bind(self)
 
     def _generate(self, prompts):
         return self.engine.generate(self, prompts, self._inputs)
 
     def _generate_and_score_completions(self, inputs):
-        batch = self._score(inputs)
-        if not self.dynamic_sampling or not self.model.training:
-            return batch
-        return self._refill(batch, len(inputs) // self.num_generations)
-
-    def _score(self, inputs):
         self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
             self._inputs = None
-
-    def _refill(self, batch: dict, groups: int) -> dict:
-        """``batch`` with its all-equal groups replaced by groups of newly drawn questions (DAPO's dynamic sampling)."""
-        size = self.num_generations
-        varied, equal = [], []
-        for g in range(groups):
-            (varied if batch["advantages"][g * size : (g + 1) * size].abs().max() > 0 else equal).append((batch, g))
-        dropped, draws = len(equal), 0
-        while len(varied) < groups and draws < self.dynamic_sampling_draws:
-            drawn = self._score(self._draw_questions(groups - len(varied), draws))
-            draws += 1
-            for g in range(len(drawn["advantages"]) // size):
-                (varied if drawn["advantages"][g * size : (g + 1) * size].abs().max() > 0 else equal).append((drawn, g))
-        kept = varied[:groups]
-        unfilled = groups - len(kept)
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/dropped_groups"].append(float(dropped))
-        metrics["dynamic_sampling/draws"].append(float(draws))
-        metrics["dynamic_sampling/unfilled_groups"].append(float(unfilled))
-        if not dropped:
-            return batch
-        return merge_groups(kept + equal[:unfilled], size, self.processing_class.tokenizer.pad_token_id)
-
-    def _draw_questions(self, groups: int, draw: int) -> list[dict]:
-        """``groups`` questions drawn from the training set (seeded by the run's seed, step and draw), each
-        repeated ``num_generations`` times as TRL's sampler lays a group out."""
-
-        generator = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.state.global_step * 1009 + draw)
-        picks = torch.randint(len(self.train_dataset), (groups,), generator=generator).tolist()
-        return [self.train_dataset[i] for i in picks for _ in range(self.num_generations)]
 
     def _compute_loss(self, model, inputs):
         """TRL's loss, its forward scoring only the tokens the loss counts (:func:`~eogym_sft.training.grpo_slots.loss_token_mask`)."""
@@ -639,79 +575,6 @@ class EOGymGRPOTrainer(GRPOTrainer):
         )
 
 
-# Keys of TRL's scored batch that merge_groups knows how to take rows of.
-LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
-RIGHT_PADDED = {
-    "completion_ids": "pad", "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
-    "sampling_per_token_logps": 0.0, "ref_per_token_logps": 0.0,
-}
-WHOLE_ROW = ("mm_token_type_ids", "token_type_ids")  # (rows, prompt + completion)
-
-
-def merge_groups(parts: list[tuple[dict, int]], group_size: int, pad_id: int) -> dict:
-    """One scored batch of TRL's layout from group ``g`` of each ``(batch, g)`` in ``parts``: prompts left-padded
-    and completions right-padded to the widest, the images of the kept rows only, ``num_items_in_batch``
-    recounted (one process). A key it does not know fails here, not as a wrong loss."""
-    import torch.nn.functional as F
-
-    rows = [(b, r) for b, g in parts for r in range(g * group_size, (g + 1) * group_size)]
-    known = {*LEFT_PADDED, *RIGHT_PADDED, *WHOLE_ROW, "advantages", "num_items_in_batch", "pixel_values", "image_grid_thw", "num_images"}
-    unknown = sorted({k for b, _ in parts for k in b} - known)
-    if unknown:
-        raise ValueError(f"dynamic_sampling cannot merge batches holding {unknown}")
-    prompt_width = max(b["prompt_ids"].size(1) for b, _ in parts)
-    completion_width = max(b["completion_ids"].size(1) for b, _ in parts)
-
-    def value(fill):
-        return pad_id if fill == "pad" else fill
-
-    def stack(key, pad_row):
-        return torch.stack([pad_row(b, b[key][r]) for b, r in rows])
-
-    out = {}
-    for key, fill in LEFT_PADDED.items():
-        out[key] = stack(key, lambda b, t, f=fill: F.pad(t, (prompt_width - t.size(0), 0), value=value(f)))
-    for key, fill in RIGHT_PADDED.items():
-        if any(key in b for b, _ in parts):
-            if not all(key in b for b, _ in parts):
-                raise ValueError(f"dynamic_sampling cannot merge batches of which only some hold {key}")
-            out[key] = stack(key, lambda b, t, f=fill: F.pad(t, (0, completion_width - t.size(0)), value=value(f)))
-    for key in WHOLE_ROW:
-        if any(key in b for b, _ in parts):
-            out[key] = torch.stack([_whole_row(b, key, r, prompt_width, completion_width) for b, r in rows])
-    out["advantages"] = torch.stack([b["advantages"][r] for b, r in rows])
-    if any("num_images" in b for b, _ in parts):
-        grids, pixels, counts = [], [], []
-        for b, r in rows:
-            images = b.get("num_images") or [0] * len(b["advantages"])  # a batch without images has none
-            first, n = sum(images[:r]), images[r]
-            counts.append(n)
-            if n:
-                patches = b["image_grid_thw"].prod(-1)
-                start = int(patches[:first].sum())
-                grids.append(b["image_grid_thw"][first : first + n])
-                pixels.append(b["pixel_values"][start : start + int(patches[first : first + n].sum())])
-        out["num_images"] = counts
-        if grids:
-            out["image_grid_thw"], out["pixel_values"] = torch.cat(grids), torch.cat(pixels)
-    loss_mask = out["completion_mask"] * out.get("tool_mask", 1)
-    out["num_items_in_batch"] = loss_mask.sum().to(parts[0][0]["num_items_in_batch"].dtype)
-    return out
-
-
-def _whole_row(batch: dict, key: str, row: int, prompt_width: int, completion_width: int):
-    """Row ``row`` of a (rows, prompt + completion) tensor re-padded to the merged widths; zeros where the
-    batch does not hold ``key`` (it has no images)."""
-    import torch.nn.functional as F
-
-    width = batch["prompt_ids"].size(1)
-    if key not in batch:
-        return torch.zeros(prompt_width + completion_width, dtype=torch.long, device=batch["prompt_ids"].device)
-    t = batch[key][row]
-    prompt, completion = t[:width], t[width:]
-    return torch.cat([F.pad(prompt, (prompt_width - width, 0)), F.pad(completion, (0, completion_width - completion.size(0)))])
-
-
 ################
 # The trainer
 ################
@@ -761,15 +624,13 @@ def build_trainer(
             "cannot run (no KV cache): set --attn_implementation sdpa, or use --rollout_engine slots"
         )
     if script_args.rollout_engine == "slots":
-        engine = SlotEngine(script_args, logits_processors, script_args.mask_turn_limit)
+        engine = SlotEngine(script_args, logits_processors)
     else:
-        engine = TRLEngine(GenerationProgress(script_args.progress_seconds), script_args.mask_turn_limit)
+        engine = TRLEngine(GenerationProgress(script_args.progress_seconds))
         if logits_processors:
             model.generate = _with_logits_processors(model.generate, LogitsProcessorList(logits_processors))
     trainer = EOGymGRPOTrainer(
         engine=engine,
-        dynamic_sampling=script_args.dynamic_sampling,
-        dynamic_sampling_draws=script_args.dynamic_sampling_draws,
         model=model,
         reward_funcs=[reward],
         args=training_args,

@@ -123,7 +123,6 @@ class RolloutSample:
 
 def episode_sample(
     ep, processor, data_root, tool_images, pictures, max_completion_length: int, decoded: dict | None = None,
-    mask_turn_limit: bool = False,
 ) -> RolloutSample:
     """The episode ``ep`` (ended by :func:`run_episodes`) as prompt and completion ids with its tool mask.
 
@@ -132,7 +131,7 @@ def episode_sample(
     ``"3\n<|im_end|>"``, drop a cut turn's trailing spaces and turn a sampled ``"F"`` + ``"inal"`` into the
     canonical split). Everything between the turns (template, tool results, their crops) is what the
     environment rendered, as data prep encodes it. A cut episode (``max_new_tokens``, ``context_full``,
-    ``max_turns`` with ``mask_turn_limit``, or longer than ``max_completion_length``) ends without an end
+    or longer than ``max_completion_length``) ends without an end
     token, so TRL's ``mask_truncated_completions`` sees it. Tool calls still pending at the end (``max_turns``)
     and their results are left out, as TRL's loop leaves them."""
     decoded = {} if decoded is None else decoded  # path -> PIL image, shared by a step's episodes
@@ -147,7 +146,7 @@ def episode_sample(
         raise ValueError(f"the episode wrote no turn ({ep.stop}: {ep.error})")
     if len(ep.sampled_ids) != turns:
         raise ValueError(f"the episode has {turns} assistant turns but {len(ep.sampled_ids)} sampled ones")
-    cut = ep.stop in TRUNCATING_STOPS or (mask_turn_limit and ep.stop == "max_turns")
+    cut = ep.stop in TRUNCATING_STOPS
     trace = canonical_prompt({**ep.row, "messages": messages[:-1]}, tool_images)
     enc = encode_conversation(processor, trace.messages, trace.tools)
     ids = tokenizer(render(processor, trace.messages, trace.tools, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
@@ -280,15 +279,13 @@ class SlotEngine:
     ``rollout_args`` holds the rollout settings (:class:`SlotRolloutArguments`) and the environment's
     ``data_root`` and ``tool_images``; ``logits_processors`` (transformers-style) act on every sampling step,
     as ``generate``'s ``logits_processor`` does on TRL's path (tests and benches force episodes with them).
-    ``mask_turn_limit``: an episode stopped by the turn limit ends as a cut one (masked like a length cut).
     """
 
     packed_loss = True  # the loss forward packs a micro-batch's episodes into one row (packed_logps)
 
-    def __init__(self, rollout_args, logits_processors=(), mask_turn_limit: bool = False):
+    def __init__(self, rollout_args, logits_processors=()):
         self.rollout_args = rollout_args
         self.logits_processors = list(logits_processors)
-        self.mask_turn_limit = mask_turn_limit
         self._decoder: SlotDecoder | None = None
         self.sampling: ProcessedSampling | None = None
 
@@ -359,13 +356,12 @@ class SlotEngine:
                 if ep.stop == "error":
                     raise ValueError(ep.error)
                 samples.append(episode_sample(
-                    ep, processor, ra.data_root, ra.tool_images, pictures, trainer.max_completion_length, decoded, self.mask_turn_limit,
+                    ep, processor, ra.data_root, ra.tool_images, pictures, trainer.max_completion_length, decoded,
                 ))
             except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
                 logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
                 samples.append(failed_sample(processor))
-        limits = TRUNCATING_STOPS + (("max_turns",) if self.mask_turn_limit else ())
-        over = sum(s.truncated and ep.stop not in limits for s, ep in zip(samples, episodes))
+        over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS for s, ep in zip(samples, episodes))
         if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
             logger.warning(
                 "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "

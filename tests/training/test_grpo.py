@@ -332,77 +332,7 @@ def test_a_truncated_answer_does_not_cancel_the_correct_ones_advantage(tmp_path,
     assert trainer._metrics["train"]["episode/truncated"] == [0.5]
 
 
-# ---------------------------------------------------------------- levers: dynamic sampling, the turn-limit mask, entropy
-
-
-def _right_and_wrong(group):
-    tokenizer = group["processor"].tokenizer
-    right = tokenizer("Final Answer: 3", add_special_tokens=False)["input_ids"] + [IM_END]
-    wrong = tokenizer(" Final Answer: 4", add_special_tokens=False)["input_ids"] + [IM_END]
-    return [[right], [wrong]]
-
-
-@pytest.mark.parametrize("engine", ["trl", "slots"])
-def test_dynamic_sampling_replaces_an_all_equal_group(tmp_path, tiny_model_dir, engine):
-    """Two questions: one the policy gets right once in two (rewards 1, 0), one whose answer it never writes
-    (0, 0: zero advantage, no gradient). The second group is dropped and a drawn question takes its place;
-    the batch stays full and the drop is counted."""
-    trainer, _ = scripted_trainer(
-        tmp_path, tiny_model_dir, engine, _right_and_wrong, rows=2, per_device_train_batch_size=4, dynamic_sampling=True,
-    )
-    asked, never = trainer.train_dataset[0], {**trainer.train_dataset[1], "gt_answer": "5"}
-    with torch.no_grad():
-        batch = trainer._generate_and_score_completions([asked, asked, never, never])
-    groups = batch["advantages"].view(2, 2)
-    assert (groups.abs().max(dim=1).values > 0).tolist() == [True, True]
-    assert groups[:, 0].tolist() == pytest.approx([0.7071, 0.7071], abs=1e-3)  # right, then wrong, in each group
-    metrics = trainer._metrics["train"]
-    assert (metrics["dynamic_sampling/dropped_groups"], metrics["dynamic_sampling/draws"]) == ([1.0], [1.0])
-    assert metrics["dynamic_sampling/unfilled_groups"] == [0.0]
-    assert len(metrics["reward"]) == 2  # two rounds scored: the batch and the draw
-    assert batch["completion_ids"].shape[0] == 4 and batch["num_images"] == [1, 1, 1, 1]
-    assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
-    assert int(batch["num_items_in_batch"]) == int((batch["completion_mask"] * batch["tool_mask"]).sum())
-
-
-def test_dynamic_sampling_fills_with_all_equal_groups_when_draws_run_out(tmp_path, tiny_model_dir):
-    trainer, _ = scripted_trainer(
-        tmp_path, tiny_model_dir, "slots", _right_and_wrong, dynamic_sampling=True, dynamic_sampling_draws=0,
-    )
-    never = {**trainer.train_dataset[0], "gt_answer": "5"}
-    with torch.no_grad():
-        batch = trainer._generate_and_score_completions([never, never])
-    assert batch["advantages"].tolist() == [0.0, 0.0]
-    assert trainer._metrics["train"]["dynamic_sampling/unfilled_groups"] == [1.0]
-
-
-@pytest.mark.parametrize("engine", ["trl", "slots"])
-def test_the_turn_limit_mask_masks_an_episode_stopped_with_calls_pending(tmp_path, tiny_model_dir, engine):
-    """max_tool_calling_iterations=0: the gold episode's crop call is its last turn, still pending. With
-    ``mask_turn_limit`` it ends as a cut episode does (no end token, masked out of the loss)."""
-
-    def scripts(group):
-        return [group["scripts"][0], _right_and_wrong(group)[0]]
-
-    trainer, _ = scripted_trainer(
-        tmp_path, tiny_model_dir, engine, scripts, max_tool_calling_iterations=0, mask_turn_limit=True,
-        mask_truncated_completions=True,
-    )
-    with torch.no_grad():
-        batch = trainer._generate_and_score_completions([trainer.train_dataset[0]] * 2)
-    assert int(batch["completion_mask"][0].sum()) == 0 and int(batch["completion_mask"][1].sum()) > 0
-    assert trainer._metrics["train"]["episode/truncated"] == [0.5]
-    assert trainer._metrics["train"]["completions/clipped_ratio"] == [0.5]
-
-
-def test_settle_completions_masks_the_turn_limit_only_when_asked():
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}]}
-    tool = {"role": "tool", "content": "ok"}
-    for mask_turn_limit, expected in [(False, []), (True, [0])]:
-        out = _completions([[call, tool, call]], [[5, 7, 5, IM_END]], [[]], [None])
-        truncated = settle_completions(out, [IM_END], PAD, IM_PAD, True, max_tool_iterations=1, mask_turn_limit=mask_turn_limit)
-        assert truncated == expected
-        assert out.completion_ids == [[5, 7, 5, IM_END][: 4 - len(expected)]]
+# ---------------------------------------------------------------- levers: entropy, the demo's settings
 
 
 def test_the_policys_entropy_is_logged_where_the_demo_reads_it(policy_run, tmp_path):
@@ -420,7 +350,7 @@ def test_the_policys_entropy_is_logged_where_the_demo_reads_it(policy_run, tmp_p
 
 def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
     """Each lever of the seed study set on ``AgentDemoConfig`` arrives in GRPOConfig or the script arguments;
-    the defaults are the demo's run as it was (no KL, constant LR, no warmup, no dynamic sampling)."""
+    the defaults are the demo's run as it was (no KL, constant LR, no warmup)."""
     from eogym_sft.demo import AgentDemoConfig, _grpo_configs
 
     def configs(**levers):
@@ -428,54 +358,11 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
 
     script, training, _ = configs()
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.0, "constant", 0)
-    assert (training.per_device_train_batch_size, script.dynamic_sampling, script.mask_turn_limit) == (8, False, False)
+    assert training.per_device_train_batch_size == 8
     script, training, _ = configs(
         grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4,
-        grpo_dynamic_sampling=True, grpo_mask_turn_limit=True,
     )
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.04, "cosine", 0.1)
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
-    assert (script.dynamic_sampling, script.mask_turn_limit) == (True, True)
 
 
-def test_merge_groups_takes_whole_rows_and_their_images():
-    """Group 1 of a batch with images (prompts 3 wide, completions 2) and group 0 of one without (4 and 3 wide):
-    each row re-padded as TRL pads (prompts left, completions right, tool_mask with 1), the kept rows' images only."""
-    from eogym_sft.training.grpo import merge_groups
-
-    with_images = {
-        "prompt_ids": torch.tensor([[9, 1, 2], [9, 9, 3], [4, 5, 6], [9, 7, 8]]),
-        "prompt_mask": torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 1, 1]]),
-        "completion_ids": torch.tensor([[11, 12], [13, 9], [14, 15], [16, 9]]),
-        "completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1], [1, 0]]),
-        "tool_mask": torch.tensor([[1, 0], [1, 1], [0, 1], [1, 1]]),
-        "mm_token_type_ids": torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 1, 0, 0, 0]]),
-        "advantages": torch.tensor([0.0, 0.0, 0.5, -0.5]),
-        "num_items_in_batch": torch.tensor(6),
-        "num_images": [1, 0, 2, 1],
-        "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 4], [1, 4, 2], [1, 2, 2]]),
-        "pixel_values": torch.arange(24).float().unsqueeze(1),  # 4 + 8 + 8 + 4 patch rows
-    }
-    plain = {
-        "prompt_ids": torch.tensor([[21, 22, 23, 24], [9, 9, 25, 26]]),
-        "prompt_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
-        "completion_ids": torch.tensor([[31, 32, 33], [34, 9, 9]]),
-        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
-        "tool_mask": torch.tensor([[1, 1, 1], [1, 1, 1]]),
-        "advantages": torch.tensor([1.0, -1.0]),
-        "num_items_in_batch": torch.tensor(4),
-    }
-    out = merge_groups([(with_images, 1), (plain, 0)], group_size=2, pad_id=9)
-    assert out["prompt_ids"].tolist() == [[9, 4, 5, 6], [9, 9, 7, 8], [21, 22, 23, 24], [9, 9, 25, 26]]
-    assert out["prompt_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]
-    assert out["completion_ids"].tolist() == [[14, 15, 9], [16, 9, 9], [31, 32, 33], [34, 9, 9]]
-    assert out["completion_mask"].tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]]
-    assert out["tool_mask"].tolist() == [[0, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
-    assert out["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0], [0] * 7, [0] * 7]
-    assert out["advantages"].tolist() == [0.5, -0.5, 1.0, -1.0]
-    assert out["num_images"] == [2, 1, 0, 0]
-    assert out["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 2], [1, 2, 2]]
-    assert out["pixel_values"].squeeze(1).tolist() == [float(v) for v in range(4, 24)]
-    assert int(out["num_items_in_batch"]) == 1 + 1 + 3 + 1
-    with pytest.raises(ValueError, match="importance_sampling_ratio"):
-        merge_groups([({**plain, "importance_sampling_ratio": torch.ones(2, 1)}, 0)], group_size=2, pad_id=9)
