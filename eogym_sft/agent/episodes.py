@@ -229,7 +229,11 @@ def run_episodes(
 
     ``on_done(episode)`` is called as each one ends (in completion order). The images of the next
     ``decoder.slots`` pending episodes are decoded by worker threads while the GPU works. Returns timing:
-    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``. ``pictures`` (a :func:`picture_cache`) lets
+    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}`` and where the seconds went: ``prefill_s``
+    (prefills, vision encoding included, to their first token), ``decode_s`` (decode steps to their sampled
+    tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the loop's own bookkeeping). Reading a
+    sampled token waits for the GPU, so each share is the GPU's time plus the host's around it, with no
+    added synchronisation. ``pictures`` (a :func:`picture_cache`) lets
     the caller read the decoded images afterwards (GRPO does); by default the run has its own.
     """
     import torch
@@ -244,20 +248,23 @@ def run_episodes(
     pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
-    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0}
-    start = time.perf_counter()
+    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0}
+    clock = time.perf_counter
+    start = clock()
 
     def begin_turn(s: int, ep: Episode) -> bool:
         try:
             ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
             if len(ids) + cfg.max_new_tokens >= decoder.max_len:
                 return ep.stop_with("context_full")
+            began = clock()
             logits = decoder.prefill(s, ids, images)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
             return False
         stats["prefill_tokens"] += decoder.last_prefill_tokens
         turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
+        stats["prefill_s"] += clock() - began
         return True
 
     def end_turn(s: int, ep: Episode) -> bool:
@@ -266,11 +273,14 @@ def run_episodes(
         ep.new_tokens += len(tokens)
         stats["new_tokens"] += len(tokens)
         truncated = tokens[-1] not in stop_ids
+        began = clock()
         try:
             going = ep.take_turn(tokenizer.decode(tokens, skip_special_tokens=False), truncated, cfg.max_turns)
         except Exception as err:  # an environment bug in one call: this episode ends, named
             ep.fail(err)
             return False
+        finally:
+            stats["tool_s"] += clock() - began
         return going and begin_turn(s, ep)
 
     def settle(s: int) -> None:
@@ -306,13 +316,16 @@ def run_episodes(
         busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
         if not busy:
             break
+        began = clock()
         order, logits = decoder.decode({s: turn[s][-1] for s in busy})
         picks = sampling.pick(logits, [len(turn[s]) for s in order], stop_ids, generator, banned_ids)
+        stats["decode_s"] += clock() - began
         for s, tok in zip(order, picks):
             turn[s].append(tok)
         stats["decode_steps"] += 1
     pool.shutdown()
-    stats["seconds"] = time.perf_counter() - start
+    stats["seconds"] = clock() - start
+    stats["other_s"] = stats["seconds"] - stats["prefill_s"] - stats["decode_s"] - stats["tool_s"]
     return stats
 
 

@@ -120,6 +120,10 @@ def test_scripted_policy_runs_tools_reuses_the_cache_and_round_trips_through_pre
     assert Image.open(data_root / crop).size == (320, 240)
     # the second episode starts from the first one's cached prompt; each turn recomputes only its new tokens
     assert stats["prefill_tokens"] < 2 * len(decoder.tokens[0])
+    # where the run's seconds went: disjoint phases that add up to its wall time
+    phases = [stats[name] for name in ("prefill_s", "decode_s", "tool_s", "other_s")]
+    assert min(phases) >= 0 and stats["prefill_s"] > 0 and stats["decode_s"] > 0 and stats["tool_s"] > 0
+    assert sum(phases) == pytest.approx(stats["seconds"])
     # data prep reads the episode as it is, and trains on exactly the tokens the model was given
     result = prepare_line(processor, PrepConfig(data_root=str(data_root), strict=True), "episodes.jsonl", 1, json.dumps(first).encode())
     assert result.status == "kept" and len(result.samples) == 1
