@@ -43,6 +43,15 @@ def parse_settings(pairs: list[str]) -> dict:
     return out
 
 
+def child_env(parallel: int, env: dict | None = None, cpus: int | None = None) -> dict:
+    """The environment of each seed's process: ``OMP_NUM_THREADS`` (unless set) shares the host's cores between the
+    seeds running at once. Each torch process otherwise starts a thread per core: ten seeds on 16 cores then took
+    38 s for each SFT step, against 20.6 s for all 60 with one thread each (one H200, 2026-12-02)."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (cpus or os.cpu_count() or 1) // max(1, parallel))))
+    return env
+
+
 def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int, on_done=lambda reports: None) -> dict[int, dict]:
     """Run every seed (``parallel`` at a time) and return ``{seed: agent_report}``; a failed seed is reported
     with its log's tail and left out. ``on_done(reports)`` runs after each seed ends (the partial JSON)."""
@@ -54,7 +63,7 @@ def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int, on
             out = workdir / f"seed{seed}"
             log = open(workdir / f"seed{seed}.log", "w")
             cmd = [sys.executable, "-c", RUN_ONE, json.dumps(settings | {"seed": seed}), str(out)]
-            running[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ), log, time.time())
+            running[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(parallel)), log, time.time())
         for seed, (proc, log, start) in list(running.items()):
             if proc.poll() is None:
                 continue
