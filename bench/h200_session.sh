@@ -23,6 +23,11 @@
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # GRPO after an early-stopped SFT on the agent demo's task, larger, 1 GPU (limited to 540 s)
+#   bash bench/h200_session.sh agent_seeds [FIELD=VALUE ...]  # agent_1gpu's loop at seeds 0-4 side by side, with
+#                                           # AgentDemoConfig overrides (e.g. grpo_beta=0.04): the per-seed table (570 s limit)
+#   bash bench/h200_session.sh rollout_phases  # the rollout bench's graphs arm, alternating a base commit and the tree
+#                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
+#                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -266,6 +271,26 @@ for flag in ("--cuda-graphs", "--no-cuda-graphs"):
 PY
   CUDA_VISIBLE_DEVICES=0 timeout 150 python bench/rollout_throughput.py --model $model --episodes 32 --concurrency 16 --turns 2 \
     --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
+  ;;
+agent_seeds)
+  shift
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/agent_seeds \
+    --json $OUT/agent_seeds.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=120 \
+    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=1e-4 rft_steps=0 "$@" > $OUT/agent_seeds.log 2>&1 || echo "agent_seeds: exit $?"
+  tail -8 $OUT/agent_seeds.log
+  ;;
+rollout_phases)
+  # the base commit's package and benches in .before/ (git archive, carried: it is git-ignored), then the tree
+  [ -d .before/eogym_sft ] || { echo "rollout_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before"; exit 1; }
+  make_model
+  args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 --arms none --cuda-graphs --workdir /tmp/rb"
+  i=0
+  for arm in before after before after; do
+    i=$((i + 1)); src=$PWD; [ $arm = before ] && src=$PWD/.before
+    (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 150 python bench/rollout_throughput.py $args \
+      --json $OUT/rollout_${i}_$arm.json > $OUT/rollout_${i}_$arm.log 2>&1) || echo "rollout_phases: $arm exit $?"
+    echo "$arm: $(grep -E '^\{' $OUT/rollout_${i}_$arm.log | tail -1)"
+  done
   ;;
 agent_1gpu)
   # (after setup) GRPO improving an agent, the loop of `eogym-sft demo --agent` larger: 384 training and 128 held-out
