@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_throughput import machine_info  # noqa: E402
 
-from eogym_sft.demo import grpo_per_step  # noqa: E402
+from eogym_sft.demo import grpo_per_step, reward_by_part  # noqa: E402
 
 RUN_ONE = """
 import json, sys
@@ -81,27 +81,21 @@ def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int, on
     return reports
 
 
-def by_part(values: list[float], parts: int = 4) -> list[float]:
-    """Means over ``parts`` equal runs of steps (the last takes the remainder); the values themselves when
-    there are too few steps for each part to average several."""
-    if len(values) < 5 * parts:
-        return list(values)
-    size = len(values) // parts
-    bounds = [k * size for k in range(parts)] + [len(values)]
-    return [sum(values[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
+def by_part(values: list[float]) -> list[float]:
+    """The demo's means over four parts of the steps; the values themselves when a part would average too few."""
+    return reward_by_part(values) or list(values)
 
 
 def seed_row(seed: int, report: dict, a: str = "sft", b: str = "grpo") -> dict:
     """One seed's line: both arms' Pass@1, the paired delta and its CI, reward and entropy by part."""
     paired = next((p for p in report["paired"] if p["a"] == a and p["b"] == b and p["metric"] == "pass@1"), None)
-    ci_key = next((k for k in (paired or {}) if k.startswith("ci95")), None)
     return {
         "seed": seed,
         a: report["arms"][a]["pass@1"],
         b: report["arms"].get(b, {}).get("pass@1"),
         "delta": paired["delta"] if paired else None,
-        "ci95": paired[ci_key] if ci_key else None,
-        "ci_method": ci_key,
+        "ci95": paired["ci95"] if paired else None,
+        "ci_method": paired["ci_method"] if paired else None,
         "reward_by_part": by_part(report["grpo_reward_per_step"]),
         "entropy_by_part": by_part(report["grpo_entropy_per_step"]),
         "wall_s": report["wall_s"],

@@ -22,11 +22,11 @@ def test_seed_row_reads_the_paired_pass_at_1_and_the_table_counts_seeds():
     report = {
         "arms": {"sft": {"pass@1": 0.25}, "grpo": {"pass@1": 0.5}},
         "paired": [{"a": "sft", "b": "grpo", "metric": "tool_any", "delta": 0.0, "ci95": [0, 0]},
-                   {"a": "sft", "b": "grpo", "metric": "pass@1", "delta": 0.25, "ci95": [0.1, 0.4]}],
+                   {"a": "sft", "b": "grpo", "metric": "pass@1", "delta": 0.25, "ci95": [0.1, 0.4], "ci_method": "paired t"}],
         "grpo_reward_per_step": [0.1, 0.2], "grpo_entropy_per_step": [0.05, 0.04], "wall_s": 9.0,
     }
     row = agent_seeds.seed_row(3, report)
-    assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "ci_method": "ci95",
+    assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "ci_method": "paired t",
                    "reward_by_part": [0.1, 0.2], "entropy_by_part": [0.05, 0.04], "wall_s": 9.0}
     worse = row | {"seed": 4, "delta": -0.1, "ci95": [-0.3, 0.1]}
     assert agent_seeds.format_table([row, worse]).splitlines()[-1] == (

@@ -231,7 +231,7 @@ def run_episodes(
     ``decoder.slots`` pending episodes are decoded by worker threads while the GPU works. Returns timing:
     ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}`` and where the seconds went: ``prefill_s``
     (prefills, vision encoding included, to their first token), ``decode_s`` (decode steps to their sampled
-    tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the loop's own bookkeeping). Reading a
+    tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the rest: prompts rendered and tokenised, slots refilled). Reading a
     sampled token waits for the GPU, so each share is the GPU's time plus the host's around it, with no
     added synchronisation. ``pictures`` (a :func:`picture_cache`) lets
     the caller read the decoded images afterwards (GRPO does); by default the run has its own.
