@@ -24,7 +24,8 @@
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # GRPO after an early-stopped SFT on the agent demo's task, larger, 1 GPU (limited to 540 s)
 #   bash bench/h200_session.sh agent_seeds [FIELD=VALUE ...]  # agent_1gpu's loop at seeds 0-4 side by side, with
-#                                           # AgentDemoConfig overrides (e.g. grpo_beta=0.04): the per-seed table (570 s limit)
+#                                           # AgentDemoConfig overrides (e.g. grpo_beta=0.04): the per-seed table (570 s limit);
+#                                           # AGENT_SEEDS_NAME=x names its files, for two studies in one call
 #   bash bench/h200_session.sh rollout_phases  # the rollout bench's graphs arm, alternating a base commit and the tree
 #                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
 #                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
@@ -273,11 +274,12 @@ PY
     --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
   ;;
 agent_seeds)
-  shift
-  CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/agent_seeds \
-    --json $OUT/agent_seeds.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=120 \
-    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=1e-4 rft_steps=0 "$@" > $OUT/agent_seeds.log 2>&1 || echo "agent_seeds: exit $?"
-  tail -8 $OUT/agent_seeds.log
+  # AGENT_SEEDS_NAME names the workdir, JSON and log, so that two studies can share one call (run both with &)
+  shift; name=${AGENT_SEEDS_NAME:-agent_seeds}
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/$name \
+    --json $OUT/$name.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=120 \
+    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=1e-4 rft_steps=0 "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
+  tail -8 $OUT/$name.log
   ;;
 rollout_phases)
   # the base commit's package and benches in .before/ (git archive, carried: it is git-ignored), then the tree
