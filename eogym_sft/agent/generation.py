@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..models.layout import grid_token_count, mrope_position_ids
 
@@ -244,18 +245,17 @@ class SlotDecoder:
         n = len(chunk)
         cos, sin = self.text.rotary_emb(hidden, positions[:, None, :].to(self.device))
         end = start + n
-        causal = None
-        if start:  # the chunk sees the slot's history and itself causally
-            causal = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        # The chunk sees the slot's history and itself causally: the diagonal aligned to the bottom right. SDPA
+        # takes this bias and the unrepeated GQA heads to its flash kernel, with no mask and no copy of the heads.
+        causal = causal_lower_right(n, end)
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q, k, v = self._qkv(attn, x, cos, sin)
             self.keys[index][slot, :, start:end] = k[0]
             self.values[index][slot, :, start:end] = v[0]
-            keys = self.keys[index][slot : slot + 1, :, :end].repeat_interleave(self.groups, dim=1)
-            values = self.values[index][slot : slot + 1, :, :end].repeat_interleave(self.groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, is_causal=causal is None, scale=attn.scaling)
+            keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if deepstack is not None and index < len(deepstack):
