@@ -51,3 +51,27 @@ def test_rollout_bench_switches_from_the_base_to_an_adapter(tiny_model_dir, tmp_
     base, tuned = result["runs"]
     assert (base["arm"], tuned["arm"]) == ("slots1-base", "slots1-adapter")
     assert base["new_tokens"] == tuned["new_tokens"] == 4 and "error" not in tuned
+
+
+def test_prefill_probe_times_each_part_and_its_attention_arms_agree(tiny_model_dir, tmp_path, data_root, row_factory):
+    sys.path.insert(0, str(BENCH))
+    from prefill_probe import main
+
+    rows = [row_factory(row_id=f"r{k}", n_steps=2) for k in range(2)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "probe.json"
+    result = main([
+        "--model", str(tiny_model_dir), "--data", str(data), "--data-root", str(data_root), "--episodes", "2",
+        "--min-prompt-tokens", "0", "--max-context", "4096", "--reps", "1", "--profile-rows", "3", "--json", str(out),
+    ])
+    assert json.loads(out.read_text()) == result
+    first, second = result["episodes"]
+    for row in (first, second):
+        assert row["images"] >= 1 and row["next_new_images"] == 1  # the recorded crop comes back as an image
+        assert 0 < row["next_tokens"] < row["first_tokens"] and row["vision_ms"] > 0 and row["first_ms"] > 0
+    # on CPU every arm is SDPA's math over the same inputs: the same numbers
+    arms = result["attention_one_layer"]
+    assert set(arms) == {f"{shape}/{arm}" for shape in ("first", "next") for arm in ("repeat_kv_bool_mask", "gqa_bool_mask", "gqa_lower_right")}
+    assert all(a["max_abs_diff"] < 1e-5 for a in arms.values())
+    assert len(result["profile_one_first_and_next"]["by_host_time"]) == 3
