@@ -1,6 +1,6 @@
 """Where a slot-decoder prefill's time goes: the host's work, the vision tower, the text tower, and attention alone.
 
-The rollout bench's prefills cost about 8x their FLOP floor (docs/benchmarks.md, "Where a rollout's seconds go").
+The rollout bench's prefills cost about 8x their FLOP floor (docs/benchmarks.md, "Closed loop and GRPO").
 This probe takes the same episodes (rows of the generated sample with 5,000-8,192 prompt tokens, and their
 recorded second turn: a tool result, often a crop), and times, each synchronised on the GPU:
 
