@@ -30,9 +30,7 @@ generated tokens/s (the model's own tokens over ``generation``); peak GPU memory
 steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
 (``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities).
 
-``--recipe-args`` adds recipe flags to every arm, e.g. ``--recipe-args "--compile_layers true"``: the shared model's
-decoder layers are then compiled once, as the recipe's ``train`` compiles them (the slot decoder calls the layers'
-parts, so only the loss forward, and TRL's generate, run compiled).
+``--recipe-args`` adds recipe flags to every arm, e.g. ``--recipe-args "--rollout_cache_gib 20"``.
 """
 
 from __future__ import annotations
@@ -230,7 +228,7 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=6144)
     p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
     p.add_argument("--max-episode-tokens", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--recipe-args", default="", help="more recipe flags for every arm, e.g. \"--compile_layers true\"")
+    p.add_argument("--recipe-args", default="", help="more recipe flags for every arm, e.g. \"--rollout_cache_gib 20\"")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
@@ -405,13 +403,11 @@ def main(argv=None) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_bench_"))
     data, root = write_rows(workdir, args.questions, args.images, args.image_px)
 
-    from eogym_sft.models.loading import apply_lora, compile_language_layers, load_base_model
+    from eogym_sft.models.loading import apply_lora, load_base_model
 
-    script, _, model_args = arm_settings(args, "trl", str(data), str(root), str(workdir / "unused"))
+    _, _, model_args = arm_settings(args, "trl", str(data), str(root), str(workdir / "unused"))
     model = load_base_model(args.model, model_args.dtype, model_args.attn_implementation)
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    if script.compile_layers:  # as the recipe's train() does; one model serves every arm
-        compile_language_layers(model)
     if torch.cuda.is_available():
         model.to("cuda")
     lora_start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

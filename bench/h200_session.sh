@@ -20,7 +20,6 @@
 #   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO at the seed's scale: TRL's loop vs the slot decoder, then the recipe's
 #                                           # defaults for one step; phases, tok/s, peak memory, 1 GPU (bench limited to 480 s)
-#   bash bench/h200_session.sh grpo_compile # the grpo stage's slots arm with its loss forward eager, then compiled layers
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
 #   bash bench/h200_session.sh agent_1gpu   # GRPO after an early-stopped SFT on the agent demo's task, larger, 1 GPU (limited to 540 s)
@@ -233,18 +232,6 @@ grpo)
     --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_bench \
     --json $OUT/grpo_engines.json > $OUT/grpo_engines.log 2>&1 || echo "grpo: exit $?"
   grep -E "^step |^arm|^trl|^slots|^recipe|Error|error" $OUT/grpo_engines.log | tail -30
-  ;;
-grpo_compile)
-  # the grpo stage's slots arm twice, its loss forward's decoder layers eager then compiled (--compile_layers):
-  # 1 warm-up step (the compile happens there) and 1 timed step each, one process each. ~6 min (estimate)
-  [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  make_model
-  for flag in false true; do
-    CUDA_VISIBLE_DEVICES=0 timeout $((590 - SECONDS)) python bench/grpo_step.py --model $model --arms slots --questions 2 --generations 8 \
-      --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_bench \
-      --recipe-args "--compile_layers $flag" --json $OUT/grpo_compile_$flag.json > $OUT/grpo_compile_$flag.log 2>&1 || echo "compile $flag: exit $?"
-    echo "compile_layers $flag:"; grep -E "^step |^arm|^slots|Error|error" $OUT/grpo_compile_$flag.log | tail -8
-  done
   ;;
 closed_loop_1gpu)
   make_model; make_data 48

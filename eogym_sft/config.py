@@ -68,18 +68,7 @@ class OutputDirConfig:
 
 
 @dataclass
-class CompileConfig:
-    """Regional ``torch.compile`` of the training forward (:func:`eogym_sft.models.loading.compile_language_layers`),
-    shared by the SFT and GRPO recipes."""
-
-    compile_layers: bool = field(
-        default=False,
-        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
-    )
-
-
-@dataclass
-class EOGymScriptArguments(ImageConfig, OutputDirConfig, CompileConfig):
+class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     """Data and image settings of an EO-Gym SFT run (the token budget is ``SFTConfig.max_length``)."""
 
     dataset_path: str = field(
@@ -109,6 +98,11 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig, CompileConfig):
             "refused; None keeps gradient_accumulation_steps as given"
         },
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if not 0 <= self.eval_fraction < 1:

@@ -52,3 +52,8 @@ def test_the_recipe_arm_is_the_yamls_defaults_for_one_step(tmp_path):
     assert (training.max_completion_length, script.rollout_turn_tokens, script.rollout_cache_gib) == (6144, 1024, 40.0)
     _, forced, _ = arm_settings(args, "trl", "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
     assert forced.max_tool_calling_iterations == args.calls + 1 and forced.max_steps == args.warmup + args.steps
+    # --recipe-args come last: they override the bench's own flags on every arm
+    args = parse_args(["--model", "unused", "--recipe-args=--rollout_cache_gib 20 --max_steps 7"])
+    for arm in ("recipe", "slots"):
+        script, training, _ = arm_settings(args, arm, "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
+        assert (script.rollout_cache_gib, training.max_steps) == (20.0, 7)

@@ -40,9 +40,9 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert model.attn_implementation == "eogym_varlen_cudnn"  # the packed loss forward of the slots engine
 
 
-@pytest.mark.slow(30)
+@pytest.mark.slow(15)
 @pytest.mark.parametrize("engine", ["trl", "slots"])
-def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine, caplog):
+def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine):
     root = tmp_path / "data"
     save_image(root, "EO_GYM_DATA/aaaa0000/scene.jpg", 96, 64)
     rows = tmp_path / "rows.jsonl"
@@ -59,15 +59,13 @@ def test_a_cpu_run_continues_the_sft_adapter(tmp_path, tiny_model_dir, engine, c
             "--gradient_accumulation_steps", "1", "--max_completion_length", "4", "--max_pixels", "4096",
             "--min_pixels", "1024", "--activation_checkpointing", "true", "--save_strategy", "no",
             "--rollout_engine", engine, "--max_episode_tokens", "2048",
-            # TRL's padded generate needs SDPA; the slots engine's loss forward runs compiled layers, as on a GPU
-            *(["--attn_implementation", "sdpa"] if engine == "trl" else ["--compile_layers", "true"]),
+            *(["--attn_implementation", "sdpa"] if engine == "trl" else []),  # TRL's padded generate
         ]
     )
     assert args[1].activation_checkpointing is True
-    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO", logger="eogym_sft.training.grpo"):
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert recipe.train(*args) == str(out)
-    assert ("compiled 2 decoder layers" in caplog.text) == (engine == "slots")
     # no notice about our own settings: TRL's experimental environment_factory, transformers' old checkpointing names
     noise = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, UserWarning))
              and ("checkpointing" in str(w.message) or "environment_factory" in str(w.message))]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from trl import GRPOTrainer
 
-from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, CompileConfig, ImageConfig, OutputDirConfig
+from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, OutputDirConfig
 from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
 from ..data.traces import TraceError
 from ..environment.env import DEFAULT_BACKENDS
@@ -43,7 +43,7 @@ RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own me
 
 
 @dataclass
-class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig, CompileConfig):
+class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     """Data, environment and reward settings of an EO-Gym GRPO run; images as in SFT (:class:`ImageConfig`,
     crops included); how episodes are generated (:class:`~eogym_sft.agent.rollout_config.SlotRolloutArguments`);
     the rest are TRL's ``GRPOConfig`` and ``ModelConfig``."""
@@ -668,7 +668,7 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     from transformers.trainer_utils import enable_full_determinism, set_seed
 
     from ..data.datasets import file_sha256
-    from ..models.loading import apply_lora, compile_language_layers, continue_lora, load_base_model
+    from ..models.loading import apply_lora, continue_lora, load_base_model
     from ..models.processor import load_processor
     from ..quiet import grpo_quietly
     from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
@@ -697,8 +697,6 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
         model = continue_lora(model, script_args.sft_adapter)
     else:
         model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    if script_args.compile_layers:  # the loss forward's layers; the slot decoder calls their parts, uncompiled
-        logger.info("compiled %d decoder layers", compile_language_layers(model))
     with grpo_quietly():
         trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
         trainer.add_callback(CheckpointIdentity(identity))
