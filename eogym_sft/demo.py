@@ -173,7 +173,6 @@ class AgentDemoConfig:
     grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
     grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
-    grpo_epsilon_high: float | None = None  # TRL's epsilon_high (DAPO's clip-higher, 0.28): None clips at epsilon both ways
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
@@ -229,7 +228,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate,
         lr_scheduler_type=cfg.grpo_lr_scheduler_type, warmup_steps=cfg.grpo_warmup_steps,
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=cfg.grpo_beta, epsilon_high=cfg.grpo_epsilon_high, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
+        beta=cfg.grpo_beta, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,

@@ -358,13 +358,11 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
 
     script, training, _ = configs()
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.0, "constant", 0)
-    assert (training.epsilon, training.epsilon_high) == (0.2, None)  # GRPOTrainer reads None as epsilon
     assert training.per_device_train_batch_size == 8
     script, training, _ = configs(
-        grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4, grpo_epsilon_high=0.28,
+        grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4,
     )
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.04, "cosine", 0.1)
-    assert training.epsilon_high == 0.28
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
 
 
