@@ -29,6 +29,10 @@
 #   bash bench/h200_session.sh rollout_phases  # the rollout bench's graphs arm, alternating a base commit and the tree
 #                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
 #                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
+#                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once
+#   bash bench/h200_session.sh grpo_phases  # the grpo stage's slots arm (one step after one warm-up), the base commit's
+#                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
+#                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -287,11 +291,23 @@ rollout_phases)
   make_model
   args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 --arms none --cuda-graphs --workdir /tmp/rb"
   i=0
-  for arm in before after before after; do
+  for arm in ${ROLLOUT_PHASES_ARMS:-before after before after}; do
     i=$((i + 1)); src=$PWD; [ $arm = before ] && src=$PWD/.before
     (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 150 python bench/rollout_throughput.py $args \
       --json $OUT/rollout_${i}_$arm.json > $OUT/rollout_${i}_$arm.log 2>&1) || echo "rollout_phases: $arm exit $?"
     echo "$arm: $(grep -E '^\{' $OUT/rollout_${i}_$arm.log | tail -1)"
+  done
+  ;;
+grpo_phases)
+  [ -d .before/eogym_sft ] || { echo "grpo_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench recipes | tar -x -C .before"; exit 1; }
+  make_model
+  args="--model $model --arms slots --questions 2 --generations 8 --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_phases"
+  arms="before after"; [ -n "${GRPO_PHASES_EXTRA:-}" ] && arms="$arms extra"
+  for arm in $arms; do
+    src=$PWD; extra=""; [ $arm = before ] && src=$PWD/.before; [ $arm = extra ] && extra=$GRPO_PHASES_EXTRA
+    (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 240 python bench/grpo_step.py $args --recipe-args "$extra" \
+      --json $OUT/grpo_$arm.json > $OUT/grpo_$arm.log 2>&1) || echo "grpo_phases: $arm exit $?"
+    echo "$arm: $(python -c "import json; a = json.load(open('$OUT/grpo_$arm.json'))['arms'][0]; print({k: round(a[k], 3) if isinstance(a[k], float) else a[k] for k in ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps')})" 2>&1 | tail -1)"
   done
   ;;
 agent_1gpu)
