@@ -21,8 +21,8 @@ its longest into one dense batch instead costs the pad rows' causal work: a samp
 ``L`` adds ``(L**2 - l**2) / 2`` scores, and on unequal lengths it was slower than flash (docs/benchmarks.md,
 "Levers tried").
 
-The vision tower runs ``eogym_flash_vision`` (:func:`use_vision_attention`): on CUDA one ``varlen_attn`` call
-a layer over all of a forward's images, with a full (non-causal) window; on CPU, and where torch's kernel does not
+The vision tower runs ``eogym_flash_vision`` (:func:`use_vision_attention`): on CUDA one call of aten's flash
+kernel a layer over all of a forward's images, with a full (non-causal) window; on CPU, and where torch's kernel does not
 take the dtype or head dim, transformers' own sdpa loop, one SDPA call an image, bit for bit.
 
 Nothing is registered at import: :func:`register_varlen_attention` and :func:`register_vision_attention` do it
@@ -409,8 +409,8 @@ def register_varlen_attention() -> None:
         AttentionMaskInterface.register(name, flash_attention_mask)
 
 
-def _varlen_takes(q: torch.Tensor) -> bool:
-    """Whether torch's varlen kernel runs ``q``: on CUDA, in half precision, with a head dim flash's kernel has
+def _flash_takes(q: torch.Tensor) -> bool:
+    """Whether aten's flash kernel runs ``q``: on CUDA, in half precision, with a head dim flash's kernel has
     (a multiple of 8, at most 256; the tiny test and demo models' vision head dim is 4)."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
 
@@ -433,13 +433,13 @@ def vision_attention_forward(module, query, key, value, attention_mask, dropout:
     flash path does; each image attends to itself only, in full."""
     if dropout:
         raise ValueError(f"attn_implementation={VISION_NAME!r} has no attention dropout")
-    if not _varlen_takes(query):
+    if not _flash_takes(query):
         return _per_image_sdpa(query, key, value, cu_seq_lens_q, scaling), None
-    from torch.nn.attention.varlen import varlen_attn
-
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [patches, heads, dim] views
     cu = cu_seq_lens_q.to(q.device, torch.int32)  # already so: transformers builds them int32 on grid_thw's device
-    out = varlen_attn(q, k, v, cu, cu, max_length_q, max_length_q, scale=scaling, window_size=(-1, -1))
+    # aten's flash op, not torch's varlen_attn: with a full window over images of more than 128 patches that routes
+    # to cuDNN's ragged kernel, and the GRPO step's rollout was slower with it (docs/benchmarks.md, "Levers tried")
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_length_q, max_length_q, 0.0, False, False, scale=scaling)[0]
     return out[None], None
 
 

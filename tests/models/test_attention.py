@@ -567,6 +567,15 @@ def test_transformers_hands_the_vision_attention_all_images_once_a_layer(monkeyp
     assert not any("cu_seq_lens_q" in kwargs for _, kwargs in calls["sdpa"])
 
 
+def test_aten_flash_kernel_takes_the_vision_attentions_arguments():
+    """The private aten op the vision attention calls on CUDA, on meta tensors (its fake is torch's): the arguments we
+    pass bind (no window: full attention) and the output is ``[patches, heads, dim]``."""
+    q = torch.empty(44, 16, 64, dtype=torch.bfloat16, device="meta")
+    cu = torch.tensor([0, 8, 32, 44], dtype=torch.int32, device="meta")
+    out = torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 24, 24, 0.0, False, False, scale=0.125)[0]
+    assert tuple(out.shape) == (44, 16, 64) and out.dtype == torch.bfloat16
+
+
 def test_vision_attention_refuses_dropout():
     from eogym_sft.models.attention import vision_attention_forward
 
