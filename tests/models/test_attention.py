@@ -588,9 +588,9 @@ def test_vision_attention_refuses_dropout():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("lengths", [[37, 64, 91], [37, 300, 91]], ids=["short", "long"])
 def test_cuda_vision_attention_matches_sdpa_and_keeps_to_each_image(lengths):
-    """torch's ``varlen_attn`` with a full window (Qwen3-VL-4B's vision heads: 16 of 64, bf16) against per-image SDPA
-    in float32, on queries strided as the vision tower passes them. torch picks the kernel: flash's up to 128 rows
-    an image, cuDNN's ragged one above that on Hopper and Blackwell (hence both lengths). Non-causal: the last
+    """aten's variable-length flash kernel, non-causal (Qwen3-VL-4B's vision heads: 16 of 64, bf16) against per-image
+    SDPA in float32, on queries strided as the vision tower passes them, with images up to and over 128 patches
+    (where torch's ``varlen_attn`` would switch to cuDNN's ragged kernel). Non-causal: the last
     patch of an image reaches its first; isolated: nothing of one image reaches another."""
     from eogym_sft.models.attention import _per_image_sdpa, vision_attention_forward
 
