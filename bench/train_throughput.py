@@ -50,7 +50,6 @@ from step_probe import (  # noqa: E402
 )
 
 from eogym_sft.config import ImageConfig  # noqa: E402
-from eogym_sft.models.attention import VISION_NAME  # noqa: E402
 from eogym_sft.training.trainer import stop_dataloader_workers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run with a tiny --config
@@ -71,7 +70,6 @@ SHIPPED = {
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
-    "vision": VISION_NAME,  # the vision tower's attention, as load_base_model sets it whatever the recipe says
 }
 ARMS = {
     "A": None,
@@ -93,7 +91,6 @@ ARMS = {
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
-    "B-visionsdpa": {"vision": "sdpa"},  # transformers' loop: a sync and an SDPA call an image in each vision layer
 }
 
 
@@ -243,7 +240,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
-    base.set_attn_implementation({"text_config": s["attn"], "vision_config": s["vision"]})
+    base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
     model = apply_lora(base, dropout=s["dropout"])
     if s["gc"]:
         model.enable_input_require_grads()
@@ -360,12 +357,10 @@ def build_base(config_path: Path, workdir: Path):
     from eogym_sft.models.attention import (
         add_sample_boundaries,
         register_varlen_attention,
-        register_vision_attention,
     )
     from eogym_sft.models.tiny import build_offline_processor
 
     register_varlen_attention()
-    register_vision_attention()  # each arm sets the towers' attentions (build_trainer)
     cfg = json.loads(config_path.read_text())
     model_dir = workdir / "processor"
     build_offline_processor().save_pretrained(model_dir)
@@ -390,11 +385,10 @@ def loss_parity(base, dataset, root, processor, n_samples: int = 4) -> dict:
 
     examples = [dataset[i] for i in range(n_samples)]
     out = {}
-    paths = (("padded_sdpa_full_logits", "sdpa", "sdpa", False),
-             ("packed_varlen_supervised_head", "eogym_varlen", VISION_NAME, True),
-             ("packed_varlen_supervised_head_compiled", "eogym_varlen", VISION_NAME, True))
-    for name, attn, vision, pack in paths:
-        base.set_attn_implementation({"text_config": attn, "vision_config": vision})
+    paths = (("padded_sdpa_full_logits", "sdpa", False), ("packed_varlen_supervised_head", "eogym_varlen", True),
+             ("packed_varlen_supervised_head_compiled", "eogym_varlen", True))
+    for name, attn, pack in paths:
+        base.set_attn_implementation({"text_config": attn, "vision_config": "sdpa"})
         if name.endswith("compiled"):
             compile_language_layers(base)
         batch = {k: v.to(DEVICE) for k, v in EOGymCollator(processor, data_root=str(root), padding_free=pack)(examples).items()}

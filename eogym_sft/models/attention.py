@@ -1,5 +1,4 @@
-"""Variable-length attention: causal for the text tower, so packed batches cost what their samples cost, and
-non-causal for the vision tower, so a micro-batch's images take one kernel call a layer.
+"""Variable-length causal attention for the text tower, so packed batches cost what their samples cost.
 
 With a packed (padding-free) batch, SDPA needs a dense block-diagonal mask and then never takes a
 flash kernel (docs/benchmarks.md has what packing with this attention gains). ``eogym_varlen`` finds the
@@ -21,12 +20,7 @@ its longest into one dense batch instead costs the pad rows' causal work: a samp
 ``L`` adds ``(L**2 - l**2) / 2`` scores, and on unequal lengths it was slower than flash (docs/benchmarks.md,
 "Levers tried").
 
-The vision tower runs ``eogym_flash_vision`` (:func:`use_vision_attention`): on CUDA one call of aten's flash
-kernel a layer over all of a forward's images, with a full (non-causal) window; on CPU, and where torch's kernel does not
-take the dtype or head dim, transformers' own sdpa loop, one SDPA call an image, bit for bit.
-
-Nothing is registered at import: :func:`register_varlen_attention` and :func:`register_vision_attention` do it
-when a model asks for it.
+Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
 
 from __future__ import annotations
@@ -39,10 +33,6 @@ import torch
 NAME = "eogym_varlen"
 CUDNN_NAME = "eogym_varlen_cudnn"  # the same attention by cuDNN's kernels (CUDA)
 NAMES = (NAME, CUDNN_NAME)
-# The vision tower's. It must contain "flash": Qwen3VLVisionAttention hands the attention all images at once, with
-# their boundaries (cu_seq_lens_q, max_length_q), only when transformers' is_flash_attention_requested finds that
-# substring in the name; any other name gets one call an image, after a host sync, in every layer.
-VISION_NAME = "eogym_flash_vision"
 
 
 def sample_boundaries(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -407,55 +397,3 @@ def register_varlen_attention() -> None:
         )
         AttentionInterface.register(name, attend)
         AttentionMaskInterface.register(name, flash_attention_mask)
-
-
-def _flash_takes(q: torch.Tensor) -> bool:
-    """Whether aten's flash kernel runs ``q``: on CUDA, in half precision, with a head dim flash's kernel has
-    (a multiple of 8, at most 256; the tiny test and demo models' vision head dim is 4)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-
-def _per_image_sdpa(query, key, value, cu, scaling):
-    """What transformers' sdpa branch of ``Qwen3VLVisionAttention`` computes, call for call: one non-causal SDPA
-    an image on views of ``[1, heads, patches, dim]``, each output ``[1, patches, heads, dim]``, concatenated."""
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    splits = (torch.split(t, lengths, dim=2) for t in (query, key, value))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    outs = [sdpa(q, k, v, scale=scaling, is_causal=False).transpose(1, 2).contiguous() for q, k, v in zip(*splits)]
-    return torch.cat(outs, dim=1)
-
-
-def vision_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                             cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """Attention-interface function for the vision tower: ``query/key/value`` are ``[1, heads, patches, dim]``, all
-    of a forward's images (frames) one after another, ``cu_seq_lens_q`` their boundaries and ``max_length_q`` the
-    longest (an int, found once a forward by transformers). Returns ``[1, patches, heads, dim]``, as transformers'
-    flash path does; each image attends to itself only, in full."""
-    if dropout:
-        raise ValueError(f"attn_implementation={VISION_NAME!r} has no attention dropout")
-    if not _flash_takes(query):
-        return _per_image_sdpa(query, key, value, cu_seq_lens_q, scaling), None
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [patches, heads, dim] views
-    cu = cu_seq_lens_q.to(q.device, torch.int32)  # already so: transformers builds them int32 on grid_thw's device
-    # aten's flash op, not torch's varlen_attn: with a full window over images of more than 128 patches that routes
-    # to cuDNN's ragged kernel, and the GRPO step's rollout was slower with it (docs/benchmarks.md, "Levers tried")
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_length_q, max_length_q, 0.0, False, False, scale=scaling)[0]
-    return out[None], None
-
-
-def register_vision_attention() -> None:
-    """Make ``eogym_flash_vision`` available to transformers' attention interface. The vision tower builds no
-    attention mask, so no mask function is registered."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VISION_NAME, vision_attention_forward)
-
-
-def use_vision_attention(model) -> None:
-    """Run ``model``'s vision tower on ``eogym_flash_vision``; its other attentions stay as they are.
-
-    Set on the loaded model: ``from_pretrained`` takes a name with "flash" in it for a flash-attention kernel to
-    fetch from the hub (and fails), while ``set_attn_implementation`` on a sub-model checks only that the name is
-    registered. The name is not saved with the model's config."""
-    register_vision_attention()
-    model.set_attn_implementation({"vision_config": VISION_NAME})

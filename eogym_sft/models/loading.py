@@ -23,22 +23,21 @@ DECODER_LAYER_RE = re.compile(r"(^|\.)language_model\.layers\.\d+$")
 
 
 def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
-    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training, the
-    text tower on ``attn_implementation`` (its sample boundaries found once a forward for the ``eogym_varlen``
-    attentions) and the vision tower on ``eogym_flash_vision`` whatever the text tower runs."""
+    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training and the
+    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions)."""
     from transformers import AutoModelForImageTextToText
 
     from .attention import NAMES as VARLEN_NAMES
-    from .attention import add_sample_boundaries, register_varlen_attention, use_vision_attention
+    from .attention import add_sample_boundaries, register_varlen_attention
 
     varlen = attn_implementation in VARLEN_NAMES
     if varlen:
+        # The vision tower has its own per-image varlen attention; only the text tower is switched.
         register_varlen_attention()
         attn_implementation = {"text_config": attn_implementation, "vision_config": "sdpa", "": "sdpa"}
     model = AutoModelForImageTextToText.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
-    use_vision_attention(model)  # after loading: from_pretrained would look its name up as a hub kernel
     # Packed (padding-free) batches are told apart by their position ids only when no cache is built.
     model.config.use_cache = False
     if varlen:
@@ -169,15 +168,11 @@ def resolve_device(device: str = "auto", dtype: str = "auto"):
 def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype, attn_implementation: str | None = None):
     """The base model, loaded once in eval mode, with every adapter of ``arms`` attached by peft
     (switch with :func:`use_arm`). ``attn_implementation`` (e.g. ``eogym_varlen``) loads it as
-    :func:`load_base_model` does, for whole-sequence scoring without a KV cache; ``None`` keeps transformers'
-    default for the text tower (generation). The vision tower runs ``eogym_flash_vision`` either way."""
+    :func:`load_base_model` does, for whole-sequence scoring without a KV cache."""
     from transformers import AutoModelForImageTextToText
-
-    from .attention import use_vision_attention
 
     if attn_implementation is None:
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
-        use_vision_attention(model)
     else:
         model = load_base_model(name_or_path, dtype, attn_implementation).to(device)
     adapters = [a for a in arms if a.adapter]

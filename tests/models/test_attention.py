@@ -1,8 +1,6 @@
 """``eogym_varlen`` attention: the same loss as SDPA on padded and packed batches, sample boundaries
 from the position row, and (on a GPU) the CUDA varlen kernel against the CPU reference path;
-``eogym_varlen_cudnn``'s per-sample op (on CPU with torch's flash kernel for CPU) against the reference;
-``eogym_flash_vision``, the vision tower's: SDPA's features bit for bit on CPU, one call a layer with the images'
-boundaries (the transformers behaviour it relies on), and (on a GPU) torch's varlen kernel against SDPA."""
+``eogym_varlen_cudnn``'s per-sample op (on CPU with torch's flash kernel for CPU) against the reference."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import pytest
 import torch
 from helpers import chat_example, sharpen
 
-from eogym_sft.models.attention import VISION_NAME, SampleBoundaries, _varlen_reference
+from eogym_sft.models.attention import SampleBoundaries, _varlen_reference
 
 MIN_PIXELS, MAX_PIXELS = 1024, 16384
 
@@ -58,7 +56,7 @@ def _examples():
 def test_varlen_model_uses_varlen_for_text_only(models):
     _, varlen = models
     assert varlen.config.text_config._attn_implementation == "eogym_varlen"
-    assert varlen.config.vision_config._attn_implementation == VISION_NAME  # its own, whatever the text tower runs
+    assert varlen.config.vision_config._attn_implementation == "sdpa"
 
 
 def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_model_dir, models, processor_at_cap):
@@ -70,7 +68,7 @@ def test_cudnn_name_loads_for_the_text_tower_with_the_same_cpu_result(sharp_mode
     _, varlen = models
     cudnn = load_base_model(str(sharp_model_dir), dtype="float32", attn_implementation="eogym_varlen_cudnn").eval()
     assert cudnn.config.text_config._attn_implementation == "eogym_varlen_cudnn"
-    assert cudnn.config.vision_config._attn_implementation == VISION_NAME
+    assert cudnn.config.vision_config._attn_implementation == "sdpa"
     batch = EOGymCollator(processor_at_cap, padding_free=True)(_examples())
     with torch.no_grad():
         assert torch.equal(cudnn(**batch, use_cache=False).logits, varlen(**batch, use_cache=False).logits)
@@ -434,12 +432,12 @@ def test_boundaries_reach_the_layers_from_the_text_positions(models, processor_a
     vision_block = varlen.model.visual.blocks[0]  # the vision tower keeps its own per-image boundaries
     assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch, vision_block)
     try:
-        varlen.set_attn_implementation({"text_config": "eogym_varlen_cudnn"})
+        varlen.set_attn_implementation({"text_config": "eogym_varlen_cudnn", "vision_config": "sdpa"})
         assert _layer_kwargs(varlen, batch)["cu_seq_lens_q"].tolist() == starts  # the other kernel, the same boundaries
-        varlen.set_attn_implementation({"text_config": "sdpa"})
+        varlen.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
         assert "cu_seq_lens_q" not in _layer_kwargs(varlen, batch)
     finally:
-        varlen.set_attn_implementation({"text_config": "eogym_varlen"})
+        varlen.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
 
 
 @pytest.mark.gpu
@@ -493,151 +491,3 @@ def test_compiled_layers_on_cuda_are_one_graph_with_the_eager_loss(tmp_path, pro
     assert counters["stats"]["unique_graphs"] == 1
     assert got == pytest.approx(want, rel=2e-2)
     torch._dynamo.reset()
-
-
-# Three images of 8, 24 and 12 patches (height x width in patches, each a multiple of the 2x2 merge).
-VISION_GRID = [[1, 2, 4], [1, 4, 6], [1, 6, 2]]
-
-
-def _vision_inputs(grid=VISION_GRID, device="cpu", dtype=torch.float32, seed=0):
-    """Patches of random images for the tiny vision tower (3 channels x 2 frames x 16 x 16 px a patch)."""
-    torch.manual_seed(seed)
-    grid = torch.tensor(grid, device=device)
-    return torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, device=device, dtype=dtype), grid
-
-
-def _vision_features(visual, pixels, grid) -> list[torch.Tensor]:
-    """The vision tower's patch states, merged features and deepstack features."""
-    with torch.no_grad():
-        out = visual(pixels, grid_thw=grid)
-    return [out.last_hidden_state, out.pooler_output, *out.deepstack_features]
-
-
-def test_vision_attention_gives_sdpas_features_bit_for_bit_on_cpu():
-    """On CPU ``eogym_flash_vision`` is transformers' sdpa loop, call for call: the same patch states, merged
-    features and deepstack features, bit for bit, on images of three sizes."""
-    from eogym_sft.models.attention import use_vision_attention
-    from eogym_sft.models.tiny import build_tiny_model
-
-    model = build_tiny_model(seed=3).eval()
-    pixels, grid = _vision_inputs()
-    want = _vision_features(model.model.visual, pixels, grid)
-    use_vision_attention(model)
-    assert model.config.vision_config._attn_implementation == VISION_NAME
-    got = _vision_features(model.model.visual, pixels, grid)
-    assert len(got) == 3  # the tiny tower has one deepstack layer
-    for w, g in zip(want, got):
-        assert torch.equal(g, w)
-
-
-def test_transformers_hands_the_vision_attention_all_images_once_a_layer(monkeypatch):
-    """The private transformers behaviour ``eogym_flash_vision`` relies on: a name with "flash" in it is a flash
-    attention to ``is_flash_attention_requested``, and ``Qwen3VLVisionAttention`` then calls it once a layer on all
-    images, with their boundaries and the longest image as an int (found once a forward, no sync in the layers),
-    non-causal. Any other name (sdpa) is called once an image a layer, without boundaries."""
-    from transformers import AttentionInterface
-    from transformers.utils.generic import is_flash_attention_requested
-
-    from eogym_sft.models.attention import use_vision_attention
-    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG, build_tiny_model
-
-    assert is_flash_attention_requested(requested_attention_implementation=VISION_NAME)
-    model = build_tiny_model(seed=3).eval()
-    use_vision_attention(model)
-    calls = {VISION_NAME: [], "sdpa": []}
-    for name, seen in calls.items():
-        def spy(module, query, *args, real=AttentionInterface._global_mapping[name], seen=seen, **kwargs):
-            seen.append((tuple(query.shape), kwargs))
-            return real(module, query, *args, **kwargs)
-
-        monkeypatch.setitem(AttentionInterface._global_mapping, name, spy)
-    pixels, grid = _vision_inputs()
-    _vision_features(model.model.visual, pixels, grid)
-    depth, heads = TINY_QWEN3_VL_CONFIG["vision_config"]["depth"], TINY_QWEN3_VL_CONFIG["vision_config"]["num_heads"]
-    assert len(calls[VISION_NAME]) == depth and not calls["sdpa"]
-    for shape, kwargs in calls[VISION_NAME]:
-        assert shape == (1, heads, 44, 4)
-        assert kwargs["cu_seq_lens_q"].tolist() == kwargs["cu_seq_lens_k"].tolist() == [0, 8, 32, 44]
-        assert kwargs["cu_seq_lens_q"].dtype == torch.int32
-        assert type(kwargs["max_length_q"]) is int and kwargs["max_length_q"] == kwargs["max_length_k"] == 24
-        assert kwargs["is_causal"] is False
-    model.set_attn_implementation({"vision_config": "sdpa"})
-    _vision_features(model.model.visual, pixels, grid)
-    assert len(calls["sdpa"]) == depth * len(VISION_GRID)
-    assert not any("cu_seq_lens_q" in kwargs for _, kwargs in calls["sdpa"])
-
-
-def test_aten_flash_kernel_takes_the_vision_attentions_arguments():
-    """The private aten op the vision attention calls on CUDA, on meta tensors (its fake is torch's): the arguments we
-    pass bind (no window: full attention) and the output is ``[patches, heads, dim]``."""
-    q = torch.empty(44, 16, 64, dtype=torch.bfloat16, device="meta")
-    cu = torch.tensor([0, 8, 32, 44], dtype=torch.int32, device="meta")
-    out = torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 24, 24, 0.0, False, False, scale=0.125)[0]
-    assert tuple(out.shape) == (44, 16, 64) and out.dtype == torch.bfloat16
-
-
-def test_vision_attention_refuses_dropout():
-    from eogym_sft.models.attention import vision_attention_forward
-
-    q = torch.zeros(1, 2, 3, 8)
-    with pytest.raises(ValueError, match="'eogym_flash_vision' has no attention dropout"):
-        vision_attention_forward(None, q, q, q, None, dropout=0.1, cu_seq_lens_q=torch.tensor([0, 3]))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("lengths", [[37, 64, 91], [37, 300, 91]], ids=["short", "long"])
-def test_cuda_vision_attention_matches_sdpa_and_keeps_to_each_image(lengths):
-    """aten's variable-length flash kernel, non-causal (Qwen3-VL-4B's vision heads: 16 of 64, bf16) against per-image
-    SDPA in float32, on queries strided as the vision tower passes them, with images up to and over 128 patches
-    (where torch's ``varlen_attn`` would switch to cuDNN's ragged kernel). Non-causal: the last
-    patch of an image reaches its first; isolated: nothing of one image reaches another."""
-    from eogym_sft.models.attention import _per_image_sdpa, vision_attention_forward
-
-    torch.manual_seed(0)
-    heads, dim, total = 16, 64, sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    # [1, heads, patches, dim] views of token-major [patches, heads, dim], as Qwen3VLVisionAttention hands them over
-    token_major = [torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    q, k, v = (t.transpose(0, 1)[None] for t in token_major)
-
-    def attend(key, value):
-        return vision_attention_forward(None, q, key, value, None, scaling=dim**-0.5, cu_seq_lens_q=cu,
-                                        max_length_q=max(lengths))[0]
-
-    got = attend(k, v)
-    want = _per_image_sdpa(q.float(), k.float(), v.float(), cu, dim**-0.5)
-    assert got.shape == (1, total, heads, dim) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
-    last = lengths[0] - 1  # the last patch of image 0
-    k2, v2 = k.clone(), v.clone()
-    k2[:, :, last] = torch.randn_like(k2[:, :, last])
-    v2[:, :, last] = torch.randn_like(v2[:, :, last])
-    again = attend(k2, v2)
-    assert not torch.equal(again[0, 0], got[0, 0])  # non-causal: image 0's first patch sees its last
-    assert torch.equal(again[0, lengths[0]:], got[0, lengths[0]:])  # the other images see nothing of it
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("grid", [[[1, 4, 4], [1, 8, 8], [1, 6, 10]], [[1, 4, 4], [1, 16, 24], [1, 6, 10]]],
-                         ids=["short", "long"])
-def test_cuda_vision_tower_on_varlen_gives_sdpas_features(grid):
-    """A vision tower with the 4B's head dim (64) in bf16 on the GPU: ``eogym_flash_vision`` (torch's varlen kernel,
-    flash's or cuDNN's by image length) gives SDPA's patch states, merged and deepstack features to bf16 rounding.
-    The tiny tower (head dim 4) takes per-image SDPA there, bit for bit."""
-    from eogym_sft.models.attention import use_vision_attention
-    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG, build_tiny_model
-
-    vision = {**TINY_QWEN3_VL_CONFIG["vision_config"], "hidden_size": 128, "intermediate_size": 256, "num_heads": 2}
-    for config, exact in (({**TINY_QWEN3_VL_CONFIG, "vision_config": vision}, False), (TINY_QWEN3_VL_CONFIG, True)):
-        model = build_tiny_model(seed=3, config=config, dtype="bfloat16", device="cuda").eval()
-        pixels, thw = _vision_inputs(grid, device="cuda", dtype=torch.bfloat16)
-        want = _vision_features(model.model.visual, pixels, thw)
-        use_vision_attention(model)
-        got = _vision_features(model.model.visual, pixels, thw)
-        for w, g in zip(want, got):
-            if exact:
-                assert torch.equal(g, w)
-            else:
-                torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2)

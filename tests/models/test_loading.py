@@ -142,45 +142,14 @@ def test_target_regex_on_the_4b_architecture():
 
 
 def test_load_base_model(tiny_model_dir):
-    from eogym_sft.models.attention import VISION_NAME
-
     model = load_base_model(str(tiny_model_dir))
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.use_cache is False
-    assert model.config._attn_implementation == model.config.text_config._attn_implementation == "sdpa"
-    assert model.config.vision_config._attn_implementation == VISION_NAME
+    assert model.config._attn_implementation == "sdpa"
     import inspect
 
     assert inspect.signature(load_base_model).parameters["trust_remote_code"].default is False
-
-
-@pytest.mark.parametrize("attn", [None, "sdpa", "eogym_varlen", "eogym_varlen_cudnn"])
-def test_loaders_put_the_vision_tower_on_its_attention_and_the_text_tower_as_asked(tiny_model_dir, attn):
-    """Both loaders run the vision tower on ``eogym_flash_vision`` and the text tower on what was asked:
-    ``load_inference_model``'s ``None`` is transformers' default (as a plain ``from_pretrained`` picks it)."""
-    from transformers import AutoModelForImageTextToText
-
-    from eogym_sft.models.attention import VISION_NAME
-    from eogym_sft.models.loading import load_inference_model
-
-    default = AutoModelForImageTextToText.from_pretrained(str(tiny_model_dir)).config.text_config._attn_implementation
-    models = [load_inference_model(str(tiny_model_dir), [], "cpu", torch.float32, attn)]
-    if attn is not None:
-        models.append(load_base_model(str(tiny_model_dir), "float32", attn))
-    for model in models:
-        assert model.config.text_config._attn_implementation == (attn or default)
-        assert model.config.vision_config._attn_implementation == VISION_NAME
-        assert model.config._attn_implementation == ("sdpa" if attn else default)  # the top-level config as before
-
-
-def test_a_model_saved_after_loading_loads_again(tiny_model_dir, tmp_path):
-    """The vision attention's name is not saved with the config: ``from_pretrained`` would take it for a hub kernel."""
-    from eogym_sft.models.attention import VISION_NAME
-
-    load_base_model(str(tiny_model_dir)).save_pretrained(tmp_path)
-    assert VISION_NAME not in (tmp_path / "config.json").read_text()
-    assert load_base_model(str(tmp_path)).config.vision_config._attn_implementation == VISION_NAME
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +173,10 @@ def _varlen(model):
     from eogym_sft.models.attention import (
         add_sample_boundaries,
         register_varlen_attention,
-        use_vision_attention,
     )
 
     register_varlen_attention()
-    model.set_attn_implementation({"text_config": "eogym_varlen"})
-    use_vision_attention(model)
+    model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
     add_sample_boundaries(model)
     return model
 
