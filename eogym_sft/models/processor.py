@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import ImageConfig
@@ -59,3 +60,52 @@ def processor_fingerprint(processor) -> str:
         "image": [ip.patch_size, ip.merge_size, ip.temporal_patch_size, dict(ip.size)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class OncePerImage:
+    """An image processor that processes each distinct image object of a call once, with the same output.
+
+    A GRPO step hands TRL every episode's images, and the episodes of one question share their prompt's images
+    (the slots engine decodes each path once a step, so they are the same objects): TRL's one call over all of them
+    resized and patched each prompt image once per episode. Qwen's image processors patch each image on its own, so
+    the result is the distinct images' patches repeated in the call's order, tensor for tensor. Other attributes
+    are the wrapped processor's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, images=None, return_tensors=None, **kwargs):
+        import torch
+        from PIL import Image
+
+        flat = images if isinstance(images, (list, tuple)) and all(isinstance(im, Image.Image) for im in images) else None
+        if not flat or return_tensors != "pt":
+            return self.inner(images=images, return_tensors=return_tensors, **kwargs)
+        first = {}
+        for im in flat:
+            first.setdefault(id(im), len(first))
+        if len(first) == len(flat):
+            return self.inner(images=images, return_tensors=return_tensors, **kwargs)
+        distinct = list({id(im): im for im in flat}.values())  # insertion order: first[id] indexes this list
+        out = self.inner(images=distinct, return_tensors=return_tensors, **kwargs)
+        if set(out.keys()) != {"pixel_values", "image_grid_thw"}:  # not a Qwen-style result: let it do them all
+            return self.inner(images=images, return_tensors=return_tensors, **kwargs)
+        order = [first[id(im)] for im in flat]
+        pieces = out["pixel_values"].split(out["image_grid_thw"].prod(-1).tolist())
+        out["pixel_values"] = torch.cat([pieces[i] for i in order])
+        out["image_grid_thw"] = out["image_grid_thw"][order]
+        return out
+
+
+@contextmanager
+def images_processed_once(processor):
+    """``processor.image_processor`` is :class:`OncePerImage` inside the block (not saved with the processor)."""
+    inner = processor.image_processor
+    processor.image_processor = OncePerImage(inner)
+    try:
+        yield processor
+    finally:
+        processor.image_processor = inner

@@ -33,6 +33,7 @@ from ..environment.env import DEFAULT_BACKENDS
 from ..agent.episodes import canonical_prompt, question_messages
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge
 from ..models.tiny import qwen3_vl_chat_template
+from ..models.processor import images_processed_once
 from ..agent.rollout_config import SlotRolloutArguments
 from . import grpo_slots
 from .packed_logps import pack_rows, packed_logps_and_entropies
@@ -511,7 +512,9 @@ class EOGymGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
         try:
-            return super()._generate_and_score_completions(inputs)
+            # TRL patches every episode's images in one call: a question's episodes share its prompt's images
+            with images_processed_once(self.processing_class):
+                return super()._generate_and_score_completions(inputs)
         finally:
             self._inputs = None
 

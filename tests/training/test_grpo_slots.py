@@ -89,6 +89,31 @@ def test_both_engines_hand_the_loss_the_same_batch(batches):
     assert int(slots["tool_mask"][0].sum()) < int(slots["completion_mask"][0].sum())  # the crop's tool turn is context
 
 
+def test_trl_patches_the_steps_images_through_once_per_image(batches, monkeypatch):
+    """TRL 1.16 looks up ``processing_class.image_processor`` when it patches a step's images, so the trainer's
+    :class:`~eogym_sft.models.processor.OncePerImage` sees the flattened episodes' images: the two episodes' shared
+    row image is one object (the slots engine decodes a path once a step), patched once. The batch it gives is the
+    one ``test_both_engines_hand_the_loss_the_same_batch`` checks against TRL's loop."""
+    from eogym_sft.models.processor import OncePerImage
+
+    calls = []
+    real = OncePerImage.__call__
+
+    def recording(self, images=None, **kwargs):
+        if isinstance(images, list) and len(images) > 1:
+            calls.append((len(images), len({id(im) for im in images})))
+        return real(self, images=images, **kwargs)
+
+    monkeypatch.setattr(OncePerImage, "__call__", recording)
+    trainer = batches["slots"]["trainer"]
+    example = trainer.train_dataset[0]
+    with torch.no_grad():
+        batch = trainer._generate_and_score_completions([example, example])
+    assert calls == [(3, 2)]  # the gold episode's row image and crop, the wrong one's row image
+    assert not isinstance(trainer.processing_class.image_processor, OncePerImage)  # undone after the step
+    torch.testing.assert_close(batch["pixel_values"], batches["slots"]["batch"]["pixel_values"], rtol=0, atol=0)
+
+
 def test_slots_are_what_the_cache_budget_holds(tiny_model_dir):
     model = load_base_model(str(tiny_model_dir), "float32", "sdpa")
     text = model.config.text_config
