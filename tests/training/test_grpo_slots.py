@@ -5,6 +5,7 @@ sampled from equal those of the loss forward; the cache is sized by its budget."
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -106,6 +107,7 @@ def test_trl_patches_the_steps_images_through_once_per_image(batches, monkeypatc
 
     monkeypatch.setattr(OncePerImage, "__call__", recording)
     trainer = batches["slots"]["trainer"]
+    monkeypatch.setattr(trainer, "_metrics", copy.deepcopy(trainer._metrics))  # the fixture's step stays the only one logged
     example = trainer.train_dataset[0]
     with torch.no_grad():
         batch = trainer._generate_and_score_completions([example, example])
