@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -513,7 +514,7 @@ class EOGymGRPOTrainer(GRPOTrainer):
         self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
         try:
             # TRL patches every episode's images in one call: a question's episodes share its prompt's images
-            with images_processed_once(self.processing_class):
+            with images_processed_once(self.processing_class), checkpointing_kept(self.model):
                 return super()._generate_and_score_completions(inputs)
         finally:
             self._inputs = None
@@ -576,6 +577,25 @@ class EOGymGRPOTrainer(GRPOTrainer):
             torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux).mean() if compute_aux_loss else None,
         )
+
+
+@contextmanager
+def checkpointing_kept(model):
+    """Each module's activation checkpointing as it was before the block, whatever the block switched.
+
+    TRL 1.16 scores a step's episodes inside ``disable_gradient_checkpointing``, which turns checkpointing back on
+    with ``args.gradient_checkpointing_kwargs`` alone: every layer checkpointed again, and transformers'
+    ``every_n_layers`` (a key of ``activation_checkpointing_kwargs``) handed on to each layer's forward. Pinned by
+    ``tests/training/test_grpo.py::test_trl_turns_checkpointing_back_on_in_every_layer``."""
+    held = [(m, m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None))
+            for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    try:
+        yield
+    finally:
+        for module, enabled, func in held:
+            module.gradient_checkpointing = enabled
+            if func is not None:
+                module._gradient_checkpointing_func = func
 
 
 ################

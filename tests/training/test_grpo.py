@@ -366,3 +366,48 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
 
 
+
+
+# ---------------------------------------------------------------- activation checkpointing of some layers
+
+
+def _checkpointed_layers(model) -> list[bool]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m.gradient_checkpointing for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def test_trl_turns_checkpointing_back_on_in_every_layer(tiny_model_dir):
+    """TRL 1.16's ``disable_gradient_checkpointing`` (around a step's scoring) re-enables checkpointing on every layer,
+    not the ``every_n_layers`` it found, and hands that key to torch's checkpoint. When this fails, TRL keeps the
+    layers' own settings: delete ``checkpointing_kept``."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    model = apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa"))
+    model.base_model.model.activation_checkpointing_enable(every_n_layers=2)
+    assert _checkpointed_layers(model) == [True, False, True, False]
+    with disable_gradient_checkpointing(model, {"use_reentrant": False, "every_n_layers": 2}):
+        pass
+    assert _checkpointed_layers(model) == [True, True, True, True]
+
+
+@pytest.mark.parametrize("engine", ["trl", "slots"])
+def test_every_n_layers_survives_the_steps_scoring(tmp_path, tiny_model_dir, engine):
+    """``activation_checkpointing_kwargs: {every_n_layers: 2}`` (transformers' own setting) checkpoints every
+    other layer through a GRPO step: the trainer restores what TRL's scoring switched (``checkpointing_kept``)."""
+    from eogym_sft.training.grpo import checkpointing_kept
+
+    def scripts(group):
+        return [[group["processor"].tokenizer("Final Answer: 3", add_special_tokens=False)["input_ids"] + [IM_END]]] * 2
+
+    trainer, _ = scripted_trainer(
+        tmp_path, tiny_model_dir, engine, scripts, activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False, "every_n_layers": 2},
+    )
+    trainer.train()
+    assert _checkpointed_layers(trainer.model) == [True, False, True, False]
+    funcs = {m._gradient_checkpointing_func for m in trainer.model.modules() if hasattr(m, "_gradient_checkpointing_func")}
+    assert all("every_n_layers" not in getattr(f, "keywords", {}) for f in funcs)  # torch's checkpoint gets its own kwargs only
+    with checkpointing_kept(trainer.model):
+        trainer.model.base_model.model.activation_checkpointing_disable()
+    assert _checkpointed_layers(trainer.model) == [True, False, True, False]
