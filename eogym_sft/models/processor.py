@@ -81,24 +81,25 @@ class OncePerImage:
         import torch
         from PIL import Image
 
-        flat = images if isinstance(images, (list, tuple)) and all(isinstance(im, Image.Image) for im in images) else None
-        if not flat or return_tensors != "pt":
+        def as_given():
             return self.inner(images=images, return_tensors=return_tensors, **kwargs)
-        first = {}
-        for im in flat:
-            first.setdefault(id(im), len(first))
-        if len(first) == len(flat):
-            return self.inner(images=images, return_tensors=return_tensors, **kwargs)
-        distinct = list({id(im): im for im in flat}.values())  # insertion order: first[id] indexes this list
-        out = self.inner(images=distinct, return_tensors=return_tensors, **kwargs)
+
+        if return_tensors != "pt" or not isinstance(images, (list, tuple)) or not all(isinstance(im, Image.Image) for im in images):
+            return as_given()
+        distinct = {}
+        for im in images:
+            distinct.setdefault(id(im), im)
+        if len(distinct) == len(images):
+            return as_given()
+        out = self.inner(images=list(distinct.values()), return_tensors=return_tensors, **kwargs)
         if set(out.keys()) != {"pixel_values", "image_grid_thw"}:  # not a Qwen-style result: let it do them all
-            return self.inner(images=images, return_tensors=return_tensors, **kwargs)
-        order = [first[id(im)] for im in flat]
+            return as_given()
+        position = {key: i for i, key in enumerate(distinct)}
+        order = [position[id(im)] for im in images]
         pieces = out["pixel_values"].split(out["image_grid_thw"].prod(-1).tolist())
         out["pixel_values"] = torch.cat([pieces[i] for i in order])
         out["image_grid_thw"] = out["image_grid_thw"][order]
         return out
-
 
 @contextmanager
 def images_processed_once(processor):

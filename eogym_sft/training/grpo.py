@@ -513,7 +513,8 @@ class EOGymGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
         try:
-            # TRL patches every episode's images in one call: a question's episodes share its prompt's images
+            # TRL patches every episode's images in one call (a question's episodes share its prompt's images), and
+            # its scoring re-enables checkpointing in every layer
             with images_processed_once(self.processing_class), checkpointing_kept(self.model):
                 return super()._generate_and_score_completions(inputs)
         finally:

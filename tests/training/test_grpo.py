@@ -366,8 +366,6 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
 
 
-
-
 # ---------------------------------------------------------------- activation checkpointing of some layers
 
 
