@@ -173,10 +173,11 @@ class AgentDemoConfig:
     grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
     grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
+    grpo_temperature: float = 1.0  # GRPO's sampling temperature (TRL's, the recipe's 1.0); its loss scores at the same one
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
-    temperature: float = 0.7  # rollouts' sampling temperature (GRPO samples at 1.0, as the recipe does)
+    temperature: float = 0.7  # the held-out and rejection-sampling rollouts' temperature (GRPO's: grpo_temperature)
     max_new_tokens: int | None = None  # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
     max_turns: int = 3
     # GRPO's max_completion_length: an episode's turns AND its tool results and their images (about 150
@@ -228,7 +229,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate,
         lr_scheduler_type=cfg.grpo_lr_scheduler_type, warmup_steps=cfg.grpo_warmup_steps,
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=cfg.grpo_beta, scale_rewards="group", temperature=1.0, max_completion_length=cfg.completion_tokens,
+        beta=cfg.grpo_beta, scale_rewards="group", temperature=cfg.grpo_temperature, max_completion_length=cfg.completion_tokens,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,

@@ -357,12 +357,12 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
         return _grpo_configs(AgentDemoConfig(**levers), tmp_path, tmp_path / "t.jsonl", tmp_path, "sft", tmp_path / "out")
 
     script, training, _ = configs()
-    assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.0, "constant", 0)
+    assert (training.beta, training.lr_scheduler_type, training.warmup_steps, training.temperature) == (0.0, "constant", 0, 1.0)
     assert training.per_device_train_batch_size == 8
     script, training, _ = configs(
-        grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4,
+        grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4, grpo_temperature=1.3,
     )
-    assert (training.beta, training.lr_scheduler_type, training.warmup_steps) == (0.04, "cosine", 0.1)
+    assert (training.beta, training.lr_scheduler_type, training.warmup_steps, training.temperature) == (0.04, "cosine", 0.1, 1.3)
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
 
 
