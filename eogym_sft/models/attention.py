@@ -20,6 +20,12 @@ its longest into one dense batch instead costs the pad rows' causal work: a samp
 ``L`` adds ``(L**2 - l**2) / 2`` scores, and on unequal lengths it was slower than flash (docs/benchmarks.md,
 "Levers tried").
 
+Shared prompts (GRPO's loss forward): the episodes of one question share their prompt, so
+:func:`eogym_sft.training.packed_logps.pack_rows` packs it once and each episode's own tokens after it, and
+hands the layout as ``eogym_shared_prefixes`` (:class:`SharedPrefixes`). Each episode's queries then attend to
+the prompt's keys and values and to their own, causally (:func:`shared_prefix_attention`): the same arithmetic
+as the episode packed whole, the prompt (and its images) encoded once instead of once an episode.
+
 Nothing is registered at import: :func:`register_varlen_attention` does it when a model asks for it.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -297,6 +304,37 @@ def reference_op():
     return attend
 
 
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """A packed row's segments ``(start, end, prefix_start, prefix_end)``, host ints covering the row in order:
+    the rows ``start:end`` attend, causally, to the rows ``prefix_start:prefix_end`` and to themselves (a segment
+    with an empty prefix is a sample of its own). Positions are the caller's: a segment after a prefix continues
+    the prefix's positions, as the unshared sequence would."""
+
+    segments: tuple[tuple[int, int, int, int], ...]
+
+
+def shared_prefix_attention(q, k, v, shared: SharedPrefixes, scale: float) -> torch.Tensor:
+    """Causal attention of packed ``[tokens, heads, dim]`` segments, each after its shared prefix (see
+    :class:`SharedPrefixes`), through SDPA with the diagonal aligned to the bottom right: on CUDA flash's kernel
+    with the grouped heads unrepeated, on CPU its math. Autograd sums a prefix's key and value gradients over
+    every segment that reads it, as the unshared episodes' backward sums them over the copies."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    parts = []
+    for start, end, prefix_start, prefix_end in shared.segments:
+        qs = q[start:end].transpose(0, 1)[None]
+        ks, vs = ((torch.cat([t[prefix_start:prefix_end], t[start:end]]) if prefix_end > prefix_start else t[start:end])
+                  .transpose(0, 1)[None] for t in (k, v))
+        n, total = end - start, end - start + prefix_end - prefix_start
+        mask = causal_lower_right(n, total) if total > n else None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
 @torch.compiler.disable  # a host sync and a data-dependent length: eager, between the compiled halves of a layer
 def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> tuple[torch.Tensor, int]:
     return (boundaries or SampleBoundaries())(position_ids)
@@ -305,7 +343,7 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
     boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash", per_sample=None,
-    cu_seq_lens_q=None, max_length_q=None, **kwargs
+    cu_seq_lens_q=None, max_length_q=None, eogym_shared_prefixes: SharedPrefixes | None = None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
 
@@ -314,7 +352,8 @@ def varlen_attention_forward(
     compiled layer has no graph break); without them they are found from ``position_ids`` here, which
     splits a compiled layer in two. ``boundaries``, ``gqa_flag``, ``reference`` (the CPU op), ``per_sample`` (the
     cuDNN op) and ``cuda_kernel`` (``"flash"``: torch's varlen kernel; ``"cudnn"``: :func:`per_sample_op` for packed
-    batches, flash for right-padded ones) are bound by :func:`register_varlen_attention`.
+    batches, flash for right-padded ones) are bound by :func:`register_varlen_attention`. A packed row whose
+    episodes share their prompts comes with ``eogym_shared_prefixes`` and takes :func:`shared_prefix_attention`.
     """
     name = CUDNN_NAME if cuda_kernel == "cudnn" else NAME  # the one the user asked for, in errors
     if dropout:
@@ -322,6 +361,12 @@ def varlen_attention_forward(
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"attn_implementation={name!r} runs whole sequences without a KV cache (training, scoring); "
                          "generate with sdpa")
+    if eogym_shared_prefixes is not None:
+        if query.shape[0] != 1:
+            raise ValueError(f"attn_implementation={name!r}: shared prompts come packed in one row, not {query.shape[0]}")
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = shared_prefix_attention(q, k, v, eogym_shared_prefixes, scaling if scaling is not None else query.shape[-1]**-0.5)
+        return out[None], None
     if cu_seq_lens_q is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
@@ -371,7 +416,8 @@ def add_sample_boundaries(model) -> None:
 
     def add(module, args, kwargs):
         positions = _text_positions(kwargs.get("position_ids"))
-        if module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None:
+        if (module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None
+                or kwargs.get("eogym_shared_prefixes") is not None):  # shared prompts carry their own layout
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
         if module.config._attn_implementation == CUDNN_NAME and positions.shape[0] == 1:

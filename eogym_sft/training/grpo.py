@@ -33,6 +33,7 @@ from ..data.traces import TraceError
 from ..environment.env import DEFAULT_BACKENDS
 from ..agent.episodes import canonical_prompt, question_messages
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge
+from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.tiny import qwen3_vl_chat_template
 from ..models.processor import images_processed_once
 from ..agent.rollout_config import SlotRolloutArguments
@@ -550,6 +551,8 @@ class EOGymGRPOTrainer(GRPOTrainer):
         score_mask = self._loss_mask
         if score_mask is not None and score_mask.shape != (input_ids.size(0), logits_to_keep):
             score_mask = None  # not the loss's own batch: score every completion token
+        # Only our attentions read the shared-prompt layout (SDPA would let the episodes see each other)
+        share_prompts = grpo_slots.text_attention_of(self.accelerator.unwrap_model(model)) in VARLEN_NAMES
         logps, entropies, aux = [], [], []
         first_image = 0
         for start in range(0, input_ids.size(0), batch_size):
@@ -566,6 +569,7 @@ class EOGymGRPOTrainer(GRPOTrainer):
                 image_processor.merge_size, pixels, grid, images,
                 None if mm_token_type_ids is None else mm_token_type_ids[start:end],
                 None if score_mask is None else score_mask[start:end],
+                share_prompts=share_prompts,
             )
             lp, ent, aux_loss = packed_logps_and_entropies(
                 model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast

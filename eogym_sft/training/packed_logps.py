@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.attention import SharedPrefixes
 from ..models.layout import grid_token_counts, mrope_position_ids
 
 IGNORE = -100
@@ -44,13 +45,88 @@ class PackedRows:
 
 def _kept_images(ids: torch.Tensor, tokens: list[int], image_token_id: int, row: int) -> int:
     """How many of a row's images (``tokens`` each) lie in its kept ids; an image cut apart is an error."""
-    have, kept, total = int((ids == image_token_id).sum()), 0, 0
-    while kept < len(tokens) and total + tokens[kept] <= have:
-        total += tokens[kept]
-        kept += 1
-    if total != have:
-        raise ValueError(f"row {row}: {have} <|image_pad|> tokens do not cover whole images ({tokens} tokens each)")
+    kept = _whole_images(ids, tokens, image_token_id)
+    if sum(tokens[:kept]) != int((ids == image_token_id).sum()):
+        raise ValueError(f"row {row}: {int((ids == image_token_id).sum())} <|image_pad|> tokens do not cover whole "
+                         f"images ({tokens} tokens each)")
     return kept
+
+
+def _whole_images(ids: torch.Tensor, tokens: list[int], image_token_id: int) -> int:
+    """How many of the images (``tokens`` each) lie whole in ``ids``."""
+    have, whole, total = int((ids == image_token_id).sum()), 0, 0
+    while whole < len(tokens) and total + tokens[whole] <= have:
+        total += tokens[whole]
+        whole += 1
+    return whole
+
+
+@dataclass
+class _Row:
+    """One episode unpadded: its tokens, 4-row positions, labels, kept images and scored completion tokens."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    types: torch.Tensor | None
+    prompt: int  # its kept prompt tokens (the first ``prompt`` of ``ids``)
+    grid: torch.Tensor | None  # its kept images' grids, in order
+    pixels: list[torch.Tensor]  # each kept image's rows of the batch's pixel_values
+    prompt_images: int  # how many of them lie in the prompt
+    scored: torch.Tensor  # the positions in ``ids`` whose token gets a log-probability (each > 0)
+    cols: torch.Tensor  # their columns in TRL's (rows, logits_to_keep) layout
+
+
+def _unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, grid, first_pixel, mm_token_type_ids, score_mask):
+    """Row ``b`` of TRL's padded batch as a :class:`_Row`; ``grid`` its images' grids, their pixel rows from ``first_pixel``."""
+    device = input_ids.device
+    ids = input_ids[b][keep[b]]
+    prompt = int(keep[b, :prompt_width].sum())
+    pixels, prompt_images = [], 0
+    if grid is not None and grid.shape[0]:
+        tokens = grid_token_counts(grid, merge_size)
+        kept = _kept_images(ids, tokens, image_token_id, b)
+        prompt_images = _whole_images(ids[:prompt], tokens, image_token_id)
+        sizes = grid.prod(-1).tolist()
+        for size in sizes[:kept]:
+            pixels.append(torch.arange(first_pixel, first_pixel + size, device=device))
+            first_pixel += size
+        grid = grid[:kept]
+    empty_grid = torch.zeros((0, 3), dtype=torch.long)
+    positions = mrope_position_ids(ids.cpu(), grid.cpu() if grid is not None else empty_grid, image_token_id, merge_size)
+    # Completion tokens kept: their index in the unpadded row, and their column in TRL's layout.
+    index_in_row = keep[b].long().cumsum(0) - 1
+    wanted = keep[b, prompt_width:] if score_mask is None else keep[b, prompt_width:] & score_mask[b].bool()
+    completion = wanted.nonzero().flatten()
+    at = index_in_row[prompt_width + completion]
+    predictable = at > 0  # a sample's first token has nothing before it to be predicted from
+    labels = torch.full((ids.shape[0],), IGNORE, dtype=torch.long, device=device)
+    labels[at[predictable]] = ids[at[predictable]]
+    types = mm_token_type_ids[b][keep[b]] if mm_token_type_ids is not None else None
+    return _Row(ids, positions.to(device), labels, types, prompt, grid, pixels, prompt_images, at[predictable], completion[predictable])
+
+
+def _same_prompt(a: _Row, b: _Row, pixel_values: torch.Tensor | None) -> bool:
+    """Whether two episodes' prompts are the same tokens and the same images, pixel for pixel."""
+    if a.prompt != b.prompt or a.prompt_images != b.prompt_images or not torch.equal(a.ids[:a.prompt], b.ids[:b.prompt]):
+        return False
+    n = a.prompt_images
+    return not n or (torch.equal(a.grid[:n], b.grid[:n]) and all(
+        torch.equal(pixel_values[x], pixel_values[y]) for x, y in zip(a.pixels[:n], b.pixels[:n])))
+
+
+def _prompt_groups(rows: list[_Row], pixel_values, image_token_id: int) -> list[list[int]]:
+    """The rows in groups of one prompt, in order of first appearance. A prompt is shared without its last token
+    (each episode keeps a copy, which predicts its first completion token), so one ending in an image is not."""
+    groups: list[list[int]] = []
+    for b, row in enumerate(rows):
+        shareable = row.prompt > 1 and int(row.ids[row.prompt - 1]) != image_token_id
+        group = next((g for g in groups if shareable and _same_prompt(rows[g[0]], row, pixel_values)), None)
+        if group is None:
+            groups.append([b])
+        else:
+            group.append(b)
+    return groups
 
 
 def pack_rows(
@@ -64,67 +140,83 @@ def pack_rows(
     num_images: list[int] | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     score_mask: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ) -> PackedRows:
     """Pack TRL's padded ``(rows, prompt + completion)`` batch into one row (module docstring).
 
     ``pixel_values``/``image_grid_thw`` are the batch's images in row order (``num_images`` a row), as TRL
     builds them for Qwen-style models; the images of a dropped (masked) completion are dropped with it.
     ``score_mask`` (``(rows, logits_to_keep)``, optional): the completion tokens to score; the others (tool
-    results, their images) stay in the row as context but get no log-probability (0 in the result)."""
-    device = input_ids.device
+    results, their images) stay in the row as context but get no log-probability (0 in the result).
+    ``share_prompts``: episodes with the same prompt (tokens and pixels) share one copy of it (module docstring);
+    the model's attention must then be ``eogym_varlen*``, which reads the layout from ``eogym_shared_prefixes``."""
     batch, width = input_ids.shape
     prompt_width = width - logits_to_keep
     keep = attention_mask.bool()
     with_images = pixel_values is not None and image_grid_thw is not None
     if with_images and (num_images is None or sum(num_images) != image_grid_thw.shape[0]):
         raise ValueError(f"num_images {num_images} does not match image_grid_thw's {image_grid_thw.shape[0]} images")
-    ids_parts, pos_parts, label_parts, type_parts, grids, pixel_rows = [], [], [], [], [], []
-    src, rows, cols = [], [], []
-    offset, first_image, first_pixel = 0, 0, 0
+    rows, first_image, first_pixel = [], 0, 0
     for b in range(batch):
-        ids = input_ids[b][keep[b]]
-        n = ids.shape[0]
         grid = image_grid_thw[first_image:first_image + num_images[b]] if with_images else None
-        if grid is not None and grid.shape[0]:
-            tokens = grid_token_counts(grid, merge_size)
-            kept = _kept_images(ids, tokens, image_token_id, b)
-            pixels = grid.prod(-1).tolist()
-            pixel_rows.append(torch.arange(first_pixel, first_pixel + sum(pixels[:kept]), device=device))
-            first_pixel += sum(pixels)
-            grid = grid[:kept]
-            grids.append(grid)
-        first_image += num_images[b] if with_images else 0
-        empty_grid = torch.zeros((0, 3), dtype=torch.long)
-        positions = mrope_position_ids(ids.cpu(), grid.cpu() if grid is not None else empty_grid, image_token_id, merge_size)
-        ids_parts.append(ids)
-        pos_parts.append(positions.to(device))
-        if mm_token_type_ids is not None:
-            type_parts.append(mm_token_type_ids[b][keep[b]])
-        # Completion tokens kept: their index in the packed row, and their column in TRL's layout.
-        index_in_row = keep[b].long().cumsum(0) - 1
-        wanted = keep[b, prompt_width:] if score_mask is None else keep[b, prompt_width:] & score_mask[b].bool()
-        completion = wanted.nonzero().flatten()
-        packed = offset + index_in_row[prompt_width + completion]
-        predictable = packed > offset  # a sample's first token has nothing before it to be predicted from
-        labels = torch.full((n,), IGNORE, dtype=torch.long, device=device)
-        labels[(packed - offset)[predictable]] = ids[(packed - offset)[predictable]]
-        label_parts.append(labels)
-        src.append(packed[predictable] - 1)
-        rows.append(torch.full_like(completion[predictable], b))
-        cols.append(completion[predictable])
-        offset += n
+        rows.append(_unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, grid, first_pixel,
+                               mm_token_type_ids, score_mask))
+        if with_images:
+            first_image += num_images[b]
+            first_pixel += int(grid.prod(-1).sum())
+    groups = _prompt_groups(rows, pixel_values, image_token_id) if share_prompts else [[b] for b in range(batch)]
+    return _pack(rows, groups, pixel_values)
+
+
+def _pack(rows: list[_Row], groups: list[list[int]], pixel_values) -> PackedRows:
+    """The packed row: each group of several rows as its prompt once (all but the last token) and each member's
+    tokens from there; a group of one row whole. Where a prompt is shared, the row carries the layout for the
+    attention (``eogym_shared_prefixes``); otherwise each row's positions restart at 0, which tells them apart."""
+    pieces = []  # (row, first, end, prefix): rows[row]'s tokens first:end, after the piece at index prefix (or None)
+    for group in groups:
+        cut = rows[group[0]].prompt - 1 if len(group) > 1 else 0
+        prefix = None
+        if cut > 0:
+            prefix = len(pieces)
+            pieces.append((group[0], 0, cut, None))
+        pieces += [(b, cut, rows[b].ids.shape[0], prefix) for b in group]
+    parts = {"ids": [], "pos": [], "labels": [], "types": [], "grids": [], "pixels": []}
+    src, out_rows, cols, spans, offset = [], [], [], [], 0
+    for b, first, end, prefix in pieces:
+        row = rows[b]
+        parts["ids"].append(row.ids[first:end])
+        parts["pos"].append(row.positions[:, first:end])
+        parts["labels"].append(row.labels[first:end])
+        if row.types is not None:
+            parts["types"].append(row.types[first:end])
+        if first:  # a member after its group's prompt: the completion's images
+            images = range(row.prompt_images, len(row.pixels))
+        else:  # a group's prompt, or a row whole
+            images = range(row.prompt_images if end < row.ids.shape[0] else len(row.pixels))
+        if row.grid is not None and len(images):
+            parts["grids"].append(row.grid[images.start:images.stop])
+            parts["pixels"] += [row.pixels[i] for i in images]
+        scored = (row.scored >= first) & (row.scored < end)
+        src.append(offset + row.scored[scored] - first - 1)
+        out_rows.append(torch.full_like(row.cols[scored], b))
+        cols.append(row.cols[scored])
+        prefix_span = spans[prefix][:2] if prefix is not None else (0, 0)
+        spans.append((offset, offset + end - first, *prefix_span))
+        offset += end - first
     inputs = {
-        "input_ids": torch.cat(ids_parts)[None],
-        "position_ids": torch.cat(pos_parts, dim=1)[:, None],
-        "labels": torch.cat(label_parts)[None],
+        "input_ids": torch.cat(parts["ids"])[None],
+        "position_ids": torch.cat(parts["pos"], dim=1)[:, None],
+        "labels": torch.cat(parts["labels"])[None],
     }
-    if mm_token_type_ids is not None:
-        inputs["mm_token_type_ids"] = torch.cat(type_parts)[None]
-    if grids and sum(g.shape[0] for g in grids):
-        index = torch.cat(pixel_rows)
+    if parts["types"]:
+        inputs["mm_token_type_ids"] = torch.cat(parts["types"])[None]
+    if parts["pixels"]:
+        index = torch.cat(parts["pixels"])
         inputs["pixel_values"] = pixel_values if index.numel() == pixel_values.shape[0] else pixel_values[index]
-        inputs["image_grid_thw"] = torch.cat(grids)
-    return PackedRows(inputs, torch.cat(src), torch.cat(rows), torch.cat(cols))
+        inputs["image_grid_thw"] = torch.cat(parts["grids"])
+    if any(len(group) > 1 for group in groups):
+        inputs["eogym_shared_prefixes"] = SharedPrefixes(tuple(spans))
+    return PackedRows(inputs, torch.cat(src), torch.cat(out_rows), torch.cat(cols))
 
 
 def packed_logps_and_entropies(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import chat_example, sharpen
 
-from eogym_sft.models.attention import SampleBoundaries, _varlen_reference
+from eogym_sft.models.attention import SampleBoundaries, SharedPrefixes, _varlen_reference, shared_prefix_attention
 
 MIN_PIXELS, MAX_PIXELS = 1024, 16384
 
@@ -143,6 +143,57 @@ def test_reference_path_is_causal_per_segment():
     assert torch.allclose(out[2, 3], torch.softmax(scores, -1) @ v[:3, 1], atol=1e-6)
     # the second segment starts afresh: its first token attends to itself only
     assert torch.allclose(out[4], v[4].repeat_interleave(2, 0), atol=1e-6)
+
+
+def _shared_and_unshared(prefix, lengths, device="cpu", dtype=torch.float64):
+    """A packed row of one prefix then segments of ``lengths`` after it, and the same episodes unshared (the prefix
+    copied before each segment): ``(q, k, v, layout)`` of each."""
+    q, k, v, _ = _packed([prefix, *lengths], heads=4, kv_heads=2, device=device, dtype=dtype)
+    ends = torch.tensor([prefix, *lengths]).cumsum(0).tolist()
+    layout = SharedPrefixes(((0, prefix, 0, 0), *((a, b, 0, prefix) for a, b in zip(ends[:-1], ends[1:]))))
+    whole = [torch.cat([t[:prefix], t[a:b]]) for t in (q, k, v) for a, b in zip(ends[:-1], ends[1:])]
+    episodes = [torch.cat(whole[i * len(lengths):(i + 1) * len(lengths)]) for i in range(3)]
+    cu = torch.tensor([0, *torch.tensor([prefix + n for n in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+    return (q, k, v, layout), (*episodes, cu)
+
+
+def test_shared_prefix_attention_is_each_episode_attended_whole_with_its_gradient():
+    """Segments after a shared prefix give what each episode (prefix + segment) gives packed whole, and the
+    prefix's gradients are the sums over its copies."""
+    prefix, lengths = 5, [3, 1, 4]
+    (q, k, v, layout), (qw, kw, vw, cu) = _shared_and_unshared(prefix, lengths)
+    for t in (q, k, v, qw, kw, vw):
+        t.requires_grad_(True)
+    scale = 0.3
+    out, whole = shared_prefix_attention(q, k, v, layout, scale), _varlen_reference(qw, kw, vw, cu, scale)
+    starts = [0, *torch.tensor([prefix + n for n in lengths]).cumsum(0).tolist()]
+    want = torch.cat([whole[:prefix]] + [whole[a + prefix:b] for a, b in zip(starts[:-1], starts[1:])])
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    for a, b in zip(starts[1:-1], starts[2:]):  # every episode's prefix rows are the first episode's
+        torch.testing.assert_close(whole[a:a + prefix], whole[:prefix], atol=1e-12, rtol=1e-10)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    full_grad = torch.zeros_like(whole)
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        full_grad[a + prefix:b] = grad[prefix + sum(lengths[:i]):prefix + sum(lengths[:i + 1])]
+    full_grad[:prefix] = grad[:prefix]  # the prefix's own rows count once: in the first episode
+    whole.backward(full_grad)
+    for shared, unshared in ((q, qw), (k, kw), (v, vw)):
+        copies = [unshared.grad[a:a + prefix] for a in starts[:-1]]
+        torch.testing.assert_close(shared.grad[:prefix], sum(copies), atol=1e-10, rtol=1e-8)
+        own = torch.cat([unshared.grad[a + prefix:b] for a, b in zip(starts[:-1], starts[1:])])
+        torch.testing.assert_close(shared.grad[prefix:], own, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shared_prefix_attention_on_cuda_in_bf16_matches_the_float64_reference():
+    """On CUDA in bf16 (flash's kernel, the grouped heads unrepeated) the shared path is the CPU one."""
+    prefix, lengths = 300, [40, 129, 7]
+    (q, k, v, layout), _ = _shared_and_unshared(prefix, lengths, device="cuda", dtype=torch.bfloat16)
+    got = shared_prefix_attention(q, k, v, layout, 0.1)
+    want = shared_prefix_attention(q.double().cpu(), k.double().cpu(), v.double().cpu(), layout, 0.1)
+    torch.testing.assert_close(got.double().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

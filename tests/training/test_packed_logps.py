@@ -82,6 +82,32 @@ def episodes(processor, truncated_crop: bool):
     ]
 
 
+def shared_episodes(processor):
+    """Four episodes, three of them on one question (the scene), each with its own completion: a crop and an
+    answer, another crop and another answer, an answer alone; and one on a question without an image."""
+    scene, scene_ids = _image(processor, 64, 64, 0)
+    question = _text(processor, "<|im_start|>user\n") + scene_ids + _text(processor, "How many ships?<|im_end|>\n<|im_start|>assistant\n")
+    plain = _text(processor, "<|im_start|>user\nHow many ships are in the harbour today?<|im_end|>\n<|im_start|>assistant\n")
+
+    def answer(n):
+        return _text(processor, f"Final Answer: {n}") + [IM_END]
+
+    def crop_turn(what, seed, width, height):
+        crop, crop_ids = _image(processor, width, height, seed)
+        call = _text(processor, f"I crop the {what}.<tool_call>{{}}</tool_call>") + [IM_END]
+        tool = _text(processor, "\n<|im_start|>user\n<tool_response>\n") + crop_ids + _text(processor, "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        return call + tool, [1] * len(call) + [0] * len(tool), crop
+
+    harbour, harbour_mask, harbour_crop = crop_turn("harbour", 1, 48, 32)
+    pier, pier_mask, pier_crop = crop_turn("pier", 2, 32, 48)
+    return [
+        (question, harbour + answer(3), harbour_mask + [1] * len(answer(3)), [scene, harbour_crop], False),
+        (plain, answer(2), [1] * len(answer(2)), [], False),
+        (question, pier + answer(4), pier_mask + [1] * len(answer(4)), [scene, pier_crop], False),
+        (question, answer(5), [1] * len(answer(5)), [scene], False),
+    ]
+
+
 def loss_inputs(trainer, processor, eps) -> dict:
     """The tensors ``_generate_and_score_completions`` hands the loss for these episodes (left-padded prompts,
     right-padded completions, a truncated episode masked, vision inputs of every image in row order)."""
@@ -105,7 +131,7 @@ def loss_inputs(trainer, processor, eps) -> dict:
     return {
         "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
         "completion_mask": completion_mask, "tool_mask": tool_mask,
-        "advantages": torch.tensor([1.0, -0.5, 0.25]),
+        "advantages": torch.tensor([1.0, -0.5, 0.25, -0.75][:rows]),
         "num_items_in_batch": (completion_mask * tool_mask).sum(),
         "pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"],
         "num_images": [len(e[3]) for e in eps], "mm_token_type_ids": (ids == IMAGE_TOKEN_ID).long(),
@@ -151,6 +177,37 @@ def test_packed_logps_and_entropies_equal_the_padded_forward(setup):
     assert inputs["num_images"] == [2, 0, 1] and int((inputs["tool_mask"][0] == 0).sum()) > 0
 
 
+def test_episodes_of_one_prompt_share_it_and_score_as_the_padded_forward(setup, monkeypatch):
+    """Under ``eogym_varlen`` the three episodes of one question share its prompt (and its image: encoded once);
+    under SDPA (which would let them see each other) they are packed whole. Both score as TRL's padded forward."""
+    import eogym_sft.models.attention as attention_module
+
+    trainer, processor, attention = setup
+    inputs = loss_inputs(trainer, processor, shared_episodes(processor))
+    calls = []
+    shared_attention = attention_module.shared_prefix_attention
+    monkeypatch.setattr(attention_module, "shared_prefix_attention", lambda *a: calls.append(1) or shared_attention(*a))
+    padded, packed = logps(trainer, inputs, padded=True), logps(trainer, inputs, padded=False)
+    layers = trainer.model.get_base_model().config.text_config.num_hidden_layers
+    assert len(calls) == (layers if attention == "eogym_varlen" else 0)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a, b, **TOL)
+    assert packed[0][inputs["completion_mask"].bool()].abs().min() > 0
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    args = (ids, mask, inputs["completion_ids"].shape[1], IMAGE_TOKEN_ID, 2, inputs["pixel_values"], inputs["image_grid_thw"],
+            inputs["num_images"], inputs["mm_token_type_ids"])
+    whole, shared = pack_rows(*args), pack_rows(*args, share_prompts=True)
+    prompt = int(inputs["prompt_mask"][0].sum())
+    assert shared.inputs["input_ids"].shape[1] == whole.inputs["input_ids"].shape[1] - 2 * (prompt - 1)
+    grid = inputs["image_grid_thw"]  # scene, crop, scene, crop, scene
+    assert torch.equal(shared.inputs["image_grid_thw"], grid[[0, 1, 3]])
+    segments = shared.inputs["eogym_shared_prefixes"].segments
+    assert segments[0] == (0, prompt - 1, 0, 0) and [s[2:] for s in segments[1:4]] == [(0, prompt - 1)] * 3
+    assert "eogym_shared_prefixes" not in whole.inputs
+    assert torch.equal(shared.inputs["labels"][0][shared.source + 1], ids[shared.rows, inputs["prompt_ids"].shape[1] + shared.cols])
+
+
 def test_a_masked_completion_is_dropped_with_its_crop(setup):
     """A truncated episode's completion with a crop inside: the padded path cannot run it (``get_rope_index``
     skips the masked image tokens but not their grid, which TRL's own loop avoids by dropping the crop), the
@@ -187,10 +244,13 @@ def test_pack_rows_restarts_positions_per_episode_and_labels_completions_only(se
     assert packed.inputs["pixel_values"].shape[0] == int(grid[:3].prod(-1).sum())
 
 
-def test_the_loss_and_its_gradients_equal_the_padded_path(setup):
-    """``_compute_loss`` (TRL's) over the packed log-probabilities equals it over TRL's padded ones."""
+@pytest.mark.parametrize("batch", ["episodes", "shared"])
+def test_the_loss_and_its_gradients_equal_the_padded_path(setup, batch):
+    """``_compute_loss`` (TRL's) over the packed log-probabilities equals it over TRL's padded ones, with three
+    episodes of one prompt sharing it (``shared``, under ``eogym_varlen``) too."""
     trainer, processor, _ = setup
-    inputs = loss_inputs(trainer, processor, episodes(processor, truncated_crop=False))
+    eps = shared_episodes(processor) if batch == "shared" else episodes(processor, truncated_crop=False)
+    inputs = loss_inputs(trainer, processor, eps)
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
