@@ -35,8 +35,6 @@
 #                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
-#   bash bench/h200_session.sh sft_liger    # issue 41: liger-kernel's RMSNorm, RoPE and SwiGLU (its wheel in .whl/) against
-#                                           # arm B's compiled layers, B first and last; tok/s, MFU, peak, losses; 1 GPU
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -335,31 +333,5 @@ validate_1gpu)
   CUDA_VISIBLE_DEVICES=0 timeout $((580 - SECONDS)) python bench/validate_throughput.py --model $model --rows 80 --batch-size 8 \
     --old-batch-size 4 --paths old,new,new-2arms --workdir /tmp/vb --json $OUT/validate_1gpu.json 2>&1 \
     | grep -vE "Warning|warn" | tail -14 || echo "validate_throughput: exit $?"
-  ;;
-sft_liger)
-  # issue 41: the liger tests on the tiny model (kernels bound and undone; float32 loss and LoRA gradients equal to
-  # transformers'), then B, B-liger (liger's kernels, eager layers), B-liger-compiled (both) and B again (the place
-  # effect), $bench's 2 warm-up + 6 timed steps of 2 micro-batches each, in one process. ~6 min (estimate).
-  [ -d /tmp/site/liger_kernel ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" tests/test_bench.py -k liger 2>&1 | tail -3 || echo "liger tests failed"
-  CUDA_VISIBLE_DEVICES=0 timeout $((570 - SECONDS)) python bench/train_throughput.py $bench --arms B,B-liger,B-liger-compiled,B \
-    --parity-samples 0 --json $OUT/train_liger.json > $OUT/train_liger.log 2>&1 || echo "sft_liger: exit $?"
-  python - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-done, partial = out / "train_liger.json", out / "train_liger.partial.json"  # the partial one: after each arm
-results = json.loads(done.read_text())["results"] if done.is_file() else json.loads(partial.read_text()) if partial.is_file() else []
-for r in results:
-    if "error" in r:
-        print(f"{r['arm']}: ERROR {r['error'][:200]}")
-        continue
-    print(f"{r['arm']}: {r['real_tokens_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}, peak {r['peak_allocated_gib']:.1f} GiB, "
-          f"median step {r['median_step_s']:.2f} s, first step {r['time_to_first_step_s']:.0f} s, "
-          f"graphs {r['graphs_compiled_first_step']}, losses {[round(x, 4) for x in r['step_losses']]}")
-if not results:
-    print("sft_liger: no results; the log's end:")
-PY
-  [ -f $OUT/train_liger.json ] || grep -vE "Warning|warn" $OUT/train_liger.log | tail -6
   ;;
 esac

@@ -31,7 +31,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from types import MethodType
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the recipe sets it, for every arm
 
@@ -72,7 +71,6 @@ SHIPPED = {
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
-    "liger": False,  # not in the recipe: liger-kernel's Triton RMSNorm, RoPE and SwiGLU (issue 41; see apply_liger)
 }
 ARMS = {
     "A": None,
@@ -94,8 +92,6 @@ ARMS = {
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
-    "B-liger": {"liger": True, "compile": False},  # liger's kernels instead of the compiled layers
-    "B-liger-compiled": {"liger": True},  # liger's kernels inside the compiled layers
 }
 
 
@@ -226,60 +222,6 @@ class StepLosses:
         return torch.stack(self.values).view(-1, micro).sum(1).tolist()
 
 
-LIGER_ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_vision")  # transformers' Qwen3-VL functions liger replaces
-LIGER_NORM = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}  # its Qwen3-VL RMSNorm settings
-LIGER_MARKS = ("forward", "_get_name", "offset", "casting_mode", "in_place", "row_mode")  # what apply_liger sets on a module
-_unpatched: dict = {}  # transformers' own LIGER_ROPE functions while an arm runs liger's
-
-
-def apply_liger(base, arm: str) -> None:
-    """liger-kernel's Triton RoPE, RMSNorm and SwiGLU on the shared base model, before LoRA wraps its projections.
-
-    What liger's ``apply_liger_kernel_to_qwen3_vl(model=...)`` patches, done here: that function imports its
-    fused-loss forward whatever its flags, and the import fails on transformers 5.24 (liger 0.8.5 subclasses
-    transformers' former ``Qwen3VLCausalLMOutputWithPast``). RoPE: transformers' module functions, so the text and
-    the vision towers' attention. RMSNorm: bound on each text-tower norm (the vision tower's are LayerNorms) with
-    liger's Qwen3-VL settings, offset 0 and "llama" casting, which are Qwen3's. SwiGLU: bound on each text MLP, as
-    liger's Qwen3 patch does (its Qwen3-VL one takes ``swiglu=`` and patches no MLP); it calls the MLP's own,
-    LoRA-wrapped, projections. The loss stays the trainer's (training/loss.py), so the arm's loss compares with B's.
-    :func:`_unliger` undoes it for the next arm."""
-    try:
-        from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
-    except ImportError:
-        raise RuntimeError(f"arm {arm} needs the liger-kernel package (its wheel in .whl/, bench/README.md)") from None
-    from transformers.models.qwen3_vl import modeling_qwen3_vl
-
-    for name in LIGER_ROPE:  # transformers' own, even after an arm that failed before _unliger
-        _unpatched.setdefault(name, getattr(modeling_qwen3_vl, name))
-    modeling_qwen3_vl.apply_rotary_pos_emb = liger_rotary_pos_emb
-    modeling_qwen3_vl.apply_rotary_pos_emb_vision = liger_rotary_pos_emb_vision
-    text = base.model.language_model
-    for layer in text.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
-            _bind_liger(norm, LigerRMSNorm, **LIGER_NORM)
-        _bind_liger(layer.mlp, LigerSwiGLUMLP)
-    _bind_liger(text.norm, LigerRMSNorm, **LIGER_NORM)
-
-
-def _bind_liger(module, liger_class, **settings) -> None:
-    """``liger_class``'s forward on ``module``, reading its weights and ``settings`` (liger's own way of patching)."""
-    vars(module).update(settings, forward=MethodType(liger_class.forward, module), _get_name=lambda: liger_class.__name__)
-
-
-def _unliger(base) -> None:
-    """Undo :func:`apply_liger`: transformers' RoPE functions back, each patched module's own methods again."""
-    from transformers.models.qwen3_vl import modeling_qwen3_vl
-
-    for name, value in _unpatched.items():
-        setattr(modeling_qwen3_vl, name, value)
-    _unpatched.clear()
-    for module in base.modules():
-        if "_get_name" in vars(module):  # a module apply_liger bound
-            for name in LIGER_MARKS:
-                vars(module).pop(name, None)
-
-
 def _full_logits_trainer():
     from transformers import Trainer
 
@@ -317,8 +259,6 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
-    if s["liger"]:
-        apply_liger(base, arm)
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
     torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
     model = apply_lora(base, dropout=s["dropout"])
@@ -425,7 +365,6 @@ def _restore(base, model) -> None:
 
     if isinstance(model, PeftModel):
         model.unload()
-    _unliger(base)
     base.activation_checkpointing_disable()
     base.disable_input_require_grads()
     _uncompile(base)

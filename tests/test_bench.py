@@ -5,7 +5,6 @@ profiler breakdown, and ``bench/recipe_throughput.py`` timing the recipe itself.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import shutil
 import sys
@@ -17,7 +16,6 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-LIGER = importlib.util.find_spec("liger_kernel") is not None  # on the GPU host from .whl/ (bench/README.md)
 
 
 @pytest.fixture(scope="module")
@@ -96,80 +94,6 @@ def test_step_losses_sum_each_steps_micro_batches():
     for value in (1.0, 2.0, 0.5, 0.25):
         assert trainer.training_step(None, value, None) == value
     assert losses.per_step(2) == [3.0, 0.75]
-
-
-def test_liger_arms_switch_only_the_kernels():
-    """B-liger: liger-kernel's instead of the compiled layers; B-liger-compiled: both; the recipe has neither liger."""
-    from train_throughput import SHIPPED, arm_settings
-
-    assert SHIPPED["liger"] is False and SHIPPED["compile"] is True
-    assert arm_settings("B-liger") == dict(SHIPPED, liger=True, compile=False)
-    assert arm_settings("B-liger-compiled") == dict(SHIPPED, liger=True)
-
-
-@pytest.mark.skipif(not LIGER, reason="liger-kernel is not installed (its wheel goes in .whl/, bench/README.md)")
-def test_liger_kernels_are_bound_and_undone_for_the_next_arm(tiny_config, tmp_path):
-    """The arms share one base model: apply_liger binds liger's RMSNorm on the text tower's 4 norms a layer and its
-    final one, SwiGLU on each text MLP (over LoRA's projections) and its RoPE in transformers' module; after the arm
-    the model and module are transformers' again, and compute what they did before."""
-    import train_throughput
-    from transformers.models.qwen3_vl import modeling_qwen3_vl
-
-    from eogym_sft.models.loading import apply_lora
-
-    base, _, _ = train_throughput.build_base(tiny_config, tmp_path)
-    rope = {name: getattr(modeling_qwen3_vl, name) for name in train_throughput.LIGER_ROPE}
-    ids = torch.arange(12).view(1, 12).to(base.device)
-    with torch.no_grad():
-        before = base(input_ids=ids).logits
-    train_throughput.apply_liger(base, "B-liger")
-    model = apply_lora(base)
-    text = base.model.language_model
-    names = sorted({module._get_name() for module in base.modules() if "_get_name" in vars(module)})
-    assert names == ["LigerRMSNorm", "LigerSwiGLUMLP"]
-    assert sum("_get_name" in vars(module) for module in base.modules()) == 5 * len(text.layers) + 1  # 4 norms, 1 MLP
-    assert "lora_A" in dict(text.layers[0].mlp.gate_proj.named_children())  # the bound SwiGLU calls LoRA's projections
-    assert all(getattr(modeling_qwen3_vl, name).__module__ == "liger_kernel.transformers.rope" for name in rope)
-    train_throughput._restore(base, model)
-    assert {name: getattr(modeling_qwen3_vl, name) for name in rope} == rope
-    assert not any(set(vars(module)) & set(train_throughput.LIGER_MARKS) for module in base.modules())
-    with torch.no_grad():
-        assert torch.equal(base(input_ids=ids).logits, before)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (LIGER and torch.cuda.is_available()), reason="liger-kernel's Triton kernels need a CUDA GPU")
-def test_liger_kernels_give_the_same_loss_and_lora_gradients(tiny_config, tmp_path):
-    """In float32 on the tiny model with a trained-looking adapter: liger's RMSNorm (in-place backward), RoPE and SwiGLU
-    give transformers' loss and LoRA gradients, so B-liger's losses compare with B's."""
-    import train_throughput
-
-    from eogym_sft.models.loading import apply_lora
-
-    base, _, _ = train_throughput.build_base(tiny_config, tmp_path)
-    model = apply_lora(base.float(), dropout=0.0)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    ids = torch.randint(0, 1000, (2, 24), device="cuda")
-
-    def loss_and_grads():
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    reference, reference_grads = loss_and_grads()
-    train_throughput.apply_liger(base, "B-liger")
-    try:
-        loss, grads = loss_and_grads()
-    finally:
-        train_throughput._unliger(base)
-    assert loss == pytest.approx(reference, abs=1e-5)
-    for name, grad in grads.items():
-        assert torch.allclose(grad, reference_grads[name], rtol=1e-3, atol=1e-6), name
 
 
 @pytest.fixture(scope="module")
