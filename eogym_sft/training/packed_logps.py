@@ -14,6 +14,13 @@ The result is laid out as TRL's padded path lays it out, ``(rows, logits_to_keep
 padded path's label is masked, so the rest of TRL's loss is unchanged; ``tests/training/test_packed_logps.py``
 checks log-probabilities, entropies, the loss and its gradients against TRL's padded forward.
 
+The episodes of one question share their prompt (system text, question, images: most of an episode's tokens).
+With ``share_prompts`` (the trainer sets it under the ``eogym_varlen*`` attentions) the row holds such a prompt once,
+all but its last token, and each episode's tokens from that last one on, which attend to the prompt and to
+themselves (:func:`eogym_sft.models.attention.shared_prefix_attention`, handed the layout as
+``eogym_shared_prefixes``). Positions are each episode's own, so the arithmetic is the unshared row's; the prompt's
+images are encoded once. Prompts are shared only when their tokens and pixels are equal.
+
 The loss forward scores only the tokens the loss counts (``completion_mask * tool_mask``): a tool result
 and its crop's image tokens are context, never trained, and on a multi-turn episode they outnumber the
 model's own tokens (a crop at the recipe's cap is up to 980 image tokens, a turn tens), so projecting them
