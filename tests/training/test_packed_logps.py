@@ -208,6 +208,34 @@ def test_episodes_of_one_prompt_share_it_and_score_as_the_padded_forward(setup, 
     assert torch.equal(shared.inputs["labels"][0][shared.source + 1], ids[shared.rows, inputs["prompt_ids"].shape[1] + shared.cols])
 
 
+def _packed_shared(trainer, processor, eps):
+    inputs = loss_inputs(trainer, processor, eps)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return pack_rows(ids, mask, inputs["completion_ids"].shape[1], IMAGE_TOKEN_ID, 2, inputs["pixel_values"],
+                     inputs["image_grid_thw"], inputs["num_images"], inputs["mm_token_type_ids"], share_prompts=True), mask
+
+
+def test_a_prompt_is_shared_only_with_the_same_pixels_and_never_cut_inside_an_image(setup):
+    """The same question over two scenes of one size (same tokens, other pixels) is two prompts; a prompt whose last
+    token is an image pad is not shared (its copy of the last token would cut the image): both pack whole."""
+    trainer, processor, _ = setup
+    answer = _text(processor, "Final Answer: 3") + [IM_END]
+    scene, scene_ids = _image(processor, 64, 64, 0)
+    other, other_ids = _image(processor, 64, 64, 7)
+    assert scene_ids == other_ids
+    question = _text(processor, "<|im_start|>user\n") + scene_ids + _text(processor, "How many ships?<|im_end|>\n<|im_start|>assistant\n")
+    eps = [(question, answer, [1] * len(answer), [picture], False) for picture in (scene, other)]
+    packed, mask = _packed_shared(trainer, processor, eps)
+    assert "eogym_shared_prefixes" not in packed.inputs and packed.inputs["input_ids"].shape[1] == int(mask.sum())
+    cut = _text(processor, "<|im_start|>user\n") + scene_ids[:-1]  # ends in the image's last pad
+    rest = [scene_ids[-1]] + answer
+    packed, mask = _packed_shared(trainer, processor, [(cut, rest, [1] * len(rest), [scene], False)] * 2)
+    assert "eogym_shared_prefixes" not in packed.inputs and packed.inputs["input_ids"].shape[1] == int(mask.sum())
+    packed, mask = _packed_shared(trainer, processor, [eps[0]] * 2)  # the same pixels: shared
+    assert packed.inputs["eogym_shared_prefixes"].segments[1][2:] == (0, len(question) - 1)
+
+
 def test_a_masked_completion_is_dropped_with_its_crop(setup):
     """A truncated episode's completion with a crop inside: the padded path cannot run it (``get_rope_index``
     skips the masked image tokens but not their grid, which TRL's own loop avoids by dropping the crop), the
