@@ -140,18 +140,18 @@ def test_samples_in_parallel_slots_encode_their_prompt_once(processor, data_root
     row = row_factory()
     episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in range(2)]
     decoder = SlotDecoder(tiny, slots=2, max_len=2048)
-    computed, prefill = [], decoder.prefill
+    computed, prefill_many = [], decoder.prefill_many
 
-    def counted(slot, ids, images):
-        logits = prefill(slot, ids, images)
-        computed.append((slot, len(ids), decoder.last_prefill_tokens))
+    def counted(requests):
+        logits = prefill_many(requests)
+        computed.append(([(slot, len(ids)) for slot, ids, _ in requests], decoder.last_prefill_tokens))
         return logits
 
-    decoder.prefill = counted
+    decoder.prefill_many = counted
     run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, lambda ep: None)
     fresh = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
     prompt = len(fresh.prompt(processor, data_root)[0])
-    assert computed[:2] == [(0, prompt, prompt), (1, prompt, 1)]
+    assert computed[0] == ([(0, prompt), (1, prompt)], prompt + 1)  # both first turns in one call, the prompt once
 
 
 class _JudgeHandler(BaseHTTPRequestHandler):
