@@ -332,16 +332,22 @@ def run_episodes(
             bar.set_postfix_str(f"{stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
 
     while True:
-        prompts = {}
+        prompts, queued, began = {}, 0, False
         for s in range(decoder.slots):
             prompt = settle(s)
-            if prompt is not None:
-                prompts[s] = prompt
+            if prompt is None:
+                continue
+            prompts[s] = prompt
+            queued += decoder.new_tokens(*prompt)
+            if queued >= decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
+                begin_turns(prompts)
+                prompts, queued, began = {}, 0, True
         if prompts:
             begin_turns(prompts)
+            began = True
         busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
         if not busy:
-            if prompts:  # every turn that began failed: their slots take the next episodes
+            if began:  # every turn that began failed: their slots take the next episodes
                 continue
             break
         began = clock()

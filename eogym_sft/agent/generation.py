@@ -87,6 +87,11 @@ class _Prefill:
         return self.source != self.slot and self.start > 0
 
 
+# The most new tokens of one batched prefill forward: about two first turns of EO-Gym's 5-8k-token prompts,
+# or a step's next turns of 16-32 slots (a crop is a few hundred tokens each).
+PREFILL_TOKENS = 16384
+
+
 def _text_parts(model):
     """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -123,10 +128,19 @@ class SlotDecoder:
             the first time that span is used (no compiler). A 4B model's decode step is many small kernels (36
             layers of a few dozen each), and launching them one by one from Python costs more than running them.
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
+        prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
+            (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
     """
 
     def __init__(
-        self, model, slots: int, max_len: int, compile: str | None = None, attn_bucket: int = 512, cuda_graphs: bool = False
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        compile: str | None = None,
+        attn_bucket: int = 512,
+        cuda_graphs: bool = False,
+        prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
         self.inner, self.lm_head = _text_parts(model)
@@ -148,6 +162,7 @@ class SlotDecoder:
         self.last_prefill_tokens = 0
         self.next_pos = [0] * slots  # rotary position of each slot's next token
         self.attn_bucket = attn_bucket
+        self.prefill_tokens = prefill_tokens
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self._rotate = apply_rotary_pos_emb
@@ -224,15 +239,21 @@ class SlotDecoder:
 
     def _round(self, waiting: list[_Prefill]) -> tuple[list[_Prefill], list[_Prefill]]:
         """Split ``waiting`` into what one forward computes now and what waits for it: a request waits when an
-        earlier one would give it a longer prefix than the caches hold, or when it would copy from a slot that
-        an earlier copy of this round fills. The first never waits."""
-        now, later = [], []
+        earlier one would give it a longer prefix than the caches hold, when it would copy from a slot that
+        an earlier copy of this round fills, or when its new tokens would take the forward past
+        ``prefill_tokens``. The first never waits."""
+        now, later, budget = [], [], self.prefill_tokens
         for index, p in enumerate(waiting):
             p.source, p.start = max(((s, self._reusable(s, p)) for s in self._by_preference(p.slot)), key=lambda x: x[1])
             sooner = any(self._shared_prefix(q.ids, q.images, p) > p.start for q in waiting[:index])
             # copies run in order before the forward: an earlier copy into this one's source would change what it reads
             clash = p.copies and any(q.copies and q.slot == p.source for q in now)
-            (later if sooner or clash else now).append(p)
+            full = now and budget < len(p.ids) - p.start
+            if sooner or clash or full:
+                later.append(p)
+            else:
+                now.append(p)
+                budget -= len(p.ids) - p.start
         return now, later
 
     def _prefill_round(self, now: list[_Prefill]) -> None:
@@ -261,6 +282,11 @@ class SlotDecoder:
     def _by_preference(self, slot: int) -> list[int]:
         """The slot itself first (no copy on a tie), then the others."""
         return [slot] + [s for s in range(self.slots) if s != slot]
+
+    def new_tokens(self, ids: list[int], images: list[ImageInput]) -> int:
+        """How many tokens a prefill of ``ids`` would compute now, served from the best cache."""
+        p = _Prefill(-1, ids, images, image_starts(ids, images, self.image_token_id))
+        return len(ids) - max(self._reusable(s, p) for s in range(self.slots))
 
     def _reusable(self, slot: int, p: _Prefill) -> int:
         """How many leading tokens of ``p.ids`` slot ``slot``'s cache holds as they would be computed now."""

@@ -482,3 +482,15 @@ def test_prefill_many_on_cuda_equals_each_prefill_alone(processor, dtype):
             torch.testing.assert_close(got, want, **ANOTHER_SHAPE)
         else:
             assert (got - want).abs().max() < 0.05 * want.std()
+
+
+def test_prefill_many_keeps_a_forward_within_prefill_tokens_and_never_splits_a_request(model):
+    requests = [(0, [1, 2, 3, 4, 5, 6], []), (1, [7, 8, 9], []), (2, [10, 11], [])]
+    for budget, expected in ((4, [[0], [1], [2]]), (5, [[0], [1, 2]]), (11, [[0, 1, 2]])):
+        decoder = SlotDecoder(model, slots=3, max_len=128, attn_bucket=64, prefill_tokens=budget)
+        rounds = _rounds(decoder)
+        logits = decoder.prefill_many(requests)
+        assert rounds == expected
+        assert decoder.new_tokens([1, 2, 3, 4, 5, 6, 7], []) == 1  # slot 0 serves all but the last
+        for (slot, ids, images), got in zip(requests, logits):
+            torch.testing.assert_close(got, _fresh(model, slot, ids, images), **ANOTHER_SHAPE)
