@@ -252,22 +252,41 @@ def run_episodes(
     clock = time.perf_counter
     start = clock()
 
-    def begin_turn(s: int, ep: Episode) -> bool:
+    def next_prompt(ep: Episode):
+        """The token ids and images ``ep``'s next turn starts from; None when the episode ends here instead."""
         try:
             ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
-            if len(ids) + cfg.max_new_tokens >= decoder.max_len:
-                return ep.stop_with("context_full")
-            began = clock()
-            logits = decoder.prefill(s, ids, images)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
-            return False
-        stats["prefill_tokens"] += decoder.last_prefill_tokens
-        turn[s] = sampling.pick(logits[None], [0], stop_ids, generator, banned_ids)
-        stats["prefill_s"] += clock() - began
-        return True
+            return None
+        if len(ids) + cfg.max_new_tokens >= decoder.max_len:
+            ep.stop_with("context_full")
+            return None
+        return ids, images
 
-    def end_turn(s: int, ep: Episode) -> bool:
+    def start_turns(prompts: dict) -> None:
+        """Prefill the slots of ``prompts`` (slot -> ids, images) together and pick each one's first token."""
+        began = clock()
+        slots = list(prompts)
+        logits = decoder.prefill_many([(s, *prompts[s]) for s in slots])
+        stats["prefill_tokens"] += decoder.last_prefill_tokens
+        for s, tok in zip(slots, sampling.pick(torch.stack(logits), [0] * len(slots), stop_ids, generator, banned_ids)):
+            turn[s] = [tok]
+        stats["prefill_s"] += clock() - began
+
+    def begin_turns(prompts: dict) -> None:
+        try:
+            start_turns(prompts)
+        except Exception:  # one episode's images failed the forward: each alone, so only that one ends
+            for s, prompt in prompts.items():
+                try:
+                    start_turns({s: prompt})
+                except Exception as err:
+                    slot_ep[s].fail(err)
+                    finish(s)
+
+    def end_turn(s: int, ep: Episode):
+        """Record slot ``s``'s finished turn; the next prompt when the episode goes on, else None."""
         tokens = turn.pop(s)
         ep.sampled_ids.append(tokens)
         ep.new_tokens += len(tokens)
@@ -278,28 +297,30 @@ def run_episodes(
             going = ep.take_turn(tokenizer.decode(tokens, skip_special_tokens=False), truncated, cfg.max_turns)
         except Exception as err:  # an environment bug in one call: this episode ends, named
             ep.fail(err)
-            return False
+            return None
         finally:
             stats["tool_s"] += clock() - began
-        return going and begin_turn(s, ep)
+        return next_prompt(ep) if going else None
 
-    def settle(s: int) -> None:
-        """Leave slot ``s`` mid-turn on an episode, or empty when nothing is pending."""
+    def settle(s: int):
+        """Leave slot ``s`` mid-turn, or empty when nothing is pending, or return the prompt its next turn
+        starts from (the slots whose turns begin in one step are prefilled together)."""
         while True:
             ep = slot_ep[s]
             if ep is None:
                 ep = next(pending, None)
                 if ep is None:
-                    return
+                    return None
                 slot_ep[s] = ep
-                if ep.stop is not None or not begin_turn(s, ep):  # failed before it began (see new_episode)
-                    finish(s)
-                continue
-            tokens = turn[s]
-            if tokens[-1] not in stop_ids and len(tokens) < cfg.max_new_tokens:
-                return
-            if not end_turn(s, ep):
-                finish(s)
+                prompt = next_prompt(ep) if ep.stop is None else None  # failed before it began (see new_episode)
+            else:
+                tokens = turn[s]
+                if tokens[-1] not in stop_ids and len(tokens) < cfg.max_new_tokens:
+                    return None
+                prompt = end_turn(s, ep)
+            if prompt is not None:
+                return prompt
+            finish(s)
 
     def finish(s: int) -> None:
         ep, slot_ep[s] = slot_ep[s], None
@@ -311,10 +332,23 @@ def run_episodes(
             bar.set_postfix_str(f"{stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
 
     while True:
+        prompts, queued, began = {}, 0, False
         for s in range(decoder.slots):
-            settle(s)
+            prompt = settle(s)
+            if prompt is None:
+                continue
+            prompts[s] = prompt
+            queued += decoder.new_tokens(*prompt)
+            if queued >= decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
+                begin_turns(prompts)
+                prompts, queued, began = {}, 0, True
+        if prompts:
+            begin_turns(prompts)
+            began = True
         busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
         if not busy:
+            if began:  # every turn that began failed: their slots take the next episodes
+                continue
             break
         began = clock()
         order, logits = decoder.decode({s: turn[s][-1] for s in busy})

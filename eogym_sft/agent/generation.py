@@ -69,6 +69,29 @@ def image_starts(ids: list[int], images: list[ImageInput], image_token_id: int) 
     return starts
 
 
+@dataclass
+class _Prefill:
+    """One request of :meth:`SlotDecoder.prefill_many`, and how it is served: from ``source``'s cache up to ``start``."""
+
+    slot: int
+    ids: list[int]
+    images: list[ImageInput]
+    starts: list[int]  # where each image's pads begin in ids
+    source: int = 0
+    start: int = 0
+    logits: torch.Tensor | None = None
+
+    @property
+    def copies(self) -> bool:
+        """Whether it starts by copying another slot's cache."""
+        return self.source != self.slot and self.start > 0
+
+
+# The most new tokens of one batched prefill forward: about two first turns of EO-Gym's 5-8k-token prompts,
+# or a step's next turns of 16-32 slots (a crop is a few hundred tokens each).
+PREFILL_TOKENS = 16384
+
+
 def _text_parts(model):
     """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -105,10 +128,19 @@ class SlotDecoder:
             the first time that span is used (no compiler). A 4B model's decode step is many small kernels (36
             layers of a few dozen each), and launching them one by one from Python costs more than running them.
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
+        prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
+            (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
     """
 
     def __init__(
-        self, model, slots: int, max_len: int, compile: str | None = None, attn_bucket: int = 512, cuda_graphs: bool = False
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        compile: str | None = None,
+        attn_bucket: int = 512,
+        cuda_graphs: bool = False,
+        prefill_tokens: int = PREFILL_TOKENS,
     ):
         self.model = model
         self.inner, self.lm_head = _text_parts(model)
@@ -130,6 +162,7 @@ class SlotDecoder:
         self.last_prefill_tokens = 0
         self.next_pos = [0] * slots  # rotary position of each slot's next token
         self.attn_bucket = attn_bucket
+        self.prefill_tokens = prefill_tokens
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self._rotate = apply_rotary_pos_emb
@@ -179,50 +212,103 @@ class SlotDecoder:
         first image that is not the very :class:`ImageInput` object the slot holds there (the episode's
         picture cache hands out one object per image: same object, same pixels); ``last_prefill_tokens``
         is what this call computed."""
-        if len(ids) >= self.max_len:
-            raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
-        starts = image_starts(ids, images, self.image_token_id)
-        source, start = max(((s, self._reusable(s, ids, images, starts)) for s in self._by_preference(slot)), key=lambda x: x[1])
-        if source != slot and start:
-            for keys, values in zip(self.keys, self.values):
-                keys[slot, :, :start] = keys[source, :, :start]
-                values[slot, :, :start] = values[source, :, :start]
-        image_index = sum(1 for at in starts if at < start)  # the first image at or after `start`
-        grids = torch.tensor([im.grid_thw for im in images], dtype=torch.long).reshape(-1, 3)
-        positions = mrope_position_ids(torch.tensor(ids), grids, self.image_token_id, self.merge)[1:]
-        chunk = ids[start:]
-        logits = self._forward_chunk(slot, start, chunk, positions[:, start:], images[image_index:])
-        self.tokens[slot] = list(ids)
-        self.images[slot] = list(images)  # held so that an object's identity stands for its pixels
-        self.next_pos[slot] = int(positions.max()) + 1
-        self.last_prefill_tokens = len(chunk)
-        return logits
+        return self.prefill_many([(slot, ids, images)])[0]
+
+    @torch.inference_mode()
+    def prefill_many(self, requests: list[tuple[int, list[int], list[ImageInput]]]) -> list[torch.Tensor]:
+        """:meth:`prefill` for several ``(slot, ids, images)`` at once (distinct slots), in one forward where
+        their prefixes allow: the slots that end a turn together start their next one together, so a
+        short next-turn prefill pays its kernel launches once for all of them. A request that an earlier
+        one in ``requests`` would serve a longer prefix than any cache holds now waits for it (a question's
+        first sample computes the prompt, its other samples then copy it, together). Returns each request's
+        logits, in order; ``last_prefill_tokens`` is what the call computed in all. A forward that fails
+        empties every slot it was filling (their caches are half written) and raises."""
+        slots = [slot for slot, _, _ in requests]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one prefill fills each slot once, not {slots}")
+        for _, ids, _ in requests:
+            if len(ids) >= self.max_len:
+                raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
+        todo = [_Prefill(slot, list(ids), list(images), image_starts(ids, images, self.image_token_id)) for slot, ids, images in requests]
+        self.last_prefill_tokens = 0
+        waiting = todo
+        while waiting:
+            now, waiting = self._round(waiting)
+            self._prefill_round(now)
+        return [p.logits for p in todo]
+
+    def _round(self, waiting: list[_Prefill]) -> tuple[list[_Prefill], list[_Prefill]]:
+        """Split ``waiting`` into what one forward computes now and what waits for it: a request waits when an
+        earlier one would give it a longer prefix than the caches hold, when it would copy from a slot that
+        an earlier copy of this round fills, or when its new tokens would take the forward past
+        ``prefill_tokens``. The first never waits."""
+        now, later, budget = [], [], self.prefill_tokens
+        for index, p in enumerate(waiting):
+            p.source, p.start = max(((s, self._reusable(s, p)) for s in self._by_preference(p.slot)), key=lambda x: x[1])
+            sooner = any(self._shared_prefix(q.ids, q.images, p) > p.start for q in waiting[:index])
+            # copies run in order before the forward: an earlier copy into this one's source would change what it reads
+            clash = p.copies and any(q.copies and q.slot == p.source for q in now)
+            full = now and budget < len(p.ids) - p.start
+            if sooner or clash or full:
+                later.append(p)
+            else:
+                now.append(p)
+                budget -= len(p.ids) - p.start
+        return now, later
+
+    def _prefill_round(self, now: list[_Prefill]) -> None:
+        try:
+            for p in now:
+                if p.copies:
+                    for keys, values in zip(self.keys, self.values):
+                        keys[p.slot, :, : p.start] = keys[p.source, :, : p.start]
+                        values[p.slot, :, : p.start] = values[p.source, :, : p.start]
+            positions = []
+            for p in now:
+                grids = torch.tensor([im.grid_thw for im in p.images], dtype=torch.long).reshape(-1, 3)
+                positions.append(mrope_position_ids(torch.tensor(p.ids), grids, self.image_token_id, self.merge)[1:])
+            logits = self._forward_chunks(now, [pos[:, p.start :] for p, pos in zip(now, positions)])
+        except BaseException:
+            for p in now:
+                self.release(p.slot)
+            raise
+        for p, pos, row in zip(now, positions, logits):
+            p.logits = row
+            self.tokens[p.slot] = p.ids
+            self.images[p.slot] = p.images  # held so that an object's identity stands for its pixels
+            self.next_pos[p.slot] = int(pos.max()) + 1
+            self.last_prefill_tokens += len(p.ids) - p.start
 
     def _by_preference(self, slot: int) -> list[int]:
         """The slot itself first (no copy on a tie), then the others."""
         return [slot] + [s for s in range(self.slots) if s != slot]
 
-    def _reusable(self, slot: int, ids: list[int], images: list[ImageInput], starts: list[int]) -> int:
-        """How many leading tokens of ``ids`` slot ``slot``'s cache holds as they would be computed now:
-        the common prefix, cut back to before an image it would split or an image that is not the same
-        object, and short of the last token (whose logits are wanted)."""
-        held = self.tokens[slot]
+    def new_tokens(self, ids: list[int], images: list[ImageInput]) -> int:
+        """How many tokens a prefill of ``ids`` would compute now, served from the best cache."""
+        p = _Prefill(-1, ids, images, image_starts(ids, images, self.image_token_id))
+        return len(ids) - max(self._reusable(s, p) for s in range(self.slots))
+
+    def _reusable(self, slot: int, p: _Prefill) -> int:
+        """How many leading tokens of ``p.ids`` slot ``slot``'s cache holds as they would be computed now."""
+        return self._shared_prefix(self.tokens[slot], self.images[slot], p)
+
+    def _shared_prefix(self, held: list[int], held_images: list[ImageInput], p: _Prefill) -> int:
+        """How many leading tokens of ``p.ids`` a cache holding ``held`` (with ``held_images``) would serve: the
+        common prefix, cut back to before an image it would split or an image that is not the same object,
+        and short of the last token (whose logits are wanted)."""
+        ids = p.ids
         limit = min(len(held), len(ids) - 1)
         if not limit:
             return 0
         start = common_prefix(held, ids, limit)
         while start > 0 and ids[start] == self.image_token_id and ids[start - 1] == self.image_token_id:
             start -= 1  # never split an image: its tokens are encoded together
-        for index, at in enumerate(starts):
+        for index, at in enumerate(p.starts):
             if at >= start:
                 break
-            if not self._holds_image(slot, index, images[index]):
+            if index >= len(held_images) or held_images[index] is not p.images[index]:
                 return at  # same token ids, another image: recompute from here
         return start
-
-    def _holds_image(self, slot: int, index: int, image: ImageInput) -> bool:
-        held = self.images[slot]
-        return index < len(held) and held[index] is image
 
     def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
         ids = torch.tensor(chunk, device=self.device)
@@ -240,27 +326,37 @@ class SlotDecoder:
         deepstack = [torch.cat(feat).to(embeds.dtype) for feat in out.deepstack_features]
         return embeds, mask, deepstack
 
-    def _forward_chunk(self, slot: int, start: int, chunk: list[int], positions: torch.Tensor, images) -> torch.Tensor:
-        hidden, mask, deepstack = self._embed_chunk(chunk, images)
-        n = len(chunk)
-        cos, sin = self.text.rotary_emb(hidden, positions[:, None, :].to(self.device))
-        end = start + n
-        # The chunk sees the slot's history and itself causally: the diagonal aligned to the bottom right. SDPA
-        # takes this bias and the unrepeated GQA heads to its flash kernel, with no mask and no copy of the heads.
-        causal = causal_lower_right(n, end)
+    def _forward_chunks(self, now: list[_Prefill], positions: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One forward of every request's new tokens, side by side in one row: the norms, projections and MLPs
+        run once over all of them; each request's attention reads its own slot. Returns each one's logits."""
+        chunks = [p.ids[p.start :] for p in now]
+        images = [im for p in now for im in p.images[sum(1 for at in p.starts if at < p.start) :]]
+        hidden, mask, deepstack = self._embed_chunk([t for chunk in chunks for t in chunk], images)
+        cos, sin = self.text.rotary_emb(hidden, torch.cat(positions, dim=1)[:, None, :].to(self.device))
+        spans, offset = [], 0
+        for p, chunk in zip(now, chunks):
+            end = p.start + len(chunk)
+            # The chunk sees the slot's history and itself causally: the diagonal aligned to the bottom right. SDPA
+            # takes this bias and the unrepeated GQA heads to its flash kernel, with no mask and no copy of the heads.
+            spans.append((p.slot, p.start, end, offset, offset + len(chunk), causal_lower_right(len(chunk), end)))
+            offset += len(chunk)
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q, k, v = self._qkv(attn, x, cos, sin)
-            self.keys[index][slot, :, start:end] = k[0]
-            self.values[index][slot, :, start:end] = v[0]
-            keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+            outs = []
+            for slot, start, end, first, last, causal in spans:
+                self.keys[index][slot, :, start:end] = k[0, :, first:last]
+                self.values[index][slot, :, start:end] = v[0, :, first:last]
+                keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
+                outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, offset, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if deepstack is not None and index < len(deepstack):
                 hidden[0, mask] = hidden[0, mask] + deepstack[index]
-        return self.lm_head(self.text.norm(hidden[:, -1]))[0].float()
+        lasts = torch.tensor([last - 1 for *_, last, _ in spans], device=hidden.device)
+        return list(self.lm_head(self.text.norm(hidden[0, lasts])).float())
 
     def _qkv(self, attn, x, cos, sin):
         shape = (*x.shape[:-1], -1, self.head_dim)

@@ -46,7 +46,7 @@ TRUNCATING_STOPS = ("max_new_tokens", "context_full")  # the episode was cut, no
 
 
 class TrackedDecoder:
-    """A :class:`SlotDecoder` that remembers which slots its last ``prefill``/``decode`` returned logits for,
+    """A :class:`SlotDecoder` that remembers which slots its last ``prefill``/``prefill_many``/``decode`` returned logits for,
     so that a sampler can read those slots' token sequences (see :class:`ProcessedSampling`)."""
 
     def __init__(self, decoder: SlotDecoder):
@@ -58,8 +58,12 @@ class TrackedDecoder:
         return getattr(self.decoder, name)
 
     def prefill(self, slot, ids, images):
-        logits = self.decoder.prefill(slot, ids, images)
-        self.rows, self.refilled = [slot], {slot}
+        return self.prefill_many([(slot, ids, images)])[0]
+
+    def prefill_many(self, requests):
+        logits = self.decoder.prefill_many(requests)
+        self.rows = [slot for slot, _, _ in requests]
+        self.refilled = set(self.rows)
         return logits
 
     def decode(self, next_tokens):

@@ -385,3 +385,112 @@ def test_an_images_token_count_follows_the_processors_merge_size(processor):
         want = proc(text=[text], images=[picture])["input_ids"][0].count(IMAGE_TOKEN_ID)
         assert image_input(proc, picture).tokens == want
     assert want == 35  # 200x150 px scaled up to the 65,536 px floor at 48 px a side a token: 240x336 px, 15x21 patches, 5x7 tokens
+
+
+def _rounds(decoder) -> list:
+    """The slots of each forward ``decoder.prefill_many`` runs, recorded as it runs them."""
+    rounds, forward = [], decoder._forward_chunks
+    decoder._forward_chunks = lambda now, positions: rounds.append([p.slot for p in now]) or forward(now, positions)
+    return rounds
+
+
+def _fresh(model, slot, ids, images, held=None):
+    """Logits of one prefill on a decoder of its own (``held``: what that slot holds beforehand)."""
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    if held is not None:
+        decoder.prefill(slot, *held)
+    return decoder.prefill(slot, ids, images)
+
+
+def test_prefill_many_equals_each_prefill_alone_and_computes_a_shared_prompt_once(model, processor):
+    """One step's prefills: two samples of a question begin (one prompt, one image object) while a third slot
+    starts its next turn. The first sample and the next turn go in one forward; the second sample then
+    copies the first's prompt and computes one token."""
+    images = [image_input(processor, p) for p in _pictures()]
+    first, _ = _two_turns(processor, images)
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    decoder.prefill(2, [5, 6, 7], [])
+    rounds = _rounds(decoder)
+    logits = decoder.prefill_many([(0, first, images[:1]), (1, first, images[:1]), (2, [5, 6, 7, 8, 9], [])])
+    assert rounds == [[0, 2], [1]]
+    assert decoder.last_prefill_tokens == len(first) + 1 + 2
+    torch.testing.assert_close(logits[0], _fresh(model, 0, first, images[:1]), **ANOTHER_SHAPE)
+    torch.testing.assert_close(logits[1], _fresh(model, 1, first, images[:1]), **ANOTHER_SHAPE)
+    torch.testing.assert_close(logits[2], _fresh(model, 2, [5, 6, 7, 8, 9], [], held=([5, 6, 7], [])), **ANOTHER_SHAPE)
+    assert decoder.tokens == [first, first, [5, 6, 7, 8, 9]] and decoder.images[1] == images[:1]
+    # the caches decode as computed ones
+    order, stepped = decoder.decode({0: 7, 1: 7, 2: 9})
+    reference = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    reference.prefill(0, first, images[:1])
+    reference.prefill(2, [5, 6, 7, 8, 9], [])
+    torch.testing.assert_close(stepped[[0, 2]], reference.decode({0: 7, 2: 9})[1], **ANOTHER_SHAPE)
+    torch.testing.assert_close(stepped[0], stepped[1], **ANOTHER_SHAPE)
+
+
+def test_prefill_many_waits_rather_than_copy_from_a_slot_another_copy_fills(model, processor):
+    """Slot 0 holds the two-turn conversation, slot 2 some text. Slot 0 takes slot 2's text (a copy into slot 0);
+    slot 1 would copy its prompt from slot 0, which that copy overwrites first: it waits for the next forward."""
+    images = [image_input(processor, p) for p in _pictures()]
+    first, second = _two_turns(processor, images)
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    decoder.prefill(0, second, images)
+    decoder.prefill(2, [5, 6, 7, 8], [])
+    rounds = _rounds(decoder)
+    logits = decoder.prefill_many([(0, [5, 6, 7, 8, 9], []), (1, first, images[:1])])
+    assert rounds == [[0], [1]]
+    assert decoder.tokens[:2] == [[5, 6, 7, 8, 9], first]
+    torch.testing.assert_close(logits[0], _fresh(model, 0, [5, 6, 7, 8, 9], []), **ANOTHER_SHAPE)
+    torch.testing.assert_close(logits[1], _fresh(model, 1, first, images[:1]), **ANOTHER_SHAPE)
+
+
+def test_a_prefill_that_fails_empties_the_slots_it_was_filling(model, processor):
+    images = [image_input(processor, p) for p in _pictures()]
+    first, _ = _two_turns(processor, images)
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    decoder.prefill(2, [5, 6, 7], [])
+    bad = list(images[:1])
+    bad[0] = image_input(processor, _noise((40, 72), 60, 9))  # another size: its visual tokens do not fit the pads
+    with pytest.raises(ValueError, match="visual tokens"):
+        decoder.prefill_many([(0, [5, 6, 7, 8], []), (1, first, bad)])
+    assert decoder.tokens[:2] == [[], []] and decoder.next_pos[:2] == [0, 0]
+    assert decoder.tokens[2] == [5, 6, 7]  # a slot the call did not fill keeps its cache
+    with pytest.raises(ValueError, match="each slot once"):
+        decoder.prefill_many([(0, [1, 2], []), (0, [1, 3], [])])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_many_on_cuda_equals_each_prefill_alone(processor, dtype):
+    """The rollout's dtype and kernels: one forward of three slots' chunks against each alone. In bf16 the
+    batched matmuls round differently; a wrong cache or mask is off by the logits' own scale."""
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    config["text_config"]["initializer_range"] = 1.0
+    model = build_tiny_model(0, config).eval().to("cuda", dtype)
+    images = [image_input(processor, p) for p in _pictures()]
+    first, second = _two_turns(processor, images)
+    requests = [(0, first, images[:1]), (1, second, images), (2, [5, 6, 7, 8, 9], [])]
+    decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+    decoder.prefill(1, first, images[:1])
+    together = decoder.prefill_many(requests)
+    for (slot, ids, pics), got in zip(requests, together):
+        alone = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
+        if slot == 1:
+            alone.prefill(1, first, images[:1])
+        want = alone.prefill(slot, ids, pics)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, **ANOTHER_SHAPE)
+        else:
+            assert (got - want).abs().max() < 0.05 * want.std()
+
+
+def test_prefill_many_keeps_a_forward_within_prefill_tokens_and_never_splits_a_request(model):
+    requests = [(0, [1, 2, 3, 4, 5, 6], []), (1, [7, 8, 9], []), (2, [10, 11], [])]
+    for budget, expected in ((4, [[0], [1], [2]]), (5, [[0], [1, 2]]), (11, [[0, 1, 2]])):
+        decoder = SlotDecoder(model, slots=3, max_len=128, attn_bucket=64, prefill_tokens=budget)
+        rounds = _rounds(decoder)
+        logits = decoder.prefill_many(requests)
+        assert rounds == expected
+        assert decoder.new_tokens([1, 2, 3, 4, 5, 6, 7], []) == 1  # slot 0 serves all but the last
+        for (slot, ids, images), got in zip(requests, logits):
+            torch.testing.assert_close(got, _fresh(model, slot, ids, images), **ANOTHER_SHAPE)

@@ -138,20 +138,22 @@ def test_samples_in_parallel_slots_encode_their_prompt_once(processor, data_root
     """Two samples of one question start together in two slots: the second slot copies the first's prompt
     (same token ids, the same image objects from the shared picture cache) and computes one token."""
     row = row_factory()
-    episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in range(2)]
-    decoder = SlotDecoder(tiny, slots=2, max_len=2048)
-    computed, prefill = [], decoder.prefill
-
-    def counted(slot, ids, images):
-        logits = prefill(slot, ids, images)
-        computed.append((slot, len(ids), decoder.last_prefill_tokens))
-        return logits
-
-    decoder.prefill = counted
-    run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, lambda ep: None)
     fresh = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
     prompt = len(fresh.prompt(processor, data_root)[0])
-    assert computed[:2] == [(0, prompt, prompt), (1, prompt, 1)]
+    # the slots' first turns in one call; past prefill_tokens, each slot's turn starts as soon as it is settled
+    for budget, first_calls in ((16384, [([(0, prompt), (1, prompt)], prompt + 1)]), (1, [([(0, prompt)], prompt), ([(1, prompt)], 1)])):
+        episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in range(2)]
+        decoder = SlotDecoder(tiny, slots=2, max_len=2048, prefill_tokens=budget)
+        computed, prefill_many = [], decoder.prefill_many
+
+        def counted(requests):
+            logits = prefill_many(requests)
+            computed.append(([(slot, len(ids)) for slot, ids, _ in requests], decoder.last_prefill_tokens))
+            return logits
+
+        decoder.prefill_many = counted
+        run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, lambda ep: None)
+        assert computed[: len(first_calls)] == first_calls
 
 
 class _JudgeHandler(BaseHTTPRequestHandler):
