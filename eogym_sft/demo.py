@@ -24,6 +24,7 @@ MAX_PIXELS = 200704  # 196 visual tokens an image: a CPU run in minutes (the rec
 STEPS = 16  # optimizer steps of 2 samples: held-out accuracy clearly above the base's, in under 2 minutes
 LEARNING_RATE = 1e-2  # high, so that a few steps move a small random model
 SCENE_CAP = 128 * 128  # the agent demo's pixel cap: a quarter of the colour_grid scene's pixels
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards values
 
 
 def demo_configs(
@@ -174,6 +175,10 @@ class AgentDemoConfig:
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
     grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
     grpo_temperature: float = 1.0  # GRPO's sampling temperature (TRL's, the recipe's 1.0); its loss scores at the same one
+    grpo_scale_rewards: str = "group"  # TRL's scale_rewards: "group" (by the group's std, the recipe's), "batch", or "none" (Dr. GRPO)
+    grpo_num_iterations: int = 1  # TRL's num_iterations: steps trained on each generated batch; above 1 its clipped ratio binds
+    grpo_epsilon_high: float | None = None  # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
+    grpo_disable_dropout: bool = False  # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
@@ -198,6 +203,12 @@ class AgentDemoConfig:
             raise ValueError("train_rows, held_out_rows, sft_steps, samples and rft_samples must be at least 1")
         if self.grpo_steps < 0 or self.rft_steps < 0:
             raise ValueError("grpo_steps and rft_steps must be >= 0")
+        if self.grpo_scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {self.grpo_scale_rewards!r}")
+        if self.grpo_num_iterations < 1:
+            raise ValueError(f"grpo_num_iterations must be at least 1, got {self.grpo_num_iterations}")
+        if self.grpo_epsilon_high is not None and self.grpo_epsilon_high <= 0:
+            raise ValueError(f"grpo_epsilon_high must be > 0 (or None: TRL's epsilon), got {self.grpo_epsilon_high}")
 
 
 def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False):
@@ -214,7 +225,8 @@ def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root
 
 def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path, overwrite: bool = False):
     """The GRPO recipe's settings (its reward, group-scaled advantages, no KL by default) shrunk to a CPU run from the
-    SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step."""
+    SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step (per generated
+    batch: every ``grpo_num_iterations`` steps)."""
     from trl import GRPOConfig, ModelConfig
 
     from .models.loading import LORA_TARGETS
@@ -229,7 +241,8 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate,
         lr_scheduler_type=cfg.grpo_lr_scheduler_type, warmup_steps=cfg.grpo_warmup_steps,
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=cfg.grpo_beta, scale_rewards="group", temperature=cfg.grpo_temperature, max_completion_length=cfg.completion_tokens,
+        beta=cfg.grpo_beta, scale_rewards=cfg.grpo_scale_rewards, temperature=cfg.grpo_temperature, num_iterations=cfg.grpo_num_iterations,
+        epsilon_high=cfg.grpo_epsilon_high, disable_dropout=cfg.grpo_disable_dropout, max_completion_length=cfg.completion_tokens,
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
@@ -292,7 +305,8 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
 
 def grpo_per_step(grpo_dir: str | Path, key: str = "reward") -> list[float]:
     """``key`` of each GRPO step (the mean training reward by default), from the last checkpoint's
-    ``trainer_state.json``."""
+    ``trainer_state.json``. TRL logs the reward (and the rollout metrics) only on steps that generate: with
+    ``num_iterations`` N, one value every N steps."""
     states = sorted(Path(grpo_dir).glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not states:
         raise FileNotFoundError(f"no checkpoint-*/trainer_state.json under {grpo_dir}: the GRPO run saved no state")
@@ -430,7 +444,9 @@ def format_agent_report(report: dict, output: Path) -> str:
             lines.append(f"    {p['b']:>4} - {p['a']:<4} {p['metric']:<8} {p['delta']:+.3f} {ci_text}  n={p['n']}")
     rewards = report["grpo_reward_per_step"]
     if rewards:
-        lines.append("  GRPO training reward per step: " + " ".join(f"{r:.2f}" for r in rewards))
+        passes = report["settings"].get("grpo_num_iterations", 1)  # TRL logs a reward where it generated
+        per = "per step" if passes == 1 else f"per generated batch (every {passes} steps)"
+        lines.append(f"  GRPO training reward {per}: " + " ".join(f"{r:.2f}" for r in rewards))
         if report["grpo_reward_by_quarter"] is not None:
             lines.append("  GRPO training reward by quarter of its steps: " + " ".join(f"{r:.3f}" for r in report["grpo_reward_by_quarter"]))
     if report["rejection_sampling"]:

@@ -123,10 +123,10 @@ def gold_and_wrong_group(folder, model_dir, max_pixels: int, min_pixels: int) ->
             "scripts": [trained_spans(sft["labels"][0]), [wrong]], "header": header}
 
 
-def scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, rows: int = 1, **config):
+def scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, rows: int = 1, attention: str = "sdpa", **config):
     """A GRPO trainer on ``engine`` over the tiny row with a crop (``rows`` copies of it, each its own question),
     its episodes written by ``scripts(group)`` (:class:`ScriptedPolicy` scripts, one per episode of a group;
-    ``group`` is :func:`gold_and_wrong_group`'s);
+    ``group`` is :func:`gold_and_wrong_group`'s), the model on ``attention``;
     ``config`` sets GRPOScriptArguments and GRPOConfig fields alike. Returns the trainer (model in train mode)
     and the policy."""
     import json
@@ -138,7 +138,7 @@ def scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, rows: int =
 
     min_pixels, max_pixels = 1024, 4096
     group = gold_and_wrong_group(tmp_path, tiny_model_dir, max_pixels, min_pixels)
-    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0)
+    model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", attention)), seed=0)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({**group["row"], "id": f"q{k}"}) + "\n" for k in range(rows)))
     data = load_episodes(path, group["data_root"])

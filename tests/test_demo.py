@@ -133,6 +133,8 @@ def test_agent_report_and_table(tmp_path):
     assert "paired over questions (B - A, 95% CI, paired t):" in text and "sft - base pass@1   +0.750 [+0.300, +1.200]  n=4" in text
     assert "GRPO training reward per step: 0.20 0.50" in text and "kept 5 correct of 8" in text
     assert report["grpo_reward_by_quarter"] is None and "by quarter" not in text  # too few steps for quarters
+    twice = agent_report(summary, [0.2, 0.5], None, {}, AgentDemoConfig(samples=2, grpo_num_iterations=2))
+    assert "GRPO training reward per generated batch (every 2 steps): 0.20 0.50" in format_agent_report(twice, tmp_path)
 
 
 def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps_when_each_quarter_has_five():
@@ -225,9 +227,28 @@ def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
     assert (script.tool_call_cost, script.action_cost_scale, script.max_cost_penalty) == (0.1, 0.2, 0.2)  # the recipe's reward
     assert script.sft_adapter == str(tmp_path / "sft") and script.tool_backends == "crop"
     assert (training.beta, training.scale_rewards, training.temperature) == (0.0, "group", 1.0)
+    # each batch trained on once (on-policy: TRL's ratio is 1), TRL's own clip and dropout
+    assert (training.num_iterations, training.epsilon_high, training.epsilon, training.disable_dropout) == (1, None, 0.2, False)
     assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
     assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
     assert model.attn_implementation == "eogym_varlen"  # the packed loss forward, as the recipe (cuDNN's is CUDA only)
+
+
+def test_agent_grpo_levers_are_checked_and_reach_grpo_config(tmp_path):
+    """``bench/agent_seeds.py --set`` values: the scaling, the passes over each batch and the upper clip arrive in
+    TRL's GRPOConfig; a value TRL would refuse mid-run, or that means nothing, is refused when the config is made."""
+    from eogym_sft.demo import AgentDemoConfig, _grpo_configs
+
+    cfg = AgentDemoConfig(grpo_scale_rewards="none", grpo_num_iterations=2, grpo_epsilon_high=0.28, grpo_disable_dropout=True)
+    _, training, _ = _grpo_configs(cfg, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, str(tmp_path / "sft"), tmp_path / "g")
+    assert (training.scale_rewards, training.num_iterations, training.epsilon_high, training.disable_dropout) == ("none", 2, 0.28, True)
+    assert AgentDemoConfig(grpo_scale_rewards="batch").grpo_scale_rewards == "batch"
+    with pytest.raises(ValueError, match="grpo_scale_rewards must be one of group, batch, none, got 'std'"):
+        AgentDemoConfig(grpo_scale_rewards="std")
+    with pytest.raises(ValueError, match="grpo_num_iterations must be at least 1, got 0"):
+        AgentDemoConfig(grpo_num_iterations=0)
+    with pytest.raises(ValueError, match="grpo_epsilon_high must be > 0"):
+        AgentDemoConfig(grpo_epsilon_high=0.0)
 
 
 def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):

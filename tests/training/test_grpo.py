@@ -359,11 +359,66 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
     script, training, _ = configs()
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps, training.temperature) == (0.0, "constant", 0, 1.0)
     assert training.per_device_train_batch_size == 8
+    # on-policy, group-scaled, TRL's clip: each batch trained on once, its ratio exactly 1
+    assert (training.scale_rewards, training.num_iterations, training.epsilon_high, training.disable_dropout) == ("group", 1, None, False)
     script, training, _ = configs(
         grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4, grpo_temperature=1.3,
+        grpo_scale_rewards="none", grpo_num_iterations=2, grpo_epsilon_high=0.28, grpo_disable_dropout=True,
     )
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps, training.temperature) == (0.04, "cosine", 0.1, 1.3)
     assert training.per_device_train_batch_size == 32 and training.num_generations == 8
+    assert (training.scale_rewards, training.num_iterations, training.epsilon_high, training.disable_dropout) == ("none", 2, 0.28, True)
+
+
+@pytest.mark.parametrize("engine", [pytest.param("slots", marks=pytest.mark.slow(4)), pytest.param("trl", marks=pytest.mark.slow(9))])
+def test_two_iterations_train_each_batch_twice_against_the_sampling_policy(tmp_path, tiny_model_dir, monkeypatch, engine):
+    """``num_iterations=2`` (``AgentDemoConfig.grpo_num_iterations``) on both engines (slots: the packed loss forward,
+    shared prompts under eogym_varlen): TRL generates once every 2 steps and scores the sampling policy's log-probs
+    (``old_per_token_logps``) when it generates; a batch's first pass has ratio 1 (dropout off), its second, one
+    optimizer step later, does not, and the clip binds there only."""
+
+    def scripts(group):
+        return group["scripts"]  # the gold crop-then-answer episode and a wrong answer: advantages of both signs
+
+    trainer, _ = scripted_trainer(
+        tmp_path, tiny_model_dir, engine, scripts, attention="eogym_varlen" if engine == "slots" else "sdpa",
+        num_iterations=2, max_steps=3, learning_rate=1e-2, logging_steps=1, disable_dropout=True,
+    )
+    generate, compute_loss, logps = trainer.engine.generate, trainer._compute_loss, trainer._get_per_token_logps_and_entropies
+    generated, passes, latest = [], [], {}
+
+    def counted(tr, prompts, inputs):
+        generated.append(tr.state.global_step)
+        return generate(tr, prompts, inputs)
+
+    def spied_logps(*args, **kwargs):
+        out = logps(*args, **kwargs)
+        latest["logps"] = out[0].detach()  # the last forward before the loss returns is the loss's own
+        return out
+
+    def spied_loss(model, inputs):
+        assert inputs.get("old_per_token_logps") is not None  # computed when the batch was generated
+        loss = compute_loss(model, inputs)
+        mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
+        passes.append((torch.exp(latest["logps"] - inputs["old_per_token_logps"])[mask], loss.detach()))
+        return loss
+
+    monkeypatch.setattr(trainer.engine, "generate", counted)
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", spied_logps)
+    monkeypatch.setattr(trainer, "_compute_loss", spied_loss)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+
+    assert generated == [0, 2]  # steps 1 and 3 generate, step 2 trains on step 1's batch again
+    (first, *_), (second, *_), (third, *_) = passes
+    assert all(torch.isfinite(loss) for _, loss in passes)
+    torch.testing.assert_close(first, torch.ones_like(first), atol=1e-5, rtol=0)  # the old log-probs are the policy's own
+    torch.testing.assert_close(third, torch.ones_like(third), atol=1e-5, rtol=0)
+    assert (second - 1).abs().max() > 0.1  # the weights moved between the two passes over one batch
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["clip_ratio/region_mean"] > 0 for h in logs] == [False, True, False]
+    assert [h["step"] for h in logs if "reward" in h] == [1, 3]  # the reward is logged where a batch was generated
+    assert all(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters() if p.requires_grad)
 
 
 # ---------------------------------------------------------------- activation checkpointing of some layers
