@@ -27,8 +27,8 @@ positions ``0..history-1``: equal lengths, so span = ``history + 1`` rounded up 
 timing, so every call writes row ``history`` and attends over the same span.
 
 With ``--profile N``: a torch profiler table of N loop steps (temperature 1.0) with the decode step run eagerly (the
-decoder's ``_step`` swapped for ``_decode_step`` for those steps only): top ops by GPU and by host time, and the CUDA
-runtime's synchronising and copying calls per step.
+decoder's ``_step`` swapped for ``_decode_step`` for those steps only): the top kernels and copies by GPU time, the top
+ops by host time, and the CUDA runtime's synchronising and copying calls per step.
 
     bash bench/h200_session.sh decode_probe    # the 4B architecture with random weights, graphs and eager
     python bench/decode_probe.py --model /tmp/tiny --slots 4 --history 300 --repeats 3 --json /tmp/decode_probe.json  # CPU
@@ -41,6 +41,7 @@ import inspect
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -168,7 +169,8 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
         def call(fn=fn, backend=backend):
             if backend is None:
                 return fn()
-            with sdpa_kernel([backend]):
+            with sdpa_kernel([backend]), warnings.catch_warnings():  # a refusing backend warns why, then raises
+                warnings.simplefilter("ignore")
                 return fn()
         try:
             stats, res = measure(call, device, repeats, warmup, back_to_back=True)
@@ -203,9 +205,10 @@ def floor_estimate(decoder, model, length: int, span: int, bandwidth: float) -> 
 
 
 def profile_loop(decoder, loop_step, after, steps: int, device, rows: int) -> dict:
-    """Torch profiler over ``steps`` loop steps with the decode step run eagerly: top ops by GPU and host time,
-    and the CUDA runtime calls that synchronise or copy, per step."""
-    import torch
+    """Torch profiler over ``steps`` loop steps with the decode step run eagerly: the top GPU kernels and copies by GPU
+    time and ops by host time, and the CUDA runtime calls that synchronise or copy, per step. Nothing is synchronised
+    but by the steps themselves (each ends in the pick's ``.tolist()``)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -217,15 +220,15 @@ def profile_loop(decoder, loop_step, after, steps: int, device, rows: int) -> di
             for _ in range(steps):
                 loop_step()
                 after()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
     finally:
         decoder._step = saved
     averages = prof.key_averages()
     gpu_key = "self_device_time_total"
+    on_gpu = [e for e in averages if e.device_type == DeviceType.CUDA]  # kernels and copies: ops would count them twice
+    on_host = [e for e in averages if e.device_type == DeviceType.CPU]
 
-    def top(key):
-        ranked = sorted(averages, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
+    def top(events, key):
+        ranked = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
         return [{"op": e.key, "calls_per_step": round(e.count / steps, 2), "self_ms_per_step": round(getattr(e, key, 0) / 1e3 / steps, 4)}
                 for e in ranked]
 
@@ -233,11 +236,11 @@ def profile_loop(decoder, loop_step, after, steps: int, device, rows: int) -> di
                if "Synchronize" in e.key or "Memcpy" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")}
     return {
         "steps": steps,
-        "gpu_busy_ms_per_step": round(sum(getattr(e, gpu_key, 0) for e in averages) / 1e3 / steps, 4),
+        "gpu_busy_ms_per_step": round(sum(getattr(e, gpu_key, 0) for e in on_gpu) / 1e3 / steps, 4),
         "host_syncs_per_step": round(sum(n for k, n in runtime.items() if "Synchronize" in k), 2),
         "runtime_calls_per_step": runtime,
-        "by_gpu_time": top(gpu_key) if device.type == "cuda" else [],
-        "by_host_time": top("self_cpu_time_total"),
+        "by_gpu_time": top(on_gpu, gpu_key),
+        "by_host_time": top(on_host, "self_cpu_time_total"),
     }
 
 
