@@ -30,6 +30,9 @@
 #                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
 #                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
 #                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once
+#   bash bench/h200_session.sh decode_probe  # issue 41: one decode step of 32 slots x 6,000 tokens taken apart (the graph
+#                                           # replay, decode(), the pick, the loop step, one layer's attention masked and
+#                                           # not, the bandwidth floor), with CUDA graphs, then eager with a profile of 3 steps
 #   bash bench/h200_session.sh grpo_phases  # the grpo stage's slots arm (one step after one warm-up), the base commit's
 #                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
 #                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false)
@@ -297,6 +300,17 @@ rollout_phases)
       --json $OUT/rollout_${i}_$arm.json > $OUT/rollout_${i}_$arm.log 2>&1) || echo "rollout_phases: $arm exit $?"
     echo "$arm: $(grep -E '^\{' $OUT/rollout_${i}_$arm.log | tail -1)"
   done
+  ;;
+decode_probe)
+  # issue 41: where a decode step's time goes beside its bandwidth floor; each run loads the model (~9 GB) and fills
+  # 32 slots by one shared 6,000-token prefill
+  make_model
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --cuda-graphs \
+    --json $OUT/decode_probe.json > $OUT/decode_probe.log 2>&1 || echo "decode_probe --cuda-graphs: exit $?"
+  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe.log | tail -32
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --no-cuda-graphs --profile 3 \
+    --json $OUT/decode_probe_eager.json > $OUT/decode_probe_eager.log 2>&1 || echo "decode_probe --no-cuda-graphs: exit $?"
+  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe_eager.log | tail -90
   ;;
 grpo_phases)
   [ -d .before/eogym_sft ] || { echo "grpo_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench recipes | tar -x -C .before"; exit 1; }

@@ -75,3 +75,32 @@ def test_prefill_probe_times_each_part_and_its_attention_arms_agree(tiny_model_d
     assert set(arms) == {f"{shape}/{arm}" for shape in ("first", "next") for arm in ("repeat_kv_bool_mask", "gqa_bool_mask", "gqa_lower_right")}
     assert all(a["max_abs_diff"] < 1e-5 for a in arms.values())
     assert len(result["profile_one_first_and_next"]["by_host_time"]) == 3
+
+
+def test_decode_probe_times_every_part_and_its_attention_arms_agree(tiny_model_dir, tmp_path):
+    sys.path.insert(0, str(BENCH))
+    from decode_probe import main
+
+    out = tmp_path / "decode.json"
+    result = main([
+        "--model", str(tiny_model_dir), "--slots", "4", "--history", "200", "--span-bucket", "128", "--max-context", "512",
+        "--repeats", "2", "--warmup", "1", "--profile", "1", "--profile-rows", "3", "--device", "cpu", "--json", str(out),
+    ])
+    assert json.loads(out.read_text()) == result
+    assert result["machine"]["device"] == "cpu" and result["setup"]["cuda_graphs"] is False
+    assert (result["setup"]["attended"], result["setup"]["span"]) == (201, 256)  # 200 held + the step's token, to a bucket
+    parts = result["parts"]
+    assert set(parts) == {"step", "decode", "pick/temperature1", "pick/greedy", "pick/greedy_held_stops",
+                          "loop_step/temperature1", "loop_step/greedy_held_stops"}
+    assert all(p["ms"] > 0 and p["min_ms"] > 0 and p["gpu_ms"] is None and p["repeats"] == 2 for p in parts.values())
+    # every slot holds the same 200 tokens: the masked call over the span equals no mask over exactly 201 keys
+    attention = result["attention_one_layer"]
+    assert set(attention) == {"masked", "unmasked"}
+    assert all(a["ms"] > 0 and a["back_to_back"] for a in attention.values())
+    assert attention["unmasked"]["max_abs_diff"] < 1e-5
+    floor = result["floor"]
+    assert floor["kv_bytes"] == 4 * 201 * floor["kv_bytes_per_token"] < floor["kv_bytes_span"] == 4 * 256 * floor["kv_bytes_per_token"]
+    assert 0 < floor["weight_bytes"] <= floor["model_weight_bytes"] and floor["floor_ms"] <= floor["floor_span_ms"]
+    assert set(result["derived"]) >= {"decode_minus_step_ms", "loop_minus_decode_ms", "step_over_floor"}
+    profile = result["profile_eager_loop_steps"]
+    assert profile["steps"] == 1 and len(profile["by_host_time"]) == 3
