@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -229,7 +230,8 @@ def run_episodes(
 
     ``on_done(episode)`` is called as each one ends (in completion order). The images of the next
     ``decoder.slots`` pending episodes are decoded by worker threads while the GPU works. Returns timing:
-    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}`` and where the seconds went: ``prefill_s``
+    ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``, ``prefill_retries`` (batched prefills that
+    failed and were retried slot by slot, each warned) and where the seconds went: ``prefill_s``
     (prefills, vision encoding included, to their first token), ``decode_s`` (decode steps to their sampled
     tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the rest: prompts rendered and tokenised, slots refilled). Reading a
     sampled token waits for the GPU, so each share is the GPU's time plus the host's around it, with no
@@ -248,7 +250,7 @@ def run_episodes(
     pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
-    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0}
+    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
     clock = time.perf_counter
     start = clock()
 
@@ -277,7 +279,9 @@ def run_episodes(
     def begin_turns(prompts: dict) -> None:
         try:
             start_turns(prompts)
-        except Exception:  # one episode's images failed the forward: each alone, so only that one ends
+        except Exception as err:  # one episode's images failed the forward: each alone, so only that one ends
+            stats["prefill_retries"] += 1
+            warnings.warn(f"a prefill of {len(prompts)} slots failed ({type(err).__name__}: {err}); each slot is retried alone")
             for s, prompt in prompts.items():
                 try:
                     start_turns({s: prompt})
@@ -332,7 +336,7 @@ def run_episodes(
             bar.set_postfix_str(f"{stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
 
     while True:
-        prompts, queued, began = {}, 0, False
+        prompts, queued, started = {}, 0, False
         for s in range(decoder.slots):
             prompt = settle(s)
             if prompt is None:
@@ -341,13 +345,13 @@ def run_episodes(
             queued += decoder.new_tokens(*prompt)
             if queued >= decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
                 begin_turns(prompts)
-                prompts, queued, began = {}, 0, True
+                prompts, queued, started = {}, 0, True
         if prompts:
             begin_turns(prompts)
-            began = True
+            started = True
         busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
         if not busy:
-            if began:  # every turn that began failed: their slots take the next episodes
+            if started:  # every turn that began failed: their slots take the next episodes
                 continue
             break
         began = clock()

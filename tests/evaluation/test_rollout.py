@@ -156,6 +156,29 @@ def test_samples_in_parallel_slots_encode_their_prompt_once(processor, data_root
         assert computed[: len(first_calls)] == first_calls
 
 
+def test_a_batched_prefill_that_fails_ends_only_the_episode_that_fails_alone(processor, data_root, row_factory, tiny):
+    """Two episodes begin together; a forward holding slot 1's tokens fails. The batch is retried slot by slot
+    (warned and counted): slot 0's episode runs on, slot 1's ends as ``error``, named."""
+    row = row_factory()
+    episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, data_root)) for k in range(2)]
+    decoder = SlotDecoder(tiny, slots=2, max_len=2048)
+    forward = decoder._forward_chunks
+
+    def failing(now, positions):
+        if any(p.slot == 1 for p in now):
+            raise ValueError("3 visual tokens for 4 <|image_pad|> tokens")
+        return forward(now, positions)
+
+    decoder._forward_chunks = failing
+    done = []
+    with pytest.warns(UserWarning, match="a prefill of 2 slots failed .ValueError: 3 visual tokens.*retried alone"):
+        stats = run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, _turn_texts()), LoopConfig(4, 128), data_root, done.append)
+    assert stats["prefill_retries"] == 1
+    by_sample = {ep.sample: ep for ep in done}
+    assert by_sample[1].stop == "error" and by_sample[1].error == "ValueError: 3 visual tokens for 4 <|image_pad|> tokens"
+    assert by_sample[0].stop != "error" and by_sample[0].turns >= 1
+
+
 class _JudgeHandler(BaseHTTPRequestHandler):
     """A local chat-completions server: CORRECT when the candidate contains the reference; the first
     request for a candidate "flaky" fails with 500, "broken" always does, "chatty" gets an unusable reply."""
