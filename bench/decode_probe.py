@@ -12,13 +12,10 @@ synchronised before and after (CUDA events beside the host clock on a GPU), mean
 * ``pick/...``: ``Sampling.pick`` on those ``(slots, vocab)`` logits as ``run_episodes`` calls it (banned vision ids):
   temperature 1.0, greedy, and greedy with the stop tokens held back (the rollout bench's ``min_new_tokens``);
 * ``loop_step/...``: one step of ``run_episodes``'s loop: decode, pick (its ``.tolist()`` included), the picks appended;
-* attention of one layer alone at the step's shapes, ``--repeats`` calls back to back: ``masked`` as the decoder's SDPA
-  path calls it (q folded to ``(slots, kv_heads, groups, head_dim)``, the boolean ``visible`` mask over the attention
-  span, the cache's own strided views) against ``unmasked`` (no mask over exactly the ``history + 1`` keys: the best
-  case when every slot has the same length); on a GPU each also under every SDPA backend alone (``masked/efficient``,
-  ...); and ``flash_varlen``, the decoder's flash path itself (``SlotDecoder._flash_attention``: FlashAttention-2's
-  variable-length forward over each slot's ``history + 1`` keys, launched for the span), where the decoder takes it
-  (``setup.decode_attention``: ``"flash"`` or ``"sdpa"``, the path the timed step took);
+* attention of one layer alone at the step's shapes, ``--repeats`` calls back to back: ``masked`` as ``_decode_step``
+  calls it (q folded to ``(slots, kv_heads, groups, head_dim)``, the boolean ``visible`` mask over the attention span,
+  the cache's own strided views) against ``unmasked`` (no mask over exactly the ``history + 1`` keys: the best case when
+  every slot has the same length); on a GPU each also under every SDPA backend alone (``masked/efficient``, ...);
 * ``floor``: the bytes a step must read (the text tower's and head's weights; the keys and values of ``history + 1``
   tokens, and of the span the masked call reads) over ``--bandwidth``: an estimate, not a measurement.
 
@@ -139,10 +136,9 @@ def rewind(decoder) -> None:
 
 
 def attention_arms(decoder, layer: int, length: int, span: int, seed: int, device, repeats: int, warmup: int) -> dict:
-    """One layer's decode attention at the step's shapes: ``masked`` as the decoder's SDPA path calls it (over ``span``
-    keys, ``length`` visible in every slot) and ``unmasked`` over exactly ``length`` keys; on CUDA each also under every
-    SDPA backend alone; ``flash_varlen``, the decoder's own flash call, where it takes that path. ms per call (back to
-    back) and the largest difference from ``masked``."""
+    """One layer's decode attention at the step's shapes: ``masked`` as ``_decode_step`` calls it (over ``span`` keys,
+    ``length`` visible in every slot) and ``unmasked`` over exactly ``length`` keys; on CUDA each also under every SDPA
+    backend alone. ms per call (back to back) and the largest difference from ``masked``."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -150,10 +146,9 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
     S, kv, groups, d = decoder.slots, decoder.kv_heads, decoder.groups, decoder.head_dim
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(S, kv, groups, d, device=device, dtype=decoder.dtype, generator=g)
-    keys, values = decoder.keys[layer].transpose(1, 2), decoder.values[layer].transpose(1, 2)  # (S, kv, max_len, d) views
+    keys, values = decoder.keys[layer], decoder.values[layer]
     lengths = torch.full((S,), length, device=device)
     visible = (torch.arange(span, device=device)[None] < lengths[:, None])[:, None, None]  # (S,1,1,span) as the decoder's
-    used = lengths.to(torch.int32)  # as the decoder's flash step converts its lengths
     scale = decoder.text.layers[layer].self_attn.scaling
 
     def masked():
@@ -162,9 +157,6 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
     def unmasked():
         return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=scale)
 
-    def flash_varlen():
-        return decoder._flash_attention(q, layer, used, span, scale)
-
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     arms = {"masked": (masked, None), "unmasked": (unmasked, None)}
@@ -172,8 +164,6 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
         for name in BACKENDS:
             arms[f"masked/{name}"] = (masked, backends[name])
             arms[f"unmasked/{name}"] = (unmasked, backends[name])
-    if decoder.decode_attention == "flash":
-        arms["flash_varlen"] = (flash_varlen, None)
     out, ref = {}, None
     for name, (fn, backend) in arms.items():
         def call(fn=fn, backend=backend):
@@ -187,9 +177,8 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
         except Exception as err:  # a backend that refuses these inputs is named, the rest go on
             out[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
             continue
-        res = res.reshape(S, -1).float()  # flash's (S, heads, d) and SDPA's (S, kv, groups, d) hold the heads in one order
         ref = res if ref is None else ref
-        out[name] = {**stats, "max_abs_diff": float((res - ref).abs().max())}
+        out[name] = {**stats, "max_abs_diff": float((res.float() - ref.float()).abs().max())}
     return out
 
 
@@ -260,8 +249,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | {m['date']}",
         f"{setup['slots']} slots x {setup['history']} tokens, span {setup['span']}, {setup['layers']} layers, "
-        f"cuda graphs {setup['cuda_graphs']}, decode attention {setup['decode_attention']}, "
-        f"means of {setup['repeats']} after {setup['warmup']}",
+        f"cuda graphs {setup['cuda_graphs']}, means of {setup['repeats']} after {setup['warmup']}",
         f"{'part':<34} {'ms':>9} {'gpu ms':>9}",
     ]
 
@@ -391,8 +379,6 @@ def main(argv: list[str] | None = None) -> dict:
         "loop_minus_decode_ms": round(parts["loop_step/temperature1"]["ms"] - parts["decode"]["ms"], 4),
         "attention_masked_x_layers_ms": round(per_call(attention["masked"]) * layers, 4),
         "attention_unmasked_x_layers_ms": round(per_call(attention["unmasked"]) * layers, 4),
-        **({"attention_flash_varlen_x_layers_ms": round(per_call(attention["flash_varlen"]) * layers, 4)}
-           if "flash_varlen" in attention and "error" not in attention["flash_varlen"] else {}),
         "step_over_floor": round(step_ms / floor["floor_ms"], 3),
     }
     result = {
@@ -403,8 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_info(device),
         "setup": {
             "slots": S, "history": L, "attended": length, "span": span, "span_bucket": bucket, "max_context": args.max_context,
-            "cuda_graphs": graphs, "decode_attention": decoder.decode_attention, "repeats": reps, "warmup": warm,
-            "layers": layers, "kv_heads": decoder.kv_heads,
+            "cuda_graphs": graphs, "repeats": reps, "warmup": warm, "layers": layers, "kv_heads": decoder.kv_heads,
             "groups": decoder.groups, "head_dim": decoder.head_dim, "vocab": int(decoder.lm_head.weight.shape[0]),
             "banned_ids": len(banned), "load_s": round(load_s, 2), "fill_s": round(prefill_s, 3),
             "fill": "slot 0 prefilled with --history random text ids; every other slot prefilled with the same ids "

@@ -88,7 +88,6 @@ def test_decode_probe_times_every_part_and_its_attention_arms_agree(tiny_model_d
     ])
     assert json.loads(out.read_text()) == result
     assert result["machine"]["device"] == "cpu" and result["setup"]["cuda_graphs"] is False
-    assert result["setup"]["decode_attention"] == "sdpa"  # no flash arm on a CPU
     assert (result["setup"]["attended"], result["setup"]["span"]) == (201, 256)  # 200 held + the step's token, to a bucket
     parts = result["parts"]
     assert set(parts) == {"step", "decode", "pick/temperature1", "pick/greedy", "pick/greedy_held_stops",

@@ -130,19 +130,6 @@ class SlotDecoder:
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
         prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
             (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
-
-    The caches ``keys[layer]`` and ``values[layer]`` are ``(slots, max_len, kv_heads, head_dim)``: row ``t`` of slot
-    ``s`` holds token ``t``'s key (rotary embedding applied) or value, and the whole cache reads as one packed
-    sequence of ``slots * max_len`` rows, which FlashAttention's variable-length forward takes as it is.
-    ``decode_attention`` names the decode step's attention, chosen once from the device, dtype and head size:
-
-    * ``"flash"`` (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256, compute capability 8.0 or more):
-      FlashAttention-2's variable-length forward, each slot's query over exactly its own ``length`` keys:
-      no mask, the unrepeated GQA heads, no key past a slot's length read;
-    * ``"sdpa"`` (everything else, the CPU and fp32 included): SDPA over the attention span with a boolean
-      mask of each slot's keys.
-
-    Prefill attention is SDPA either way.
     """
 
     def __init__(
@@ -166,15 +153,10 @@ class SlotDecoder:
         self.dtype = self.lm_head.weight.dtype
         self.kv_heads, self.head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
-        shape = (slots, max_len, self.kv_heads, self.head_dim)
+        shape = (slots, self.kv_heads, max_len, self.head_dim)
         layers = len(self.text.layers)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)]
-        self.decode_attention = decode_attention_path(self.device, self.dtype, self.head_dim)
-        # The flash call's packing: one query a slot, and slot s's keys from row s * max_len of the flat cache.
-        # Allocated once, so that a captured graph reads the same buffers at every replay.
-        self.cum_seq_q = torch.arange(slots + 1, dtype=torch.int32, device=self.device)
-        self.cum_seq_k = self.cum_seq_q * max_len
         self.tokens: list[list[int]] = [[] for _ in range(slots)]  # what each slot's cache holds
         self.images: list[list[ImageInput]] = [[] for _ in range(slots)]  # the images among those tokens
         self.last_prefill_tokens = 0
@@ -188,7 +170,7 @@ class SlotDecoder:
         if compile:
             import torch._dynamo as dynamo
 
-            for tensor in [*self.keys, *self.values, self.cum_seq_q, self.cum_seq_k]:  # fixed addresses: CUDA graphs can replay over them
+            for tensor in self.keys + self.values:  # fixed addresses: CUDA graphs can replay over them
                 dynamo.mark_static_address(tensor)
             # one graph per attention span bucket
             dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, max_len // attn_bucket + 8)
@@ -279,8 +261,8 @@ class SlotDecoder:
             for p in now:
                 if p.copies:
                     for keys, values in zip(self.keys, self.values):
-                        keys[p.slot, : p.start] = keys[p.source, : p.start]
-                        values[p.slot, : p.start] = values[p.source, : p.start]
+                        keys[p.slot, :, : p.start] = keys[p.source, :, : p.start]
+                        values[p.slot, :, : p.start] = values[p.source, :, : p.start]
             positions = []
             for p in now:
                 grids = torch.tensor([im.grid_thw for im in p.images], dtype=torch.long).reshape(-1, 3)
@@ -364,10 +346,9 @@ class SlotDecoder:
             q, k, v = self._qkv(attn, x, cos, sin)
             outs = []
             for slot, start, end, first, last, causal in spans:
-                self.keys[index][slot, start:end] = k[0, :, first:last].transpose(0, 1)
-                self.values[index][slot, start:end] = v[0, :, first:last].transpose(0, 1)
-                # the slot's cache as SDPA's (1, kv_heads, end, head_dim): a strided view, not a copy
-                keys, values = self.keys[index][slot, :end].transpose(0, 1)[None], self.values[index][slot, :end].transpose(0, 1)[None]
+                self.keys[index][slot, :, start:end] = k[0, :, first:last]
+                self.values[index][slot, :, start:end] = v[0, :, first:last]
+                keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
                 outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, offset, -1))
@@ -434,55 +415,21 @@ class SlotDecoder:
         hidden = self.text.embed_tokens(tokens)[:, None]  # (slots, 1, hidden)
         cos, sin = self.text.rotary_emb(hidden, pos.view(1, -1, 1).expand(3, -1, 1))
         rows = torch.arange(self.slots, device=hidden.device)
-        # what each path takes of the slots' lengths: flash the lengths themselves (int32, its kernel's type), SDPA a mask
-        if self.decode_attention == "flash":
-            attend, seen = self._flash_attention, length.to(torch.int32)
-        else:
-            attend, seen = self._masked_attention, (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]
+        visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             q, k, v = self._qkv(attn, x, cos, sin)  # q (S, heads, 1, d), k/v (S, kv_heads, 1, d)
-            self.keys[index][rows, write] = k[:, :, 0]
-            self.values[index][rows, write] = v[:, :, 0]
-            out = attend(q, index, seen, span, attn.scaling)
+            self.keys[index][rows, :, write] = k[:, :, 0]
+            self.values[index][rows, :, write] = v[:, :, 0]
+            # The query heads of one KV head are folded into the query length: no KV copy per group.
+            q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
+            )
             hidden = hidden + attn.o_proj(out.reshape(self.slots, 1, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.text.norm(hidden[:, 0])).float()
-
-    def _flash_attention(self, q, index: int, used, span: int, scale: float) -> torch.Tensor:
-        """Layer ``index``'s attention of one query a slot (``q`` ``(slots, heads, 1, head_dim)``) over the first
-        ``used[s]`` keys of slot ``s`` (int32, ``(slots,)``), by FlashAttention-2's variable-length forward on the flat
-        cache: it reads only those keys and groups the query heads of one KV head itself. ``span`` (at least every
-        ``used``) sizes the kernel's launch, so that one captured graph serves every length within it. Returns
-        ``(slots, heads, head_dim)``."""
-        flat = (self.slots * self.max_len, self.kv_heads, self.head_dim)
-        out, *_ = torch.ops.aten._flash_attention_forward(
-            q.reshape(self.slots, -1, self.head_dim), self.keys[index].view(flat), self.values[index].view(flat),
-            self.cum_seq_q, self.cum_seq_k,
-            1, span, 0.0, False, False,  # max_q, max_k, dropout_p, is_causal (one query sees all its keys), return_debug_mask
-            scale=scale, seqused_k=used,
-        )
-        return out
-
-    def _masked_attention(self, q, index: int, visible, span: int, scale: float) -> torch.Tensor:
-        """Layer ``index``'s attention of one query a slot over the first ``span`` keys of every slot, ``visible``
-        ``(slots, 1, 1, span)`` masking those past each slot's length, by SDPA. The query heads of one KV head are folded
-        into the query length: no KV copy per group. Returns ``(slots, kv_heads, groups, head_dim)``."""
-        q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
-        keys, values = self.keys[index][:, :span].transpose(1, 2), self.values[index][:, :span].transpose(1, 2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
-
-
-def decode_attention_path(device, dtype, head_dim: int) -> str:
-    """``"flash"`` where FlashAttention-2's forward runs (a CUDA device of compute capability 8.0 or more, fp16 or bf16,
-    ``head_dim`` a multiple of 8 up to 256, a torch built with it), else ``"sdpa"``: :class:`SlotDecoder`'s decode attention."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
-        return "sdpa"
-    if not torch.backends.cuda.is_flash_attention_available():
-        return "sdpa"
-    return "flash" if torch.cuda.get_device_capability(device) >= (8, 0) else "sdpa"
 
 
 class GraphedStep:

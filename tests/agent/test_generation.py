@@ -15,7 +15,6 @@ from eogym_sft.agent.generation import (
     GraphedStep,
     Sampling,
     common_prefix,
-    decode_attention_path,
     draw,
     SlotDecoder,
     image_input,
@@ -23,7 +22,7 @@ from eogym_sft.agent.generation import (
     vision_token_ids,
 )
 from eogym_sft.models.layout import expand_image_pads, mrope_position_ids
-from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG, IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
+from eogym_sft.models.tiny import IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -299,123 +298,6 @@ def test_reset_empties_every_slot(model):
     decoder.prefill(1, [4, 5], [])
     decoder.reset()
     assert decoder.tokens == [[], []] and decoder.next_pos == [0, 0] and decoder.images == [[], []]
-
-
-def test_the_cache_holds_a_slots_keys_and_values_token_by_token(model):
-    """The layout the decode attention reads: ``keys[layer][slot, t]`` is token ``t``'s ``(kv_heads, head_dim)`` key
-    (rotary embedding applied), as the model's own cache holds it, prefilled or decoded alike."""
-    decoder = SlotDecoder(model, slots=2, max_len=64, attn_bucket=64)
-    assert decoder.decode_attention == "sdpa"  # a CPU and float32: no flash
-    ids = [5, 6, 7, 8, 9, 10]
-    decoder.prefill(1, ids[:4], [])
-    decoder.decode({1: ids[4]})
-    decoder.decode({1: ids[5]})
-    with torch.no_grad():
-        cache = model(input_ids=torch.tensor([ids]), use_cache=True).cache
-    text = model.config.text_config
-    for layer, keys, values in zip(cache.layers, decoder.keys, decoder.values):
-        assert keys.shape == values.shape == (2, 64, text.num_key_value_heads, text.head_dim)
-        torch.testing.assert_close(keys[1, : len(ids)], layer.keys[0].transpose(0, 1), **ANOTHER_SHAPE)
-        torch.testing.assert_close(values[1, : len(ids)], layer.values[0].transpose(0, 1), **ANOTHER_SHAPE)
-        assert not keys[1, len(ids) : -1].any() and not keys[0, :-1].any()  # nothing else written but the scratch row
-
-
-def _varlen_reference(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-                      scale=None, seqused_k=None, **_):
-    """``aten._flash_attention_forward``'s variable-length forward as FlashAttention's API states it, on a CPU in the
-    inputs' dtype: sequence ``b``'s queries are rows ``cum_seq_q[b]:cum_seq_q[b + 1]``, its keys the first ``seqused_k[b]``
-    rows from ``cum_seq_k[b]``; query head ``h`` reads KV head ``h // groups``. It checks the kernel's argument types
-    (int32 offsets and lengths, contiguous last dimensions) and what the decode step must pass (one query, no dropout,
-    not causal)."""
-    assert cum_seq_q.dtype == cum_seq_k.dtype == seqused_k.dtype == torch.int32 and seqused_k.is_contiguous()
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and (max_q, dropout_p, is_causal) == (1, 0.0, False)
-    groups, outs = q.shape[1] // k.shape[1], []
-    for b in range(len(cum_seq_q) - 1):
-        start, used = int(cum_seq_k[b]), int(seqused_k[b])
-        assert used <= min(max_k, int(cum_seq_k[b + 1]) - start)
-        keys, values = (t[start : start + used].repeat_interleave(groups, 1) for t in (k, v))
-        weights = (torch.einsum("qhd,khd->hqk", q[cum_seq_q[b] : cum_seq_q[b + 1]], keys) * scale).softmax(-1)
-        outs.append(torch.einsum("hqk,khd->qhd", weights, values))
-    return torch.cat(outs), None, None, None, None
-
-
-def _noisy_caches(*decoders) -> None:
-    """The same noise in every row of each decoder's caches: an attention that reads a row past a slot's length shows."""
-    for decoder in decoders:
-        generator = torch.Generator().manual_seed(7)
-        for cache in decoder.keys + decoder.values:
-            cache.copy_(torch.randn(cache.shape, generator=generator) * 3)
-
-
-def test_the_flash_decode_path_reads_each_slots_own_keys(model, processor, monkeypatch):
-    """The flash call's arguments (the flat cache, its offsets, each slot's length, the output's head order) on a CPU,
-    the kernel replaced by :func:`_varlen_reference`: its logits equal the masked SDPA path's, slots at different
-    lengths, one idle, spans crossing a bucket. The GPU test below runs the kernel itself."""
-    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _varlen_reference)
-    images = [image_input(processor, p) for p in _pictures()]
-    first, second = _two_turns(processor, images)
-    flash, masked = (SlotDecoder(model, slots=3, max_len=512, attn_bucket=64) for _ in range(2))
-    flash.decode_attention = "flash"
-    _noisy_caches(flash, masked)
-    for decoder in (flash, masked):
-        decoder.prefill(0, first, images[:1])
-        decoder.prefill(2, second, images)
-    for step in range(40):
-        feed = {0: 5 + step, 2: 900 + step} if step % 3 else {2: 900 + step}
-        order, logits = flash.decode(feed)
-        order_masked, logits_masked = masked.decode(feed)
-        assert order == order_masked
-        torch.testing.assert_close(logits, logits_masked, **ANOTHER_SHAPE)
-
-
-def test_the_flash_decode_step_binds_to_torchs_private_op():
-    """``aten._flash_attention_forward`` is private: the flash step's call (its positional arguments, the keywords
-    ``scale`` and ``seqused_k``, the output first, ``(slots, heads, head_dim)``) binds to this torch's op, run on meta
-    tensors (the op's fake is torch's). And where flash cannot run, the decoder keeps SDPA."""
-    model = build_tiny_model(0, copy.deepcopy(DEMO_QWEN3_VL_CONFIG)).eval().to("meta", torch.bfloat16)
-    decoder = SlotDecoder(model, slots=3, max_len=256, attn_bucket=64)
-    assert decoder.decode_attention == "sdpa"  # not a CUDA device
-    decoder.decode_attention = "flash"
-    zeros = torch.zeros(3, dtype=torch.long, device="meta")
-    q = torch.empty(3, 4, 1, 32, dtype=torch.bfloat16, device="meta")  # (slots, heads, 1, head_dim)
-    with torch.inference_mode():
-        assert decoder._flash_attention(q, 0, zeros.int() + 1, 64, 0.1).shape == (3, 4, 32)
-        assert decoder._decode_step(zeros, zeros, zeros, zeros + 1, 64).shape == (3, model.config.text_config.vocab_size)
-    for device, dtype, head_dim in (("cpu", torch.bfloat16, 128), ("cuda", torch.float32, 128), ("cuda", torch.bfloat16, 4),
-                                    ("cuda", torch.float16, 264)):
-        assert decode_attention_path(device, dtype, head_dim) == "sdpa"
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0), reason="needs a CUDA GPU of compute capability 8.0+")
-def test_the_flash_decode_step_on_cuda_equals_the_masked_one_and_its_graphs_replay_it_exactly(processor):
-    """FlashAttention's kernel itself, bf16: the flash path's logits against the masked SDPA path's (the same decoder with
-    ``decode_attention`` set to ``"sdpa"``), slots at different lengths, one mostly idle, spans crossing 64-token buckets,
-    every cache row past a slot's length noise; and the CUDA graphs' replay of the flash step bit for bit the eager one.
-    The model is the demo's: flash takes its head_dim of 32, not the tests' tiny 4."""
-    model = build_tiny_model(0, copy.deepcopy(DEMO_QWEN3_VL_CONFIG)).eval().to("cuda", torch.bfloat16)
-    images = [image_input(processor, p) for p in _pictures()]
-    first, second = _two_turns(processor, images)
-    eager, graphed, masked = (SlotDecoder(model, slots=3, max_len=512, attn_bucket=64, cuda_graphs=g) for g in (False, True, False))
-    assert eager.decode_attention == graphed.decode_attention == masked.decode_attention == "flash"
-    masked.decode_attention = "sdpa"
-    _noisy_caches(eager, graphed, masked)
-    for decoder in (eager, graphed, masked):
-        decoder.prefill(0, first, images[:1])
-        decoder.prefill(2, second, images)
-    for step in range(80):
-        feed = {0: 5 + step, 2: 900 + step} if step % 3 else {2: 900 + step}
-        order, logits = eager.decode(feed)
-        order_graphed, logits_graphed = graphed.decode(feed)
-        order_masked, logits_masked = masked.decode(feed)
-        assert order == order_graphed == order_masked
-        assert torch.equal(logits_graphed, logits)
-        # The kernels round bf16 differently (a CPU stand-in of flash against SDPA: within 0.09, mean 0.01, on logits of
-        # std 1.1); attending one row too few or too many, or another slot's, was off by 2-8 (mean 0.2-1.2).
-        torch.testing.assert_close(logits, logits_masked, atol=0.15, rtol=0.02)
-        assert (logits - logits_masked).abs().mean() < 0.04
-    assert len(graphed._step.graphs) >= 2
-    for index in range(len(model.model.language_model.layers)):
-        assert torch.equal(graphed.keys[index], eager.keys[index]) and torch.equal(graphed.values[index], eager.values[index])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
