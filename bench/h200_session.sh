@@ -22,7 +22,7 @@
 #                                           # defaults for one step; phases, tok/s, peak memory, 1 GPU (bench limited to 480 s)
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
 #                                           # eogym-sft rollout greedy vs --no-cuda-graphs, the rollout bench's arm switch)
-#   bash bench/h200_session.sh agent_1gpu   # GRPO after an early-stopped SFT on the agent demo's task, larger, 1 GPU (limited to 540 s)
+#   bash bench/h200_session.sh agent_1gpu   # GRPO after an early-stopped SFT on the agent demo's task, larger, 1 GPU (limited to 570 s)
 #   bash bench/h200_session.sh agent_seeds [FIELD=VALUE ...]  # agent_1gpu's loop at seeds 0-4 side by side, with
 #                                           # AgentDemoConfig overrides (e.g. grpo_beta=0.04): the per-seed table (570 s limit);
 #                                           # AGENT_SEEDS_NAME=x names its files, for two studies in one call
@@ -284,8 +284,9 @@ agent_seeds)
   # AGENT_SEEDS_NAME names the workdir, JSON and log, so that two studies can share one call (run both with &)
   shift; name=${AGENT_SEEDS_NAME:-agent_seeds}
   CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/$name \
-    --json $OUT/$name.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=120 \
-    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=1e-4 rft_steps=0 "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
+    --json $OUT/$name.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=240 \
+    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true \
+    grpo_epsilon_high=0.28 rft_steps=0 "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
   tail -8 $OUT/$name.log
   ;;
 rollout_phases)
@@ -326,13 +327,15 @@ grpo_phases)
   ;;
 agent_1gpu)
   # (after setup) GRPO improving an agent, the loop of `eogym-sft demo --agent` larger: 384 training and 128 held-out
-  # colour_grid questions, an SFT stopped early (60 steps: Pass@1 about 0.46), then 120 GRPO steps of 2 questions x 8
-  # at LR 1e-4 (no rejection-sampling round); agent_report.json holds Pass@1 per arm, the paired deltas, GRPO's reward
-  # per step and each stage's seconds. About 3 minutes.
-  CUDA_VISIBLE_DEVICES=0 timeout 540 python -c "
+  # colour_grid questions, an SFT stopped early (60 steps: Pass@1 about 0.3-0.45), then 240 GRPO steps of 2 questions x 8
+  # at LR 2e-4, each generated batch trained on twice (agent_seeds' settings; no rejection-sampling round);
+  # agent_report.json holds Pass@1 per arm, the paired deltas, GRPO's reward per step and each stage's seconds.
+  # About 8 minutes.
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python -c "
 from eogym_sft.demo import AgentDemoConfig, run_agent_demo
 run_agent_demo('/tmp/agent_gpu', overwrite=True, cfg=AgentDemoConfig(device='cuda', train_rows=384, held_out_rows=128, samples=4,
-    sft_steps=60, grpo_steps=120, grpo_questions_per_step=2, num_generations=8, grpo_learning_rate=1e-4, rft_steps=0))" \
+    sft_steps=60, grpo_steps=240, grpo_questions_per_step=2, num_generations=8, grpo_learning_rate=2e-4, grpo_num_iterations=2,
+    grpo_disable_dropout=True, grpo_epsilon_high=0.28, rft_steps=0))" \
     > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
   cp /tmp/agent_gpu/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
   grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
