@@ -16,6 +16,24 @@ synchronised before and after (CUDA events beside the host clock on a GPU), mean
   calls it (q folded to ``(slots, kv_heads, groups, head_dim)``, the boolean ``visible`` mask over the attention span,
   the cache's own strided views) against ``unmasked`` (no mask over exactly the ``history + 1`` keys: the best case when
   every slot has the same length); on a GPU each also under every SDPA backend alone (``masked/efficient``, ...);
+  and where FlashAttention-2 runs (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256, compute capability 8.0+),
+  candidate decode attentions over a copy of the layer's keys and values laid out ``(slots, max_len, kv_heads,
+  head_dim)`` (made once, outside the timing; the decoder itself is unchanged), each reading only the first
+  ``history + 1`` keys of every slot:
+
+  - ``flash_varlen``: ``aten._flash_attention_forward``, FlashAttention-2's variable-length forward, one query token of
+    all heads a slot (``(slots, heads, head_dim)``), the flat cache as packed sequences from ``slot * max_len``,
+    ``seqused_k`` each slot's length, launched for the span (the call branch ``flashdecode`` put in the decoder);
+  - ``flash_varlen_folded``: the same op with the query heads of one KV head folded into the query length as the
+    masked SDPA call folds them (:func:`fold_gqa`: ``(slots * groups, kv_heads, head_dim)``, ``cum_seq_q = slot *
+    groups``, ``max_q = groups``), the output unfolded back (:func:`unfold_gqa`), the fold and unfold timed with it;
+  - ``efficient_varlen_folded``: ``aten._efficient_attention_forward`` on that folded query, in its variable-length
+    mode with ``seqlen_k`` each slot's length: torch has no FlashAttention kv-cache decode op
+    (``setup.flash_arms.flash_kvcache`` says what this torch has);
+  - ``sdpa_flash_dense``: SDPA's flash backend over exactly ``history + 1`` keys of every slot (a strided view of the
+    copy, no mask), q ``(slots, heads, 1, head_dim)``, ``enable_gqa=True``: the unmasked best case through flash.
+
+  Elsewhere ``setup.flash_arms.absent`` says why they are not there (``"not on CPU"``, ...);
 * ``floor``: the bytes a step must read (the text tower's and head's weights; the keys and values of ``history + 1``
   tokens, and of the span the masked call reads) over ``--bandwidth``: an estimate, not a measurement.
 
@@ -135,10 +153,142 @@ def rewind(decoder) -> None:
         decoder.next_pos[s] -= 1
 
 
-def attention_arms(decoder, layer: int, length: int, span: int, seed: int, device, repeats: int, warmup: int) -> dict:
+def flash_absent(device, dtype, head_dim: int) -> str | None:
+    """Why FlashAttention-2's forward cannot run here (``"not on CPU"``, ...), or None where it can: a CUDA device of
+    compute capability 8.0 or more, fp16 or bf16, ``head_dim`` a multiple of 8 up to 256, a torch built with it."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"not on {device.type.upper()}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(dtype).replace('torch.', '')}: flash takes float16 or bfloat16"
+    if head_dim % 8 or head_dim > 256:
+        return f"head_dim {head_dim}: flash takes a multiple of 8 up to 256"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch is built without flash attention"
+    major, minor = torch.cuda.get_device_capability(device)
+    return None if (major, minor) >= (8, 0) else f"compute capability {major}.{minor}: flash takes 8.0 or more"
+
+
+def flash_ops_here() -> dict:
+    """What this torch has for a decode step's attention over a KV cache: the schemas of the two private ops the arms
+    call; the aten attention ops; those of them that take each sequence's key count or a block table (``seqused_k``,
+    ``seqlen_k``, ``block_table``, ...), with those arguments; and ``flash_kvcache``: whether any aten op is a kv-cache
+    decode by name (FlashAttention-2's ``mha_fwd_kvcache`` is compiled into torch 2.14 but registered as no op)."""
+    import torch
+
+    try:
+        registered = torch._C._dispatch_get_all_op_names()
+        names = sorted({n.split("::", 1)[1].split(".")[0] for n in registered if n.startswith("aten::")})
+    except AttributeError:  # a torch without the registry's listing: the namespace's own
+        names = sorted(dir(torch.ops.aten))
+    words = ("kvcache", "kv_cache", "paged")
+    attention = [n for n in names if "attention" in n.lower() or any(w in n.lower() for w in words)]
+    lengths_args = ("seqused_k", "seqlen_k", "seqlens_k", "cache_seqlens", "block_table", "num_splits")
+    takes = {}
+    for name in attention:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            args = [a.name for a in getattr(packet, overload)._schema.arguments if a.name in lengths_args]
+            if args:
+                takes[name if overload == "default" else f"{name}.{overload}"] = args
+    kvcache = [n for n in attention if any(w in n.lower() for w in words)]
+    flash = torch.ops.aten._flash_attention_forward.default._schema
+    return {
+        "flash_kvcache": f"aten ops: {', '.join(kvcache)} (not timed)" if kvcache else "no kv-cache decode op in torch.ops.aten",
+        "ops_taking_key_lengths": takes,
+        "flash_forward_takes": [a.name for a in flash.arguments],
+        "flash_forward_schema": str(flash),
+        "efficient_forward_schema": str(torch.ops.aten._efficient_attention_forward.default._schema),
+        "aten_attention_ops": attention,
+    }
+
+
+def fold_gqa(q, kv_heads: int):
+    """One query token a slot, ``(slots, heads, head_dim)``, query head ``j`` reading KV head ``j // groups`` (transformers'
+    GQA, ``heads = kv_heads * groups``), as ``(slots * groups, kv_heads, head_dim)``: row ``s * groups + g``, head
+    ``h`` holds slot ``s``'s query head ``h * groups + g``, so each KV head's queries are one sequence of ``groups``
+    rows per slot. A copy."""
+    slots, heads, d = q.shape
+    groups = heads // kv_heads
+    return q.reshape(slots, kv_heads, groups, d).transpose(1, 2).reshape(slots * groups, kv_heads, d)
+
+
+def unfold_gqa(out, slots: int):
+    """:func:`fold_gqa`'s inverse: ``(slots * groups, kv_heads, head_dim)`` back to ``(slots, heads, head_dim)``."""
+    rows, kv_heads, d = out.shape
+    groups = rows // slots
+    return out.reshape(slots, groups, kv_heads, d).transpose(1, 2).reshape(slots, kv_heads * groups, d)
+
+
+def masked_attention(q, keys, values, visible, span: int, scale: float):
+    """The decoder's decode attention: ``q`` ``(slots, kv_heads, groups, head_dim)`` over the first ``span`` keys of the
+    caches ``(slots, kv_heads, max_len, head_dim)``, ``visible`` ``(slots, 1, 1, span)`` masking those past each slot's
+    length, by SDPA. ``(slots, kv_heads, groups, head_dim)``."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=visible, scale=scale)
+
+
+def flash_decode_calls(q, keys, values, lengths, span: int, scale: float, dense_length: int | None = None, flash=None,
+                       efficient=None) -> dict:
+    """The candidate decode attentions over one layer's caches, each a call of no arguments returning ``(slots, heads,
+    head_dim)`` (query head ``j`` at ``j``, as ``masked_attention``'s output reshaped). ``q`` ``(slots, kv_heads,
+    groups, head_dim)`` as the masked call takes it; ``keys``/``values`` the decoder's ``(slots, kv_heads, max_len,
+    head_dim)``, copied here once into ``(slots, max_len, kv_heads, head_dim)``; ``lengths`` ``(slots,)`` each slot's
+    keys (at most ``span``). ``sdpa_flash_dense`` only with ``dense_length``, every slot's length (no mask: it reads that
+    many keys of every slot). ``flash`` and ``efficient`` stand for ``aten._flash_attention_forward`` and
+    ``aten._efficient_attention_forward`` (the tests hand in references). Every call keeps to the arguments torch 2.11's
+    ops take as well as 2.14's, and none waits for the device."""
+    import torch
+
+    flash = torch.ops.aten._flash_attention_forward if flash is None else flash
+    efficient = torch.ops.aten._efficient_attention_forward if efficient is None else efficient
+    slots, kv_heads, groups, d = q.shape
+    max_len = keys.shape[2]
+    relaid = [t.transpose(1, 2).contiguous() for t in (keys, values)]  # (slots, max_len, kv_heads, d), outside the timing
+    flat_k, flat_v = (t.view(slots * max_len, kv_heads, d) for t in relaid)
+    starts = torch.arange(slots + 1, dtype=torch.int32, device=q.device)
+    cum_k = starts * max_len  # slot s's keys from row s * max_len of the flat cache
+    cum_folded = starts * groups  # slot s's folded queries from row s * groups
+    used = lengths.to(torch.int32).contiguous()
+    heads = q.reshape(slots, kv_heads * groups, d)  # a view: query head h * groups + g at q[:, h, g]
+
+    def flash_varlen():
+        out, *_ = flash(heads, flat_k, flat_v, starts, cum_k, 1, span, 0.0, False, False, scale=scale, seqused_k=used)
+        return out
+
+    def flash_varlen_folded():
+        out, *_ = flash(fold_gqa(heads, kv_heads), flat_k, flat_v, cum_folded, cum_k, groups, span, 0.0, False, False,
+                        scale=scale, seqused_k=used)
+        return unfold_gqa(out, slots)
+
+    def efficient_varlen_folded():
+        # BMHK with one packed batch: the folded queries and the flat cache; custom_mask_type 0 (none), no log-sum-exp
+        out, *_ = efficient(fold_gqa(heads, kv_heads)[None], flat_k[None], flat_v[None], None, cum_folded, cum_k, groups,
+                            span, 0.0, 0, False, scale=scale, seqlen_k=used)
+        return unfold_gqa(out[0], slots)
+
+    calls = {"flash_varlen": flash_varlen, "flash_varlen_folded": flash_varlen_folded,
+             "efficient_varlen_folded": efficient_varlen_folded}
+    if dense_length is not None:
+        dense_k, dense_v = (t[:, :dense_length].transpose(1, 2) for t in relaid)  # (slots, kv_heads, n, d) strided views
+
+        def sdpa_flash_dense():
+            return torch.nn.functional.scaled_dot_product_attention(heads[:, :, None], dense_k, dense_v, scale=scale,
+                                                                    enable_gqa=True)[:, :, 0]
+
+        calls["sdpa_flash_dense"] = sdpa_flash_dense
+    return calls
+
+
+def attention_arms(decoder, layer: int, length: int, span: int, seed: int, device, repeats: int, warmup: int) -> tuple[dict, dict]:
     """One layer's decode attention at the step's shapes: ``masked`` as ``_decode_step`` calls it (over ``span`` keys,
     ``length`` visible in every slot) and ``unmasked`` over exactly ``length`` keys; on CUDA each also under every SDPA
-    backend alone. ms per call (back to back) and the largest difference from ``masked``."""
+    backend alone; where flash runs, :func:`flash_decode_calls`'s candidates (``sdpa_flash_dense`` under SDPA's flash
+    backend alone). ms per call (back to back) and the largest difference from ``masked``; and what the flash arms were
+    (``arms``, or ``absent``: why not) beside :func:`flash_ops_here`."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -152,7 +302,7 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
     scale = decoder.text.layers[layer].self_attn.scaling
 
     def masked():
-        return F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=visible, scale=scale)
+        return masked_attention(q, keys, values, visible, span, scale)
 
     def unmasked():
         return F.scaled_dot_product_attention(q, keys[:, :, :length], values[:, :, :length], scale=scale)
@@ -164,6 +314,17 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
         for name in BACKENDS:
             arms[f"masked/{name}"] = (masked, backends[name])
             arms[f"unmasked/{name}"] = (unmasked, backends[name])
+    absent = flash_absent(device, decoder.dtype, d)
+    notes = {"absent": absent, "arms": [], **flash_ops_here()}
+    if absent is None:
+        try:
+            calls = flash_decode_calls(q, keys, values, lengths, span, scale, dense_length=length)
+        except Exception as err:  # the copies did not fit: named, the other arms go on
+            notes["absent"] = f"the cache's copy failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        else:
+            for name, fn in calls.items():
+                arms[name] = (fn, backends["flash"] if name == "sdpa_flash_dense" else None)
+            notes["arms"] = list(calls)
     out, ref = {}, None
     for name, (fn, backend) in arms.items():
         def call(fn=fn, backend=backend):
@@ -177,9 +338,10 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
         except Exception as err:  # a backend that refuses these inputs is named, the rest go on
             out[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
             continue
+        res = res.reshape(S, -1).float()  # SDPA's (S, kv, groups, d) and flash's (S, heads, d) hold the heads in one order
         ref = res if ref is None else ref
-        out[name] = {**stats, "max_abs_diff": float((res.float() - ref.float()).abs().max())}
-    return out
+        out[name] = {**stats, "max_abs_diff": float((res - ref).abs().max())}
+    return out, notes
 
 
 def floor_estimate(decoder, model, length: int, span: int, bandwidth: float) -> dict:
@@ -262,6 +424,10 @@ def format_table(result: dict) -> str:
 
     lines += [row(name, stats) for name, stats in parts.items()]
     lines += [row(f"attention, 1 layer: {name}", stats) for name, stats in attn.items()]
+    flash = setup["flash_arms"]
+    if flash["absent"]:
+        lines.append(f"{'attention, 1 layer: flash arms':<34} absent: {flash['absent']}")
+    lines.append(f"{'flash kv-cache decode op':<34} {flash['flash_kvcache']}")
     lines.append(f"{'floor estimate (weights + kv)':<34} {floor['floor_ms']:9.3f}   ({floor['weight_bytes'] / 1e9:.2f} GB + "
                  f"{floor['kv_bytes'] / 1e9:.2f} GB at {floor['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; span: {floor['floor_span_ms']:.3f})")
     lines += [f"{k:<34} {v}" for k, v in result["derived"].items()]
@@ -364,7 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
             parts[f"loop_step/{name}"], _ = measure(lambda name=name: loop_step(samplings[name]), device, reps, warm, after=take_back)
 
         # (e) one layer's attention alone
-        attention = attention_arms(decoder, 0, length, span, args.seed, device, reps, warm)
+        attention, flash_arms = attention_arms(decoder, 0, length, span, args.seed, device, reps, warm)
 
     # (f) the floor
     floor = floor_estimate(decoder, model, length, span, args.bandwidth)
@@ -379,6 +545,8 @@ def main(argv: list[str] | None = None) -> dict:
         "loop_minus_decode_ms": round(parts["loop_step/temperature1"]["ms"] - parts["decode"]["ms"], 4),
         "attention_masked_x_layers_ms": round(per_call(attention["masked"]) * layers, 4),
         "attention_unmasked_x_layers_ms": round(per_call(attention["unmasked"]) * layers, 4),
+        **{f"attention_{name}_x_layers_ms": round(per_call(attention[name]) * layers, 4)
+           for name in flash_arms["arms"] if "error" not in attention[name]},
         "step_over_floor": round(step_ms / floor["floor_ms"], 3),
     }
     result = {
@@ -396,6 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "(the decoder's prefix copy, its last token computed); each timed decode() taken back after its timing",
             "timing": "parts: each call synchronised before and after, mean host ms and mean CUDA-event ms; "
                       "attention: calls back to back, per call",
+            "flash_arms": flash_arms,
         },
         "parts": parts,
         "attention_one_layer": attention,

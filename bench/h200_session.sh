@@ -32,7 +32,9 @@
 #                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once
 #   bash bench/h200_session.sh decode_probe  # issue 41: one decode step of 32 slots x 6,000 tokens taken apart (the graph
 #                                           # replay, decode(), the pick, the loop step, one layer's attention masked and
-#                                           # not, the bandwidth floor), with CUDA graphs, then eager with a profile of 3 steps
+#                                           # not, and the flash candidates flash_varlen, flash_varlen_folded,
+#                                           # efficient_varlen_folded, sdpa_flash_dense; the bandwidth floor), with CUDA
+#                                           # graphs, then eager with a profile of 3 steps
 #   bash bench/h200_session.sh grpo_phases  # the grpo stage's slots arm (one step after one warm-up), the base commit's
 #                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
 #                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false)
@@ -308,10 +310,10 @@ decode_probe)
   make_model
   CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --cuda-graphs \
     --json $OUT/decode_probe.json > $OUT/decode_probe.log 2>&1 || echo "decode_probe --cuda-graphs: exit $?"
-  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe.log | tail -32
+  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe.log | tail -42
   CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --no-cuda-graphs --profile 3 \
     --json $OUT/decode_probe_eager.json > $OUT/decode_probe_eager.log 2>&1 || echo "decode_probe --no-cuda-graphs: exit $?"
-  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe_eager.log | tail -90
+  grep -vE "Warning|warn|Loading weights" $OUT/decode_probe_eager.log | tail -100
   ;;
 grpo_phases)
   [ -d .before/eogym_sft ] || { echo "grpo_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench recipes | tar -x -C .before"; exit 1; }
