@@ -98,6 +98,25 @@ def _text_parts(model):
     return base.model, base.lm_head
 
 
+def norms_fuse(text, dtype) -> bool:
+    """Whether every RMSNorm of the text tower ``text`` (each layer's four and the last) can run as torch's fused
+    ``F.rms_norm``: each a plain ``weight * x / rms(x)`` (transformers' Qwen3-VL text norm: a ``weight`` and a
+    ``variance_epsilon``, nothing else) whose weight has the activations' dtype ``dtype``."""
+    norms = [text.norm] + [n for layer in text.layers for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    return all(type(n).__name__.endswith("TextRMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dtype == dtype for n in norms)
+
+
+def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` by torch's one-kernel RMSNorm, for a norm :func:`norms_fuse` accepted. transformers' forward runs
+    about seven kernels (casts, square, mean, rsqrt, two products); a decode step runs 145 norms. The result can
+    differ from it in the last bit of bf16: the product by the weight is rounded once, not twice."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def module_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
 def common_prefix(a: list, b: list, limit: int) -> int:
     """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: a bisection over list-slice
     comparisons (C loops), which a prefill runs against every slot's tokens (thousands each)."""
@@ -130,6 +149,9 @@ class SlotDecoder:
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
         prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
             (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
+
+    The text tower's RMSNorms run as torch's fused ``F.rms_norm`` (:func:`fused_rms_norm`) when all of them are
+    transformers' plain Qwen3-VL norm in the activations' dtype (:func:`norms_fuse`); otherwise as their modules.
     """
 
     def __init__(
@@ -163,6 +185,7 @@ class SlotDecoder:
         self.next_pos = [0] * slots  # rotary position of each slot's next token
         self.attn_bucket = attn_bucket
         self.prefill_tokens = prefill_tokens
+        self._norm = fused_rms_norm if norms_fuse(self.text, self.dtype) else module_norm
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self._rotate = apply_rotary_pos_emb
@@ -342,7 +365,7 @@ class SlotDecoder:
             offset += len(chunk)
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = self._norm(layer.input_layernorm, hidden)
             q, k, v = self._qkv(attn, x, cos, sin)
             outs = []
             for slot, start, end, first, last, causal in spans:
@@ -352,16 +375,16 @@ class SlotDecoder:
                 outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, offset, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
             if deepstack is not None and index < len(deepstack):
                 hidden[0, mask] = hidden[0, mask] + deepstack[index]
         lasts = torch.tensor([last - 1 for *_, last, _ in spans], device=hidden.device)
-        return list(self.lm_head(self.text.norm(hidden[0, lasts])).float())
+        return list(self.lm_head(self._norm(self.text.norm, hidden[0, lasts])).float())
 
     def _qkv(self, attn, x, cos, sin):
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+        q = self._norm(attn.q_norm, attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = self._norm(attn.k_norm, attn.k_proj(x).view(shape)).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = self._rotate(q, k, cos, sin)
         return q, k, v
@@ -418,7 +441,7 @@ class SlotDecoder:
         visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
         for index, layer in enumerate(self.text.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = self._norm(layer.input_layernorm, hidden)
             q, k, v = self._qkv(attn, x, cos, sin)  # q (S, heads, 1, d), k/v (S, kv_heads, 1, d)
             self.keys[index][rows, :, write] = k[:, :, 0]
             self.values[index][rows, :, write] = v[:, :, 0]
@@ -428,8 +451,8 @@ class SlotDecoder:
                 q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
             )
             hidden = hidden + attn.o_proj(out.reshape(self.slots, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.text.norm(hidden[:, 0])).float()
+            hidden = hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
+        return self.lm_head(self._norm(self.text.norm, hidden[:, 0])).float()
 
 
 class GraphedStep:
