@@ -28,7 +28,11 @@ which ``other_dataloader`` is the dataloader's fetch of the step's examples and 
 logging);
 generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
 steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
-(``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities).
+(``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities), and
+the slot decoder that sampled them against that packed forward (``decoder_vs_loss_logps``: a fresh eager decoder
+over the same weights walks each episode as the engine does, a prefill at each turn's start and one-token decodes
+within it, and gives each trained token its log-probability; the gap between what the policy sampled from and
+what the loss scores).
 
 ``--recipe-args`` adds recipe flags to every arm, e.g. ``--recipe-args "--rollout_cache_gib 20"``.
 """
@@ -306,6 +310,69 @@ def logps_agreement(trainer, inputs: dict) -> dict:
     }
 
 
+def decoder_agreement(trainer, inputs: dict) -> dict:
+    """The slot decoder's log-probability of each trained token of ``inputs`` (a micro-batch of the slots engine)
+    against the packed loss forward's, same weights, eval mode. The decoder walks an episode as the engine samples
+    it: a prefill at the start of each turn over what the conversation holds then (images included), then one
+    token at a time while the turn is the policy's."""
+    from eogym_sft.agent.generation import ImageInput, SlotDecoder
+
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    vision = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            loss = trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].shape[1], **vision)[0]
+        grids = [tuple(int(v) for v in g) for g in inputs["image_grid_thw"]]
+        pixels = torch.split(inputs["pixel_values"], [g[0] * g[1] * g[2] for g in grids])
+        merge = trainer.processing_class.image_processor.merge_size
+        pictures = [ImageInput(p, g, merge) for p, g in zip(pixels, grids)]
+        decoder = SlotDecoder(model, 1, ids.shape[1] + 1)
+        diffs, first = [], 0
+        for row, count in enumerate(inputs["num_images"]):
+            images, first = pictures[first : first + count], first + count
+            prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
+            length = int(inputs["completion_mask"][row].sum())
+            completion = inputs["completion_ids"][row][:length].tolist()
+            trained = inputs["tool_mask"][row][:length].tolist()
+            walked = episode_logps(decoder, prompt, completion, trained, images, model.config.image_token_id, trainer.temperature)
+            diffs += [abs(a - float(loss[row, j])) for j, a in walked]
+    finally:
+        model.train(was_training)
+    return {
+        "tokens": len(diffs),
+        "max_abs_diff": max(diffs, default=0.0),
+        "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
+        "dtype": str(loss.dtype),
+    }
+
+
+def episode_logps(decoder, prompt: list[int], completion: list[int], trained: list[int], images: list, image_pad: int,
+                  temperature: float = 1.0):
+    """``[(j, log-probability)]`` of each trained token ``completion[j]`` under ``decoder`` (slot 0) at ``temperature``
+    (the loss scores at the sampling temperature), walked as the engine samples: a prefill of everything before a
+    turn's first token, then one decode a token."""
+    def images_in(seq):
+        return images[: sum(1 for i, t in enumerate(seq) if t == image_pad and (i == 0 or seq[i - 1] != image_pad))]
+
+    decoder.release(0)
+    logits, out = decoder.prefill(0, prompt, images_in(prompt)), []
+    for j, token in enumerate(completion):
+        if trained[j]:
+            out.append((j, float(torch.log_softmax(logits.float() / temperature, -1)[token])))
+        if j + 1 == len(completion) or not trained[j + 1]:
+            continue  # the next token is context: no prediction needed
+        if trained[j]:
+            logits = decoder.decode({0: token})[1][0]
+        else:  # a turn starts after the context: prefill what the conversation holds now
+            seq = prompt + completion[: j + 1]
+            logits = decoder.prefill(0, seq, images_in(seq))
+    return out
+
+
 def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
     from eogym_sft.environment.env import EOGymEnvironment
     from eogym_sft.models.processor import load_processor
@@ -368,6 +435,8 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     if arm == "slots" and first_batch.inputs is not None:  # after the timed steps: the check is not in them
         result["packed_vs_padded_logps"] = logps_agreement(trainer, first_batch.inputs)
         print("slots: packed vs padded log-probs: " + json.dumps(result["packed_vs_padded_logps"]), flush=True)
+        result["decoder_vs_loss_logps"] = decoder_agreement(trainer, first_batch.inputs)
+        print("slots: decoder vs loss forward log-probs: " + json.dumps(result["decoder_vs_loss_logps"]), flush=True)
     del trainer
     gc.collect()
     if torch.cuda.is_available():

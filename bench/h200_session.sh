@@ -324,7 +324,7 @@ grpo_phases)
     src=$PWD; extra=""; [ $arm = before ] && src=$PWD/.before; [ $arm = extra ] && extra=$GRPO_PHASES_EXTRA
     (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 240 python bench/grpo_step.py $args --recipe-args "$extra" \
       --json $OUT/grpo_$arm.json > $OUT/grpo_$arm.log 2>&1) || echo "grpo_phases: $arm exit $?"
-    echo "$arm: $(python -c "import json; a = json.load(open('$OUT/grpo_$arm.json'))['arms'][0]; print({k: round(a[k], 3) if isinstance(a[k], float) else a[k] for k in ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps')})" 2>&1 | tail -1)"
+    echo "$arm: $(python -c "import json; a = json.load(open('$OUT/grpo_$arm.json'))['arms'][0]; print({k: round(a[k], 3) if isinstance(a[k], float) else a.get(k) for k in ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps', 'decoder_vs_loss_logps')})" 2>&1 | tail -1)"
   done
   ;;
 agent_1gpu)
