@@ -310,11 +310,12 @@ def logps_agreement(trainer, inputs: dict) -> dict:
     }
 
 
-def decoder_agreement(trainer, inputs: dict) -> dict:
-    """The slot decoder's log-probability of each trained token of ``inputs`` (a micro-batch of the slots engine)
-    against the packed loss forward's, same weights, eval mode. The decoder walks an episode as the engine samples
-    it: a prefill at the start of each turn over what the conversation holds then (images included), then one
-    token at a time while the turn is the policy's."""
+def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
+    """The slot decoder's log-probability of each trained token of the first ``rows`` episodes of ``inputs`` (a
+    micro-batch of the slots engine) against the packed loss forward's, same weights, eval mode. The decoder walks an
+    episode as the engine samples it: a prefill at the start of each turn over what the conversation holds then
+    (images included), then one token at a time while the turn is the policy's, one slot, replayed from CUDA graphs
+    on a GPU as the engine's are (a step at a time: ``rows`` keeps the check to seconds)."""
     from eogym_sft.agent.generation import ImageInput, SlotDecoder
 
     model = trainer.model
@@ -330,10 +331,12 @@ def decoder_agreement(trainer, inputs: dict) -> dict:
         pixels = torch.split(inputs["pixel_values"], [g[0] * g[1] * g[2] for g in grids])
         merge = trainer.processing_class.image_processor.merge_size
         pictures = [ImageInput(p, g, merge) for p, g in zip(pixels, grids)]
-        decoder = SlotDecoder(model, 1, ids.shape[1] + 1)
+        decoder = SlotDecoder(model, 1, ids.shape[1] + 1, cuda_graphs=ids.device.type == "cuda")
         diffs, first = [], 0
         for row, count in enumerate(inputs["num_images"]):
             images, first = pictures[first : first + count], first + count
+            if row == rows:
+                break
             prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
             length = int(inputs["completion_mask"][row].sum())
             completion = inputs["completion_ids"][row][:length].tolist()
