@@ -29,8 +29,8 @@ logging);
 generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
 steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
 (``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities), and
-the slot decoder that sampled them against that packed forward (``decoder_vs_loss_logps``: a fresh eager decoder
-over the same weights walks each episode as the engine does, a prefill at each turn's start and one-token decodes
+the slot decoder that sampled them against that packed forward (``decoder_vs_loss_logps``: a fresh decoder (CUDA
+graphs on a GPU) over the same weights walks the first 4 episodes as the engine does, a prefill at each turn's start and one-token decodes
 within it, and gives each trained token its log-probability; the gap between what the policy sampled from and
 what the loss scores).
 
@@ -334,9 +334,9 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
         decoder = SlotDecoder(model, 1, ids.shape[1] + 1, cuda_graphs=ids.device.type == "cuda")
         diffs, first = [], 0
         for row, count in enumerate(inputs["num_images"]):
-            images, first = pictures[first : first + count], first + count
             if row == rows:
                 break
+            images, first = pictures[first : first + count], first + count
             prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
             length = int(inputs["completion_mask"][row].sum())
             completion = inputs["completion_ids"][row][:length].tolist()

@@ -48,6 +48,9 @@ cfg=recipes/configs/qwen3_vl_4b_instruct.json
 model=/tmp/qwen3vl4b-random
 data=/tmp/eo_synth
 bench="--rows 160 --steps 6 --warmup 2 --grad-accum 2 --workdir /tmp/bt"
+# the GPU agent study's AgentDemoConfig settings (docs/rl.md#five-seeds-on-one-h200), for agent_seeds and agent_1gpu
+agent_gpu="train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=240 grpo_questions_per_step=2 num_generations=8
+  grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true grpo_epsilon_high=0.28 rft_steps=0"
 
 make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
 make_bench_data() {  # the benches' /tmp/bt sample (220 rows, prepared), without building arm B's model
@@ -286,9 +289,7 @@ agent_seeds)
   # AGENT_SEEDS_NAME names the workdir, JSON and log, so that two studies can share one call (run both with &)
   shift; name=${AGENT_SEEDS_NAME:-agent_seeds}
   CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/$name \
-    --json $OUT/$name.json --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=240 \
-    grpo_questions_per_step=2 num_generations=8 grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true \
-    grpo_epsilon_high=0.28 rft_steps=0 "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
+    --json $OUT/$name.json --set $agent_gpu "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
   tail -8 $OUT/$name.log
   ;;
 rollout_phases)
@@ -332,14 +333,11 @@ agent_1gpu)
   # colour_grid questions, an SFT stopped early (60 steps: Pass@1 about 0.3-0.45), then 240 GRPO steps of 2 questions x 8
   # at LR 2e-4, each generated batch trained on twice (agent_seeds' settings; no rejection-sampling round);
   # agent_report.json holds Pass@1 per arm, the paired deltas, GRPO's reward per step and each stage's seconds.
-  # About 8 minutes.
-  CUDA_VISIBLE_DEVICES=0 timeout 570 python -c "
-from eogym_sft.demo import AgentDemoConfig, run_agent_demo
-run_agent_demo('/tmp/agent_gpu', overwrite=True, cfg=AgentDemoConfig(device='cuda', train_rows=384, held_out_rows=128, samples=4,
-    sft_steps=60, grpo_steps=240, grpo_questions_per_step=2, num_generations=8, grpo_learning_rate=2e-4, grpo_num_iterations=2,
-    grpo_disable_dropout=True, grpo_epsilon_high=0.28, rft_steps=0))" \
+  # About 8 minutes; seed 0 of agent_seeds.
+  CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 --device cuda --parallel 1 --workdir /tmp/agent_gpu \
+    --json $OUT/agent_1gpu_seeds.json --set $agent_gpu \
     > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
-  cp /tmp/agent_gpu/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
+  cp /tmp/agent_gpu/seed0/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
   grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
   ;;
 validate_1gpu)
