@@ -232,6 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=6144)
     p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
     p.add_argument("--max-episode-tokens", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--check-lora-b-std", type=float, default=0.02,
+                   help="the decoder check also at every lora_B drawn from N(0, this): an adapter of an SFT's size (0: not)")
     p.add_argument("--recipe-args", default="", help="more recipe flags for every arm, e.g. \"--rollout_cache_gib 20\"")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
@@ -310,14 +312,16 @@ def logps_agreement(trainer, inputs: dict) -> dict:
     }
 
 
-def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
+def decoder_agreement(trainer, inputs: dict, rows: int = 4, decoder_class=None) -> dict:
     """The slot decoder's log-probability of each trained token of the first ``rows`` episodes of ``inputs`` (a
     micro-batch of the slots engine) against the packed loss forward's, same weights, eval mode. The decoder walks an
     episode as the engine samples it: a prefill at the start of each turn over what the conversation holds then
     (images included), then one token at a time while the turn is the policy's, one slot, replayed from CUDA graphs
-    on a GPU as the engine's are (a step at a time: ``rows`` keeps the check to seconds)."""
+    on a GPU as the engine's are (a step at a time: ``rows`` keeps the check to seconds). ``decoder_class``: the
+    decoder to walk with (default :class:`~eogym_sft.agent.generation.SlotDecoder`)."""
     from eogym_sft.agent.generation import ImageInput, SlotDecoder
 
+    decoder_class = decoder_class or SlotDecoder
     model = trainer.model
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -331,7 +335,7 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
         pixels = torch.split(inputs["pixel_values"], [g[0] * g[1] * g[2] for g in grids])
         merge = trainer.processing_class.image_processor.merge_size
         pictures = [ImageInput(p, g, merge) for p, g in zip(pixels, grids)]
-        decoder = SlotDecoder(model, 1, ids.shape[1] + 1, cuda_graphs=ids.device.type == "cuda")
+        decoder = decoder_class(model, 1, ids.shape[1] + 1, cuda_graphs=ids.device.type == "cuda")
         diffs, first = [], 0
         for row, count in enumerate(inputs["num_images"]):
             if row == rows:
@@ -343,6 +347,8 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
             trained = inputs["tool_mask"][row][:length].tolist()
             walked = episode_logps(decoder, prompt, completion, trained, images, model.config.image_token_id, trainer.temperature)
             diffs += [abs(a - float(loss[row, j])) for j, a in walked]
+        kinds = decoder.projection_kinds() if hasattr(decoder, "projection_kinds") else None
+        del decoder
     finally:
         model.train(was_training)
     return {
@@ -350,7 +356,47 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4) -> dict:
         "max_abs_diff": max(diffs, default=0.0),
         "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
         "dtype": str(loss.dtype),
+        "projections": kinds,
     }
+
+
+def unmerged_decoder_class():
+    """A :class:`~eogym_sft.agent.generation.SlotDecoder` whose LoRA projections run PEFT's own forward (the numerics
+    the merged weights are compared with), or None where the decoder merges no adapter weights."""
+    from eogym_sft.agent import generation
+
+    if not hasattr(generation, "merge_plan"):
+        return None
+
+    class UnmergedDecoder(generation.SlotDecoder):
+        def _projection(self, key, module):
+            plan = generation.merge_plan(module)
+            return module if plan is not None and plan[1] else super()._projection(key, module)
+
+    return UnmergedDecoder
+
+
+def decoder_checks(trainer, inputs: dict, lora_b_std: float) -> dict:
+    """:func:`decoder_agreement` at the trained adapter and at an adapter of an SFT's size (every ``lora_B`` drawn
+    from N(0, ``lora_b_std``), seed 0, restored after), each with the decoder as it is and, where it merges adapter
+    weights, with PEFT's unmerged forward beside it."""
+    unmerged = unmerged_decoder_class()
+    variants = {"": None, "_unmerged": unmerged} if unmerged else {"": None}
+    out = {f"trained{k}": decoder_agreement(trainer, inputs, decoder_class=cls) for k, cls in variants.items()}
+    if lora_b_std > 0:
+        params = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+        kept = [p.detach().clone() for p in params]
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        with torch.no_grad():
+            for p in params:
+                p.copy_(torch.randn(p.shape, generator=generator) * lora_b_std)
+        try:
+            out.update((f"sft_scale{k}", decoder_agreement(trainer, inputs, decoder_class=cls)) for k, cls in variants.items())
+        finally:
+            with torch.no_grad():
+                for p, k in zip(params, kept):
+                    p.copy_(k)
+    return out
 
 
 def episode_logps(decoder, prompt: list[int], completion: list[int], trained: list[int], images: list, image_pad: int,
@@ -438,8 +484,9 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     if arm == "slots" and first_batch.inputs is not None:  # after the timed steps: the check is not in them
         result["packed_vs_padded_logps"] = logps_agreement(trainer, first_batch.inputs)
         print("slots: packed vs padded log-probs: " + json.dumps(result["packed_vs_padded_logps"]), flush=True)
-        result["decoder_vs_loss_logps"] = decoder_agreement(trainer, first_batch.inputs)
-        print("slots: decoder vs loss forward log-probs: " + json.dumps(result["decoder_vs_loss_logps"]), flush=True)
+        checks = decoder_checks(trainer, first_batch.inputs, args.check_lora_b_std)
+        result["decoder_vs_loss_logps"], result["decoder_vs_loss_logps_variants"] = checks["trained"], checks
+        print("slots: decoder vs loss forward log-probs: " + json.dumps(checks), flush=True)
     del trainer
     gc.collect()
     if torch.cuda.is_available():

@@ -37,7 +37,8 @@
 #                                           # graphs, then eager with a profile of 3 steps
 #   bash bench/h200_session.sh grpo_phases  # the grpo stage's slots arm (one step after one warm-up), the base commit's
 #                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
-#                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false)
+#                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false);
+#                                           # GRPO_PHASES_ENGINES=slots,recipe runs the recipe's defaults too
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -319,13 +320,17 @@ decode_probe)
 grpo_phases)
   [ -d .before/eogym_sft ] || { echo "grpo_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench recipes | tar -x -C .before"; exit 1; }
   make_model
-  args="--model $model --arms slots --questions 2 --generations 8 --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_phases"
+  args="--model $model --arms ${GRPO_PHASES_ENGINES:-slots} --questions 2 --generations 8 --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 1 --warmup 1 --workdir /tmp/grpo_phases"
   arms="before after"; [ -n "${GRPO_PHASES_EXTRA:-}" ] && arms="$arms extra"
   for arm in $arms; do
     src=$PWD; extra=""; [ $arm = before ] && src=$PWD/.before; [ $arm = extra ] && extra=$GRPO_PHASES_EXTRA
     (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 240 python bench/grpo_step.py $args --recipe-args "$extra" \
       --json $OUT/grpo_$arm.json > $OUT/grpo_$arm.log 2>&1) || echo "grpo_phases: $arm exit $?"
-    echo "$arm: $(python -c "import json; a = json.load(open('$OUT/grpo_$arm.json'))['arms'][0]; print({k: round(a[k], 3) if isinstance(a[k], float) else a.get(k) for k in ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps', 'decoder_vs_loss_logps')})" 2>&1 | tail -1)"
+    python -c "
+import json
+for a in json.load(open('$OUT/grpo_$arm.json'))['arms']:
+    keys = ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps', 'decoder_vs_loss_logps_variants')
+    print('$arm', a['arm'], {k: round(a[k], 3) if isinstance(a.get(k), float) else a.get(k) for k in keys})" 2>&1 | tail -3
   done
   ;;
 agent_1gpu)
