@@ -29,7 +29,8 @@
 #   bash bench/h200_session.sh rollout_phases  # the rollout bench's graphs arm, alternating a base commit and the tree
 #                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
 #                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
-#                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once
+#                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once; ROLLOUT_PHASES_EAGER=1
+#                                           # the eager arm; ROLLOUT_PHASES_ADAPTER=1 the base and then a random LoRA adapter
 #   bash bench/h200_session.sh decode_probe  # issue 41: one decode step of 32 slots x 6,000 tokens taken apart (the graph
 #                                           # replay, decode(), the pick, the loop step, one layer's attention masked and
 #                                           # not, and the flash candidates flash_varlen, flash_varlen_folded,
@@ -294,16 +295,33 @@ agent_seeds)
   tail -8 $OUT/$name.log
   ;;
 rollout_phases)
-  # the base commit's package and benches in .before/ (git archive, carried: it is git-ignored), then the tree
+  # the base commit's package and benches in .before/ (git archive, carried: it is git-ignored), then the tree;
+  # ROLLOUT_PHASES_EAGER=1 times the eager decoder instead of CUDA graphs; ROLLOUT_PHASES_ADAPTER=1 runs each tree's
+  # base model and then a random rank-16 LoRA adapter of the recipe's targets (lora_B from N(0, 0.02)) on the same episodes
   [ -d .before/eogym_sft ] || { echo "rollout_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before"; exit 1; }
   make_model
-  args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 --arms none --cuda-graphs --workdir /tmp/rb"
+  mode="--arms none --cuda-graphs"; [ "${ROLLOUT_PHASES_EAGER:-0}" = 1 ] && mode="--arms slots"
+  adapter=""
+  if [ "${ROLLOUT_PHASES_ADAPTER:-0}" = 1 ]; then
+    [ -f /tmp/rb_adapter/adapter_config.json ] || python -c "
+import torch
+from eogym_sft.models.loading import apply_lora, load_base_model
+model = apply_lora(load_base_model('$model', 'bfloat16'))
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if 'lora_B' in n:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+model.save_pretrained('/tmp/rb_adapter')"
+    adapter="--adapter /tmp/rb_adapter"
+  fi
+  args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 $mode $adapter --workdir /tmp/rb"
   i=0
   for arm in ${ROLLOUT_PHASES_ARMS:-before after before after}; do
     i=$((i + 1)); src=$PWD; [ $arm = before ] && src=$PWD/.before
-    (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 150 python bench/rollout_throughput.py $args \
+    (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 240 python bench/rollout_throughput.py $args \
       --json $OUT/rollout_${i}_$arm.json > $OUT/rollout_${i}_$arm.log 2>&1) || echo "rollout_phases: $arm exit $?"
-    echo "$arm: $(grep -E '^\{' $OUT/rollout_${i}_$arm.log | tail -1)"
+    grep -E '^\{' $OUT/rollout_${i}_$arm.log | sed "s/^/$arm: /"
   done
   ;;
 decode_probe)
