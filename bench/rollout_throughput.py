@@ -194,7 +194,8 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
         raise RuntimeError(f"{len(errors)} episodes failed, first: {errors[0]}")
     phases = {name: round(stats[name], 2) for name in ("prefill_s", "decode_s", "tool_s", "other_s")}
     return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
-            "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2), **phases}
+            "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2),
+            "merged_weights_gib": round(decoder.merged_bytes() / 2**30, 2), **phases}
 
 
 def slot_decoder(model, slots: int, max_context: int, mode):

@@ -240,7 +240,7 @@ def run_episodes(
     """
     import torch
 
-    decoder.check_weights()  # kept CUDA graphs must not read weights replaced since the last run
+    decoder.check_weights()  # the arm and weights as they are now: merged LoRA weights refilled, stale graphs dropped
     tokenizer = processor.tokenizer
     stop_ids = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
     banned_ids = vision_token_ids(tokenizer)

@@ -9,9 +9,10 @@ slot by one token in a single forward. A slot freed by a finished episode takes 
 Why not ``model.generate``: it re-encodes the whole history at every turn, pads a batch to its longest
 prompt, and its dynamic cache copies itself at every step; and transformers' continuous batching does
 not take Qwen3-VL pixel inputs. The forward here is Qwen3-VL's text tower run layer by layer with the
-model's own modules (so PEFT adapters apply and switch as usual) over the slot cache; tests pin it
-to the model's own forward. Images (with their DeepStack features and 3-D rotary positions) enter
-through prefill only: generated tokens are text.
+model's own modules over the slot cache, each projection over the weight the model's adapter state calls for
+(an active LoRA adapter merged into one: :class:`SlotDecoder`); tests pin it to the model's own forward.
+Images (with their DeepStack features and 3-D rotary positions) enter through prefill only: generated
+tokens are text.
 """
 
 from __future__ import annotations
@@ -98,6 +99,106 @@ def _text_parts(model):
     return base.model, base.lm_head
 
 
+def norms_fuse(text, dtype) -> bool:
+    """Whether every RMSNorm of the text tower ``text`` (each layer's four and the last) can run as torch's fused
+    ``F.rms_norm``: each a plain ``weight * x / rms(x)`` (transformers' Qwen3-VL text norm: a ``weight`` and a
+    ``variance_epsilon``, nothing else) whose weight has the activations' dtype ``dtype``."""
+    norms = [text.norm] + [n for layer in text.layers for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    return all(type(n).__name__.endswith("TextRMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dtype == dtype for n in norms)
+
+
+def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` by torch's one-kernel RMSNorm, for a norm :func:`norms_fuse` accepted. transformers' forward runs
+    about seven kernels (casts, square, mean, rsqrt, two products); a decode step runs 145 norms. The result can
+    differ from it in the last bit of bf16: the product by the weight is rounded once, not twice."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def module_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def plain_mlp(mlp) -> bool:
+    """Whether ``mlp`` is transformers' Qwen3-VL text MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, which the
+    decoder then computes itself over its projections' weights."""
+    return type(mlp).__name__.endswith("TextMLP") and all(hasattr(mlp, name) for name in (*MLP_PROJECTIONS, "act_fn"))
+
+
+def merge_plan(module):
+    """How the decoder runs the projection ``module``: ``(linear, adapters)``, a plain ``nn.Linear`` whose weight and
+    bias stand for it once the deltas of the LoRA ``adapters`` are added to that weight (none: the weight as it is),
+    or None where only the module's own forward is right.
+
+    A plain ``nn.Linear`` is itself. A PEFT LoRA ``Linear`` over one is its base layer when its adapters are disabled
+    or already merged into the base weight, and its base layer plus the active adapters it holds otherwise. None
+    (the module called as it is) for another layer type (a quantized or non-Linear LoRA layer, a ``modules_to_save``
+    copy, another tuner) and for what ``get_delta_weight`` leaves out: an active adapter with DoRA, a LoRA bias or
+    another PEFT variant, dropout in training mode, and adapters merged but disabled (PEFT's forward unmerges them)."""
+    if type(module) is torch.nn.Linear:
+        return module, []
+    if not is_lora_linear(module) or type(module.base_layer) is not torch.nn.Linear:
+        return None
+    if module.merged:
+        return None if module.disable_adapters else (module.base_layer, [])
+    if module.disable_adapters:
+        return module.base_layer, []
+    adapters = [name for name in module.active_adapters if name in module.lora_A]
+    if any(not mergeable(module, name) for name in adapters):
+        return None
+    return module.base_layer, adapters
+
+
+def is_lora_linear(module) -> bool:
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:
+        return False
+    return type(module) is Linear
+
+
+def mergeable(module, adapter: str) -> bool:
+    """Whether LoRA ``adapter`` of ``module`` is, in its forward, exactly ``x @ get_delta_weight(adapter).T``."""
+    dropout = module.lora_dropout[adapter]
+    return not (
+        module.use_dora.get(adapter, False)
+        or module.lora_bias.get(adapter, False)
+        or adapter in getattr(module, "lora_variant", {})
+        or (module.training and not isinstance(dropout, torch.nn.Identity))
+    )
+
+
+class MergedLinear:
+    """A projection as one matmul over ``weight``, a buffer holding its base layer's weight plus its active LoRA
+    deltas, with the base layer's bias."""
+
+    def __init__(self, weight: torch.Tensor, linear: torch.nn.Linear):
+        self.weight, self.linear = weight, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.linear.bias)
+
+
+def projection_kind(projection) -> str:
+    """``"merged"`` (a :class:`MergedLinear`), ``"weight"`` (a plain ``nn.Linear``) or ``"module"`` (anything else)."""
+    if isinstance(projection, MergedLinear):
+        return "merged"
+    return "weight" if type(projection) is torch.nn.Linear else "module"
+
+
+def reads(projection) -> tuple:
+    """What a decode step captured with ``projection`` relies on: the address of the weight it reads, or for a module
+    called as it is, the module and its adapter state (a graph replays the adapter it was captured with)."""
+    kind = projection_kind(projection)
+    if kind != "module":
+        return kind, projection.weight.data_ptr()
+    state = (getattr(projection, attr, None) for attr in ("active_adapters", "disable_adapters", "merged"))
+    return kind, id(projection), *(tuple(v) if isinstance(v, list) else v for v in state)
+
+
 def common_prefix(a: list, b: list, limit: int) -> int:
     """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: a bisection over list-slice
     comparisons (C loops), which a prefill runs against every slot's tokens (thousands each)."""
@@ -130,6 +231,29 @@ class SlotDecoder:
             Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
         prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
             (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
+
+    The text tower's RMSNorms run as torch's fused ``F.rms_norm`` (:func:`fused_rms_norm`) when all of them are
+    transformers' plain Qwen3-VL norm in the activations' dtype (:func:`norms_fuse`); otherwise as their modules.
+
+    Each layer's projections (q, k, v, o and the MLP's gate, up and down, which the decoder then combines itself as
+    the MLP does: :func:`plain_mlp`) run over weights chosen by :func:`merge_plan` for the model's adapter state. A
+    plain ``nn.Linear`` (the base model, a projection no adapter targets, adapters disabled or merged) is called as
+    it is. A PEFT LoRA projection with active adapters runs as one matmul over a merged weight ``W + scaling * B @
+    A`` (PEFT's ``get_delta_weight``: scaling, rsLoRA and ``fan_in_fan_out`` included) kept in a buffer: its unmerged
+    forward is the base matmul, two small LoRA matmuls, a scale and an add, kernels that a decode step pays for even
+    replayed from CUDA graphs. What a merged weight cannot express (DoRA, a LoRA bias, another PEFT variant, dropout
+    in training mode, a quantized or non-Linear LoRA layer, ``modules_to_save`` over a projection) keeps that
+    projection's module forward, one projection at a time; a layer whose MLP is not the plain one calls its MLP.
+
+    The merged weight rounds ``W + delta`` once in the weight's dtype, so the logits differ from PEFT's unmerged
+    forward at that dtype's rounding (bf16's on a GPU; in float32 they agree to about 1e-5). A buffer is allocated
+    the first time a projection needs one (same dtype and device as its base weight) and kept, so that CUDA graphs
+    read it at one address: while an adapter is active they hold one more copy of the projection weights (about
+    7.3 GB in bf16 on the 4B), and stay allocated when the base arm runs next (:meth:`merged_bytes`).
+
+    The weights are chosen, and the buffers filled in place from the current base and LoRA weights, when the decoder
+    is built and at every :meth:`check_weights` and :meth:`reset`: call one of them after switching arms or
+    changing weights (an optimizer step), as :func:`~eogym_sft.agent.episodes.run_episodes` does at its start.
     """
 
     def __init__(
@@ -163,9 +287,14 @@ class SlotDecoder:
         self.next_pos = [0] * slots  # rotary position of each slot's next token
         self.attn_bucket = attn_bucket
         self.prefill_tokens = prefill_tokens
+        self._norm = fused_rms_norm if norms_fuse(self.text, self.dtype) else module_norm
         from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
         self._rotate = apply_rotary_pos_emb
+        self.compile = compile
+        self.merged: dict[tuple[int, str], MergedLinear] = {}  # (layer, projection) -> its kept merged weight
+        self.projections: list[dict] = []  # per layer: projection name -> what runs it
+        self.refresh_weights()
         self._step = self._decode_step
         if compile:
             import torch._dynamo as dynamo
@@ -180,11 +309,70 @@ class SlotDecoder:
                 raise ValueError("cuda_graphs and compile both take over the decode step: choose one")
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
-            self._step = GraphedStep(self._decode_step, slots, self.device, watched=(self.text, self.lm_head))
+            self._step = GraphedStep(
+                self._decode_step, slots, self.device, watched=(self.text, self.lm_head), reads=self.weights_read
+            )
+
+    # ------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Choose every projection's weight for the model's adapter state now (:func:`merge_plan`) and fill the merged
+        buffers in place: the base weight, then each active adapter's delta."""
+        self.projections = [self._layer_projections(index, layer) for index, layer in enumerate(self.text.layers)]
+
+    def _layer_projections(self, index: int, layer) -> dict:
+        modules = {name: getattr(layer.self_attn, name) for name in ATTENTION_PROJECTIONS}
+        if plain_mlp(layer.mlp):
+            modules.update((name, getattr(layer.mlp, name)) for name in MLP_PROJECTIONS)
+        return {name: self._projection((index, name), module) for name, module in modules.items()}
+
+    def _projection(self, key: tuple[int, str], module):
+        plan = merge_plan(module)
+        if plan is None:
+            return module
+        linear, adapters = plan
+        if not adapters:
+            return linear
+        merged = self._merged_buffer(key, linear)
+        merged.weight.copy_(linear.weight)
+        for adapter in adapters:
+            merged.weight.add_(module.get_delta_weight(adapter))
+        return merged
+
+    def _merged_buffer(self, key: tuple[int, str], linear) -> MergedLinear:
+        """The kept buffer of projection ``key``, allocated at its first use (again only if the base weight's shape,
+        dtype or device changed)."""
+        held, weight = self.merged.get(key), linear.weight
+        like = (weight.shape, weight.dtype, weight.device)
+        if held is None or (held.weight.shape, held.weight.dtype, held.weight.device) != like:
+            with torch.inference_mode(False):  # a plain tensor: refilled in place in and out of inference mode
+                buffer = torch.empty_like(weight, requires_grad=False, memory_format=torch.contiguous_format)
+            if self.compile:
+                import torch._dynamo as dynamo
+
+                dynamo.mark_static_address(buffer)  # read in place, as the caches are, not copied in a graph's inputs
+            held = self.merged[key] = MergedLinear(buffer, linear)
+        held.linear = linear
+        return held
+
+    def weights_read(self) -> tuple:
+        """``(layer, projection, what it reads)`` for every projection (:func:`reads`): what captured graphs rely on."""
+        return tuple((i, name, reads(p)) for i, layer in enumerate(self.projections) for name, p in layer.items())
+
+    def projection_kinds(self) -> dict[str, int]:
+        """How many projections run from a merged buffer, from their own weight and as their module."""
+        kinds = [projection_kind(p) for layer in self.projections for p in layer.values()]
+        return {kind: kinds.count(kind) for kind in ("merged", "weight", "module")}
+
+    def merged_bytes(self) -> int:
+        """Bytes of the merged-weight buffers, kept from their first use for the decoder's life."""
+        return sum(m.weight.numel() * m.weight.element_size() for m in self.merged.values())
 
     # ------------------------------------------------------------ prefill
 
     def memory_bytes(self) -> int:
+        """Bytes of the KV cache (the merged weights are :meth:`merged_bytes`)."""
         return 2 * sum(k.numel() * k.element_size() for k in self.keys)
 
     def release(self, slot: int) -> None:
@@ -193,12 +381,14 @@ class SlotDecoder:
         self.next_pos[slot] = 0
 
     def reset(self) -> None:
-        """Empty every slot and forget captured graphs: call it after the model's weights or active
-        adapter change (a graph replays the kernels, and so the adapter, it was captured with)."""
+        """Empty every slot, forget captured graphs and choose the weights again (:meth:`refresh_weights`): call it
+        after the model's weights or active adapter change (a graph replays the kernels, and so the adapter, it was
+        captured with)."""
         for slot in range(self.slots):
             self.release(slot)
         if isinstance(self._step, GraphedStep):
             self._step.clear()
+        self.refresh_weights()
 
     @torch.inference_mode()
     def prefill(self, slot: int, ids: list[int], images: list[ImageInput]) -> torch.Tensor:
@@ -341,9 +531,9 @@ class SlotDecoder:
             spans.append((p.slot, p.start, end, offset, offset + len(chunk), causal_lower_right(len(chunk), end)))
             offset += len(chunk)
         for index, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q, k, v = self._qkv(attn, x, cos, sin)
+            attn, proj = layer.self_attn, self.projections[index]
+            x = self._norm(layer.input_layernorm, hidden)
+            q, k, v = self._qkv(attn, proj, x, cos, sin)
             outs = []
             for slot, start, end, first, last, causal in spans:
                 self.keys[index][slot, :, start:end] = k[0, :, first:last]
@@ -351,28 +541,38 @@ class SlotDecoder:
                 keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
                 outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, offset, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + proj["o_proj"](out.transpose(1, 2).reshape(1, offset, -1))
+            hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
             if deepstack is not None and index < len(deepstack):
                 hidden[0, mask] = hidden[0, mask] + deepstack[index]
         lasts = torch.tensor([last - 1 for *_, last, _ in spans], device=hidden.device)
-        return list(self.lm_head(self.text.norm(hidden[0, lasts])).float())
+        return list(self.lm_head(self._norm(self.text.norm, hidden[0, lasts])).float())
 
-    def _qkv(self, attn, x, cos, sin):
+    def _qkv(self, attn, proj, x, cos, sin):
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
-        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q = self._norm(attn.q_norm, proj["q_proj"](x).view(shape)).transpose(1, 2)
+        k = self._norm(attn.k_norm, proj["k_proj"](x).view(shape)).transpose(1, 2)
+        v = proj["v_proj"](x).view(shape).transpose(1, 2)
         q, k = self._rotate(q, k, cos, sin)
         return q, k, v
+
+    @staticmethod
+    def _mlp(layer, proj, x):
+        if "down_proj" not in proj:  # not the plain MLP: its own forward
+            return layer.mlp(x)
+        return proj["down_proj"](layer.mlp.act_fn(proj["gate_proj"](x)) * proj["up_proj"](x))
 
     # ------------------------------------------------------------ decode
 
     @torch.inference_mode()
     def check_weights(self) -> None:
-        """Drop the kept CUDA graphs if a parameter was replaced (not updated in place) since their capture; the
-        next step captures them again. Weights only change between runs of episodes, so :func:`run_episodes`
-        calls this once a run (the walk over every parameter costs about a millisecond), not once a turn."""
+        """Bring the decoder up to the model's weights and adapter state (:meth:`refresh_weights`: the merged buffers
+        refilled in place), then drop the kept CUDA graphs if what they read moved since their capture: a parameter
+        replaced (not updated in place) or a projection that now reads another weight (an arm switched between the
+        base and an adapter); the next step captures them again. Weights only change between runs of episodes, so
+        :func:`run_episodes` calls this once a run (a walk over every parameter and a pass over the merged
+        projection weights), not once a turn."""
+        self.refresh_weights()
         if isinstance(self._step, GraphedStep):
             self._step.check_weights()
 
@@ -417,9 +617,9 @@ class SlotDecoder:
         rows = torch.arange(self.slots, device=hidden.device)
         visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
         for index, layer in enumerate(self.text.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q, k, v = self._qkv(attn, x, cos, sin)  # q (S, heads, 1, d), k/v (S, kv_heads, 1, d)
+            attn, proj = layer.self_attn, self.projections[index]
+            x = self._norm(layer.input_layernorm, hidden)
+            q, k, v = self._qkv(attn, proj, x, cos, sin)  # q (S, heads, 1, d), k/v (S, kv_heads, 1, d)
             self.keys[index][rows, :, write] = k[:, :, 0]
             self.values[index][rows, :, write] = v[:, :, 0]
             # The query heads of one KV head are folded into the query length: no KV copy per group.
@@ -427,9 +627,9 @@ class SlotDecoder:
             out = F.scaled_dot_product_attention(
                 q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
             )
-            hidden = hidden + attn.o_proj(out.reshape(self.slots, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.text.norm(hidden[:, 0])).float()
+            hidden = hidden + proj["o_proj"](out.reshape(self.slots, 1, -1))
+            hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
+        return self.lm_head(self._norm(self.text.norm, hidden[:, 0])).float()
 
 
 class GraphedStep:
@@ -445,23 +645,26 @@ class GraphedStep:
 
     A graph reads each weight at the address it was captured with: a parameter *replaced* (a new tensor,
     ``.data`` swapped, FSDP-style resharding) rather than updated in place would leave it reading the old one.
-    :meth:`check_weights` compares the ``watched`` modules' parameter storage with the one recorded at the
-    first capture and drops the graphs when it moved (the next step captures them again)."""
+    :meth:`check_weights` compares the ``watched`` modules' parameter storage, and what ``reads()`` says the step
+    reads (the slot decoder's projections: a merged buffer, a weight or a module), with those recorded at the
+    first capture and drops the graphs when either changed (the next step captures them again)."""
 
-    def __init__(self, step, slots: int, device, watched=()):
+    def __init__(self, step, slots: int, device, watched=(), reads=lambda: ()):
         self.step = step
         self.inputs = [torch.zeros(slots, dtype=torch.long, device=device) for _ in range(4)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.watched = tuple(watched)
+        self.reads = reads
         self.storage = None  # parameter_storage(watched) when the first graph of the pool was captured
+        self.read = None  # reads() then
 
     def __call__(self, tokens, write, pos, length, span: int) -> torch.Tensor:
         for buffer, value in zip(self.inputs, (tokens, write, pos, length)):
             buffer.copy_(value, non_blocking=True)
         if span not in self.graphs:
             if not self.graphs:  # later graphs are checked against the first one's weights
-                self.storage = parameter_storage(self.watched)
+                self.storage, self.read = parameter_storage(self.watched), self.reads()
             self.graphs[span] = self._capture(span)
         graph, logits = self.graphs[span]
         graph.replay()
@@ -485,11 +688,12 @@ class GraphedStep:
         """Forget every graph and the pool they shared; the next call captures into a fresh pool."""
         self.graphs.clear()
         self.pool = None
-        self.storage = None
+        self.storage = self.read = None
 
     def check_weights(self) -> bool:
-        """Drop every graph if a watched parameter has moved since they were captured; True when dropped."""
-        if self.graphs and parameter_storage(self.watched) != self.storage:
+        """Drop every graph if a watched parameter has moved, or the step reads other weights, since they were
+        captured; True when dropped."""
+        if self.graphs and (parameter_storage(self.watched) != self.storage or self.reads() != self.read):
             self.clear()
             return True
         return False

@@ -301,6 +301,7 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
     from ..agent.generation import Sampling
     from ..agent.episodes import picture_cache
 
+    decoder.check_weights()  # the decoder runs the weights of the arm active when it last looked: this one's
     tokenizer = processor.tokenizer
     stops = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")

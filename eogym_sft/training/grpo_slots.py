@@ -316,7 +316,10 @@ class SlotEngine:
         self._decoder = None  # the old cache goes before the new one is allocated
         graphs = ra.rollout_cuda_graphs and model.device.type == "cuda"
         self._decoder = SlotDecoder(model, slots, ra.max_episode_tokens, cuda_graphs=graphs)
-        logger.info("slot decoder: %d slots of %d tokens, %.1f GiB", slots, ra.max_episode_tokens, self._decoder.memory_bytes() / 2**30)
+        logger.info(
+            "slot decoder: %d slots of %d tokens, %.1f GiB; merged LoRA weights %.1f GiB",
+            slots, ra.max_episode_tokens, self._decoder.memory_bytes() / 2**30, self._decoder.merged_bytes() / 2**30,
+        )
         return self._decoder
 
     def generate(self, trainer, prompts: list, inputs: list[dict]):

@@ -200,24 +200,32 @@ def _images_in(ids: list[int], image_pad: int) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_replay_weights_updated_in_place(tiny_model_dir):
-    """The decoder is kept across steps with its graphs: an optimizer step updates the LoRA weights in place,
-    and a replayed graph must read the new values."""
+    """The decoder is kept across steps with its graphs: an optimizer step updates the LoRA weights in place, the
+    next generation's run_episodes calls check_weights (which refills the merged weights in place), and a replayed
+    graph must read the new values."""
     model = perturb_lora_b(apply_lora(load_base_model(str(tiny_model_dir), "float32", "sdpa")), seed=0).cuda().eval()
     graphed = SlotDecoder(model, 2, 1024, cuda_graphs=True)
     eager = SlotDecoder(model, 2, 1024)
     prompt = list(range(100, 140))
 
     def step(decoder):
-        decoder.reset() if decoder is eager else [decoder.release(s) for s in range(decoder.slots)]
+        if decoder is eager:
+            decoder.reset()
+        else:  # what SlotEngine.decoder and run_episodes do
+            for s in range(decoder.slots):
+                decoder.release(s)
+            decoder.check_weights()
         decoder.prefill(0, prompt, [])
         return decoder.decode({0: 7})[1][0].clone()
 
     step(graphed)  # captures
+    captured = dict(graphed._step.graphs)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.add_(0.05)
     torch.testing.assert_close(step(graphed), step(eager), rtol=1e-4, atol=1e-4)
+    assert graphed._step.graphs == captured  # the same graphs, replayed over the refilled buffers
 
 
 @pytest.fixture(scope="module")
