@@ -41,6 +41,9 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
     assert sampled["tokens"] == check["tokens"] and sampled["max_abs_diff"] < 1e-4
     sft_scale = slots["decoder_vs_loss_logps_variants"]["sft_scale"]  # the same at an adapter of an SFT's size
     assert sft_scale["tokens"] == check["tokens"] and sft_scale["max_abs_diff"] < 1e-4
+    unmerged = slots["decoder_vs_loss_logps_variants"]["sft_scale_unmerged"]  # PEFT's forward beside the merged weights
+    assert sft_scale["projections"]["merged"] > 0 and unmerged["projections"]["merged"] == 0
+    assert unmerged["tokens"] == check["tokens"] and unmerged["max_abs_diff"] < 1e-4
     assert result["speedup_slots_vs_trl"] == trl["step_s"] / slots["step_s"]
     assert "slots vs trl" in format_table(result)
 
