@@ -29,7 +29,8 @@
 #   bash bench/h200_session.sh rollout_phases  # the rollout bench's graphs arm, alternating a base commit and the tree
 #                                           # twice, with each phase's seconds: a hot-path change before and after. First, here:
 #                                           # mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before (carry .before)
-#                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once; ROLLOUT_PHASES_EAGER=1
+#                                           # ROLLOUT_PHASES_ARMS="before after" runs each tree once (another name X runs .X/,
+#                                           # made as .before is); ROLLOUT_PHASES_EAGER=1
 #                                           # the eager arm; ROLLOUT_PHASES_ADAPTER=1 the base and then a random LoRA adapter
 #   bash bench/h200_session.sh decode_probe  # issue 41: one decode step of 32 slots x 6,000 tokens taken apart (the graph
 #                                           # replay, decode(), the pick, the loop step, one layer's attention masked and
@@ -318,7 +319,7 @@ model.save_pretrained('/tmp/rb_adapter')"
   args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 $mode $adapter --workdir /tmp/rb"
   i=0
   for arm in ${ROLLOUT_PHASES_ARMS:-before after before after}; do
-    i=$((i + 1)); src=$PWD; [ $arm = before ] && src=$PWD/.before
+    i=$((i + 1)); src=$PWD; [ $arm != after ] && src=$PWD/.$arm  # before: .before/; any other name X: .X/
     (cd "$src" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site:$src timeout 240 python bench/rollout_throughput.py $args \
       --json $OUT/rollout_${i}_$arm.json > $OUT/rollout_${i}_$arm.log 2>&1) || echo "rollout_phases: $arm exit $?"
     grep -E '^\{' $OUT/rollout_${i}_$arm.log | sed "s/^/$arm: /"

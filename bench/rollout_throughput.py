@@ -181,18 +181,59 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
     return {"new_tokens": generated}
 
 
+class VisionTimer:
+    """The vision tower's seconds inside a run's prefills: ``get_image_features`` of ``inner`` (the decoder's
+    Qwen3VLModel) between CUDA events, read once at the end (no synchronisation in the loop), or host seconds on a CPU."""
+
+    def __init__(self, inner):
+        self.inner, self.events, self.host_s = inner, [], 0.0
+
+    def __enter__(self):
+        import torch
+
+        original = self.inner.get_image_features
+
+        def timed(*args, **kwargs):
+            if not torch.cuda.is_available():
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                self.host_s += time.perf_counter() - start
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        self.inner.get_image_features = timed  # an instance attribute over the method, deleted on exit
+        return self
+
+    def __exit__(self, *exc):
+        del self.inner.get_image_features
+
+    def seconds(self) -> float:
+        import torch
+
+        if self.events:
+            torch.cuda.synchronize()
+        return self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000
+
+
 def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
     from eogym_sft.agent.episodes import LoopConfig, run_episodes
     from eogym_sft.agent.generation import Sampling
 
     for slot in range(decoder.slots):
         decoder.release(slot)
-    stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
-                         data_root, lambda ep: None)
+    with VisionTimer(decoder.inner) as vision:
+        stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
+                             data_root, lambda ep: None)
     errors = [ep.error for ep in episodes if ep.stop == "error"]
     if errors:
         raise RuntimeError(f"{len(errors)} episodes failed, first: {errors[0]}")
     phases = {name: round(stats[name], 2) for name in ("prefill_s", "decode_s", "tool_s", "other_s")}
+    phases["prefill_vision_s"] = round(vision.seconds(), 2)  # the vision tower's part of prefill_s
     return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
             "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2),
             "merged_weights_gib": round(decoder.merged_bytes() / 2**30, 2), **phases}

@@ -29,6 +29,7 @@ def test_rollout_bench_runs_all_arms_on_the_same_episodes(tiny_model_dir, tmp_pa
     assert batched["turns"] == slots["turns"] == 4 and batched["new_tokens"] == slots["new_tokens"] == 8
     assert (serial["episodes"], serial["turns"], serial["new_tokens"]) == (1, 2, 4)
     assert 0 < slots["prefill_tokens"] and batched["speedup_vs_batched"] == 1.0
+    assert 0 < slots["prefill_vision_s"] <= slots["prefill_s"]  # the vision tower runs inside the prefills
     assert "gen tok/s" in format_table(result)
 
 
