@@ -93,6 +93,44 @@ class _Prefill:
 PREFILL_TOKENS = 16384
 
 
+def host_to(device, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``, queued without waiting for the GPU: a copy from pageable memory first
+    waits for every kernel already queued, so on CUDA the tensor travels through pinned memory, asynchronously (the
+    pinned block is kept until the copy is done)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def vision_metadata(visual, grid: torch.Tensor, device) -> dict:
+    """Keyword arguments for Qwen3-VL's vision tower that carry what its forward would otherwise derive from
+    ``grid`` on the GPU (a host synchronisation for each ``.tolist()``, one per block for the attention's image
+    lengths), computed here on the host from the host's ``grid`` by transformers' own helpers: the position
+    embedding's interpolation taps, the rotary positions, and the image boundaries (left on the host where the
+    attention only splits by them, on ``device`` for flash's variable-length kernel). ``visual`` is the model's
+    ``Qwen3VLVisionModel``; the features equal the unassisted forward's
+    (``tests/agent/test_generation.py::test_the_vision_metadata_from_the_host_gives_the_same_features``)."""
+    from transformers.utils.generic import is_flash_attention_requested
+    from transformers.vision_utils import (
+        get_vision_attention_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
+    )
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, visual.config)
+    return {
+        "interp_indices": host_to(device, indices),
+        "interp_weights": host_to(device, weights),
+        "position_ids": host_to(device, get_vision_position_ids(grid, visual.spatial_merge_size)),
+        "cu_seqlens": host_to(device, cu_seqlens) if is_flash_attention_requested(visual.config) else cu_seqlens,
+        "max_seqlen": max_seqlen,
+    }
+
+
 def _text_parts(model):
     """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -501,28 +539,33 @@ class SlotDecoder:
         return start
 
     def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
-        ids = torch.tensor(chunk, device=self.device)
-        embeds = self.text.embed_tokens(ids)[None]
-        mask = ids == self.image_token_id
+        """The chunk's input embeddings with its images' features in place, where its image tokens are (an index
+        tensor) and the DeepStack features, all queued without a host synchronisation: inputs come from the host
+        (:func:`host_to`, :func:`vision_metadata`) and image tokens are found there, not by a mask on the GPU."""
+        host_ids = torch.tensor(chunk)
+        embeds = self.text.embed_tokens(host_to(self.device, host_ids))[None]
         if not images:
             return embeds, None, None
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device, self.inner.visual.dtype)
-        grid = torch.tensor([im.grid_thw for im in images], device=self.device)
-        out = self.inner.get_image_features(pixels, grid, return_dict=True)
+        at = (host_ids == self.image_token_id).nonzero()[:, 0]
+        visual = self.inner.visual
+        pixels = torch.cat([host_to(self.device, im.pixel_values) for im in images]).to(visual.dtype)
+        grid = torch.tensor([im.grid_thw for im in images])
+        out = self.inner.get_image_features(pixels, grid, return_dict=True, **vision_metadata(visual, grid, self.device))
         image_embeds = torch.cat(out.pooler_output).to(embeds.dtype)
-        if image_embeds.shape[0] != int(mask.sum()):
-            raise ValueError(f"{image_embeds.shape[0]} visual tokens for {int(mask.sum())} <|image_pad|> tokens")
-        embeds[0, mask] = image_embeds
+        if image_embeds.shape[0] != len(at):
+            raise ValueError(f"{image_embeds.shape[0]} visual tokens for {len(at)} <|image_pad|> tokens")
+        at = host_to(self.device, at)
+        embeds[0, at] = image_embeds
         deepstack = [torch.cat(feat).to(embeds.dtype) for feat in out.deepstack_features]
-        return embeds, mask, deepstack
+        return embeds, at, deepstack
 
     def _forward_chunks(self, now: list[_Prefill], positions: list[torch.Tensor]) -> list[torch.Tensor]:
         """One forward of every request's new tokens, side by side in one row: the norms, projections and MLPs
         run once over all of them; each request's attention reads its own slot. Returns each one's logits."""
         chunks = [p.ids[p.start :] for p in now]
         images = [im for p in now for im in p.images[sum(1 for at in p.starts if at < p.start) :]]
-        hidden, mask, deepstack = self._embed_chunk([t for chunk in chunks for t in chunk], images)
-        cos, sin = self.text.rotary_emb(hidden, torch.cat(positions, dim=1)[:, None, :].to(self.device))
+        hidden, image_at, deepstack = self._embed_chunk([t for chunk in chunks for t in chunk], images)
+        cos, sin = self.text.rotary_emb(hidden, host_to(self.device, torch.cat(positions, dim=1)[:, None, :]))
         spans, offset = [], 0
         for p, chunk in zip(now, chunks):
             end = p.start + len(chunk)
@@ -544,8 +587,8 @@ class SlotDecoder:
             hidden = hidden + proj["o_proj"](out.transpose(1, 2).reshape(1, offset, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
             if deepstack is not None and index < len(deepstack):
-                hidden[0, mask] = hidden[0, mask] + deepstack[index]
-        lasts = torch.tensor([last - 1 for *_, last, _ in spans], device=hidden.device)
+                hidden[0, image_at] = hidden[0, image_at] + deepstack[index]
+        lasts = host_to(self.device, torch.tensor([last - 1 for *_, last, _ in spans]))
         return list(self.lm_head(self._norm(self.text.norm, hidden[0, lasts])).float())
 
     def _qkv(self, attn, proj, x, cos, sin):

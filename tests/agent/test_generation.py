@@ -25,6 +25,7 @@ from eogym_sft.agent.generation import (
     SlotDecoder,
     image_input,
     parameter_storage,
+    vision_metadata,
     vision_token_ids,
 )
 from eogym_sft.models.layout import expand_image_pads, mrope_position_ids
@@ -701,6 +702,54 @@ def test_prefill_many_on_cuda_equals_each_prefill_alone(processor, dtype):
             torch.testing.assert_close(got, want, **ANOTHER_SHAPE)
         else:
             assert (got - want).abs().max() < 0.05 * want.std()
+
+
+def test_the_vision_metadata_from_the_host_gives_the_same_features(model, processor):
+    """transformers' Qwen3-VL vision forward takes its grid-derived metadata by keyword (``vision_utils``' helpers pop
+    them): what the decoder computes on the host gives the unassisted forward's features to the bit, and each keyword
+    is used, not ignored (one made wrong changes the features), so none is derived again on the GPU."""
+    images = [image_input(processor, p) for p in _pictures()]
+    pixels = torch.cat([im.pixel_values for im in images])
+    grid = torch.tensor([im.grid_thw for im in images])
+    visual = model.model.visual
+    meta = vision_metadata(visual, grid, torch.device("cpu"))
+    assert set(meta) == {"interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen"}
+
+    def features(**kwargs):
+        with torch.no_grad():
+            out = model.model.get_image_features(pixels, grid, return_dict=True, **kwargs)
+        return torch.cat(out.pooler_output), [torch.cat(f) for f in out.deepstack_features]
+
+    (want, want_deep), (got, got_deep) = features(), features(**meta)
+    assert torch.equal(got, want) and len(got_deep) == len(want_deep) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got_deep, want_deep))
+    one_image = torch.tensor([0, int(meta["cu_seqlens"][-1])], dtype=meta["cu_seqlens"].dtype)  # both images attend together
+    for key, wrong in (("interp_weights", meta["interp_weights"].flip(0)), ("position_ids", meta["position_ids"].flip(0)),
+                       ("interp_indices", meta["interp_indices"].flip(0)), ("cu_seqlens", one_image)):
+        assert not torch.equal(features(**{**meta, key: wrong})[0], want), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_with_images_queues_without_a_host_synchronisation(processor):
+    """A prefill's inputs travel from the host through pinned memory, the vision tower's metadata comes from the host
+    and image tokens are placed by an index found there: no CUDA call of a prefill waits for the GPU (torch's sync debug
+    mode raises at the first that would). The same requests run once before, so cuDNN's plans and the pinned blocks exist."""
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    model = build_tiny_model(0, config).eval().to("cuda", torch.bfloat16)
+    images = [image_input(processor, p) for p in _pictures()]
+    first, second = _two_turns(processor, images)
+    requests = [(0, second, images), (1, first, images[:1])]
+    decoder = SlotDecoder(model, slots=2, max_len=512, attn_bucket=64)
+    want = decoder.prefill_many(requests)
+    decoder.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = decoder.prefill_many(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_prefill_many_keeps_a_forward_within_prefill_tokens_and_never_splits_a_request(model):
