@@ -647,7 +647,7 @@ class SlotDecoder:
             tokens[s], write[s], pos[s] = next_tokens[s], len(self.tokens[s]), self.next_pos[s]
             length[s] = len(self.tokens[s]) + 1
         span = min(self.max_len, math.ceil(int(length.max()) / self.attn_bucket) * self.attn_bucket)
-        args = [t.to(self.device, non_blocking=True) for t in (tokens, write, pos, length)]
+        args = [host_to(self.device, t) for t in (tokens, write, pos, length)]
         logits = self._step(*args, span)
         for s in busy:
             self.tokens[s].append(next_tokens[s])
