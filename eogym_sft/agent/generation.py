@@ -88,6 +88,9 @@ class _Prefill:
         return self.source != self.slot and self.start > 0
 
 
+# A masked key's additive bias in the decode step (what SDPA's cuDNN path turns a boolean mask into).
+MASKED = -65504.0
+
 # The most new tokens of one batched prefill forward: about two first turns of EO-Gym's 5-8k-token prompts,
 # or a step's next turns of 16-32 slots (a crop is a few hundred tokens each).
 PREFILL_TOKENS = 16384
@@ -326,9 +329,9 @@ class SlotDecoder:
         self.attn_bucket = attn_bucket
         self.prefill_tokens = prefill_tokens
         self._norm = fused_rms_norm if norms_fuse(self.text, self.dtype) else module_norm
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import rotate_half
 
-        self._rotate = apply_rotary_pos_emb
+        self._rotate_half = rotate_half
         self.compile = compile
         self.merged: dict[tuple[int, str], MergedLinear] = {}  # (layer, projection) -> its kept merged weight
         self.projections: list[dict] = []  # per layer: projection name -> what runs it
@@ -593,11 +596,19 @@ class SlotDecoder:
 
     def _qkv(self, attn, proj, x, cos, sin):
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = self._norm(attn.q_norm, proj["q_proj"](x).view(shape)).transpose(1, 2)
-        k = self._norm(attn.k_norm, proj["k_proj"](x).view(shape)).transpose(1, 2)
+        q = self._norm(attn.q_norm, proj["q_proj"](x).view(shape))
+        k = self._norm(attn.k_norm, proj["k_proj"](x).view(shape))
         v = proj["v_proj"](x).view(shape).transpose(1, 2)
-        q, k = self._rotate(q, k, cos, sin)
-        return q, k, v
+        # queries and keys rotated as one tensor: one set of elementwise kernels for both, each element's arithmetic
+        # that of transformers' apply_rotary_pos_emb
+        qk = self.rotate(torch.cat([q, k], dim=-2).transpose(1, 2), cos, sin)
+        return qk[:, : q.shape[-2]], qk[:, q.shape[-2] :], v
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL's rotary embedding of ``x`` ``(batch, heads, length, head_dim)`` at ``cos``/``sin`` ``(batch, length,
+        head_dim)``: transformers' ``apply_rotary_pos_emb`` for one tensor."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (x * cos) + (self._rotate_half(x) * sin)
 
     @staticmethod
     def _mlp(layer, proj, x):
@@ -659,6 +670,9 @@ class SlotDecoder:
         cos, sin = self.text.rotary_emb(hidden, pos.view(1, -1, 1).expand(3, -1, 1))
         rows = torch.arange(self.slots, device=hidden.device)
         visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
+        # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The value
+        # is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the softmax -inf gives.
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=hidden.device).masked_fill_(~visible, MASKED)
         for index, layer in enumerate(self.text.layers):
             attn, proj = layer.self_attn, self.projections[index]
             x = self._norm(layer.input_layernorm, hidden)
@@ -668,7 +682,7 @@ class SlotDecoder:
             # The query heads of one KV head are folded into the query length: no KV copy per group.
             q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
             out = F.scaled_dot_product_attention(
-                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
+                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias, scale=attn.scaling
             )
             hidden = hidden + proj["o_proj"](out.reshape(self.slots, 1, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))

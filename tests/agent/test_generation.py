@@ -704,6 +704,23 @@ def test_prefill_many_on_cuda_equals_each_prefill_alone(processor, dtype):
             assert (got - want).abs().max() < 0.05 * want.std()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_and_keys_rotated_together_equal_transformers_rotary_embedding(model, dtype):
+    """The decoder rotates a layer's queries and keys as one tensor (their heads side by side): to the bit what
+    transformers' ``apply_rotary_pos_emb`` gives each of them, at Qwen3-VL's 3-D rotary positions."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+
+    decoder = SlotDecoder(model, slots=1, max_len=64)
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d = decoder.kv_heads * decoder.groups, decoder.kv_heads, decoder.head_dim
+    q, k = torch.randn(2, 5, heads, d, generator=g).to(dtype), torch.randn(2, 5, kv, d, generator=g).to(dtype)
+    positions = torch.randint(0, 50, (3, 2, 5), generator=g)
+    cos, sin = model.model.language_model.rotary_emb(q, positions)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos.to(dtype), sin.to(dtype))
+    got = decoder.rotate(torch.cat([q, k], dim=-2).transpose(1, 2), cos.to(dtype), sin.to(dtype))
+    assert torch.equal(got[:, :heads], want_q) and torch.equal(got[:, heads:], want_k)
+
+
 def test_the_vision_metadata_from_the_host_gives_the_same_features(model, processor):
     """transformers' Qwen3-VL vision forward takes its grid-derived metadata by keyword (``vision_utils``' helpers pop
     them): what the decoder computes on the host gives the unassisted forward's features to the bit, and each keyword
