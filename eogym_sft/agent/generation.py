@@ -240,13 +240,20 @@ def reads(projection) -> tuple:
     return kind, id(projection), *(tuple(v) if isinstance(v, list) else v for v in state)
 
 
-def common_prefix(a: list, b: list, limit: int) -> int:
-    """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: a bisection over list-slice
-    comparisons (C loops), which a prefill runs against every slot's tokens (thousands each)."""
-    if a[:limit] == b[:limit]:
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+def common_prefix(a: list, b: list, limit: int, first: int = 64) -> int:
+    """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: list-slice comparisons (C loops) over
+    blocks that double from ``first`` items, then a bisection inside the first block that differs. A prefill
+    compares its request with every slot's thousands of tokens, and most slots share only a prompt's first
+    hundred or two (the system turn's opening): slicing whole lists for them copied thousands of items a slot."""
+    lo, step = 0, first
+    while True:  # a[:lo] == b[:lo]
+        hi = min(lo + step, limit)
+        if lo == hi:
+            return limit
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, 2 * step
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
             lo = mid

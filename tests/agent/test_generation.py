@@ -15,7 +15,9 @@ from helpers import perturb_lora_b
 
 from eogym_sft.agent.generation import (
     GraphedStep,
+    ImageInput,
     Sampling,
+    _Prefill,
     common_prefix,
     draw,
     fused_rms_norm,
@@ -24,6 +26,7 @@ from eogym_sft.agent.generation import (
     norms_fuse,
     SlotDecoder,
     image_input,
+    image_starts,
     parameter_storage,
     vision_metadata,
     vision_token_ids,
@@ -172,8 +175,79 @@ def test_sampling_rules():
 def test_common_prefix_is_the_length_of_the_equal_start(a, b):
     limit = min(len(a), len(b))
     naive = next((i for i in range(limit) if a[i] != b[i]), limit)
-    assert common_prefix(a, b, limit) == naive
-    assert common_prefix(a, b, min(limit, 3)) == min(naive, 3)
+    for first in (1, 2, 3, 64):  # small first blocks double and bisect within these short lists too
+        assert common_prefix(a, b, limit, first) == naive
+        assert common_prefix(a, b, min(limit, 3), first) == min(naive, 3)
+
+
+def _naive_prefix(a: list, b: list, limit: int) -> int:
+    return next((i for i in range(limit) if a[i] != b[i]), limit)
+
+
+def test_common_prefix_equals_a_scan_on_long_lists_diverging_anywhere():
+    """Prompt-sized lists (fresh int objects, as a new request's are) that part at every kind of place: the
+    first item, the edges of the doubling blocks (64, 192, 448, ... for the default first block), inside one,
+    not at all, or past ``limit``."""
+    rng = np.random.default_rng(0)
+    edges = [64 * (2**k - 1) + d for k in range(1, 8) for d in (-1, 0, 1)]
+    for case in range(400):
+        n = int(rng.integers(1, 9000))
+        a = rng.integers(0, 151_000, n).tolist()
+        b = [int(str(x)) for x in a]
+        at = [0, n, int(rng.integers(0, n)), *edges][case % (3 + len(edges))]
+        if at < n:
+            b[at] += 1
+        if case % 5 == 0:
+            b = b[: int(rng.integers(0, n + 1))]  # one list shorter than the other
+        for limit in (min(len(a), len(b)), int(rng.integers(0, min(len(a), len(b)) + 1))):
+            for first in (1, 7, 64, 4096):
+                assert common_prefix(a, b, limit, first) == _naive_prefix(a, b, limit), (n, at, limit, first)
+
+
+def _fake_image(tokens: int) -> ImageInput:
+    return ImageInput(torch.zeros(4 * tokens, 3), (1, 2, 2 * tokens), merge_size=2)
+
+
+def _conversation_ids(rng, images: list[ImageInput]) -> list[int]:
+    """Text runs with each image's pads between vision markers (never two images side by side), as Qwen3-VL lays a prompt out."""
+    ids = []
+    for image in images:
+        ids += rng.integers(0, 50, int(rng.integers(0, 300))).tolist() + [151652] + [IMAGE_TOKEN_ID] * image.tokens + [151653]
+    return ids + rng.integers(0, 50, int(rng.integers(1, 300))).tolist()
+
+
+def _served_spec(held: list[int], held_images: list, ids: list[int], images: list) -> int:
+    """What a cache holding ``held`` may serve of ``ids``, by its definition: the longest prefix short of the last
+    token that ``held`` holds, ending inside no image's pads, and whose every image is the very object held."""
+    starts = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
+    for n in range(_naive_prefix(held, ids, min(len(held), len(ids) - 1)), 0, -1):
+        splits = ids[n] == IMAGE_TOKEN_ID and ids[n - 1] == IMAGE_TOKEN_ID
+        stale = any(k >= len(held_images) or held_images[k] is not images[k] for k, at in enumerate(starts) if at < n)
+        if not splits and not stale:
+            return n
+    return 0
+
+
+def test_reusable_prefixes_and_new_tokens_equal_their_definition_on_random_conversations(model):
+    """Slots holding long random conversations that a request shares in part: cut in text, inside an image's
+    pads, at its first pad, with an image of the same size but another object, or further on."""
+    rng = np.random.default_rng(1)
+    decoder = SlotDecoder(model, slots=3, max_len=16384, attn_bucket=64)
+    for case in range(150):
+        images = [_fake_image(int(rng.integers(1, 400))) for _ in range(int(rng.integers(0, 6)))]
+        ids = _conversation_ids(rng, images)
+        for slot in range(3):
+            held = [int(str(t)) for t in ids[: int(rng.integers(0, len(ids) + 200))]]
+            held += rng.integers(0, 50, max(0, len(ids) + 1 - len(held)) * int(rng.integers(0, 2))).tolist()
+            if held and rng.random() < 0.5:
+                held[int(rng.integers(0, len(held)))] = IMAGE_TOKEN_ID if rng.random() < 0.5 else 49
+            swap = int(rng.integers(0, len(images) + 1))  # the images from here on are other objects of the same size
+            decoder.tokens[slot] = held
+            decoder.images[slot] = images[:swap] + [_fake_image(im.tokens) for im in images[swap:]]
+        p = _Prefill(0, ids, images, image_starts(ids, images, IMAGE_TOKEN_ID))
+        served = [_served_spec(decoder.tokens[s], decoder.images[s], ids, images) for s in range(3)]
+        assert [decoder._reusable(s, p) for s in range(3)] == served, case
+        assert decoder.new_tokens(ids, images) == len(ids) - max(served)
 
 
 def test_draw_samples_in_proportion_to_the_weights_and_never_a_zero_weight():
