@@ -180,13 +180,15 @@ class Episode:
         ids = tokens(text) if tokens is not None else processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         return expand_image_pads(ids, [im.tokens for im in images], processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
-    def preload(self, pictures: ImageCache, data_root, pool, tool_images=TOOL_IMAGES) -> None:
-        """Start decoding and preprocessing the next prompt's images in ``pool``, one task an image (so that
-        one episode's images decode side by side); :meth:`prompt` takes each one as it is ready. Called from
-        the thread that calls :meth:`prompt`; a failure here shows again, named, when :meth:`prompt` runs."""
+    def preload(self, pictures: ImageCache, data_root, tool_images=TOOL_IMAGES, pool=None) -> None:
+        """Decode and preprocess the next prompt's images ahead of :meth:`prompt`: now, or with ``pool`` started there,
+        one task an image (so that one episode's images decode side by side), each taken by :meth:`prompt` as it is
+        ready. Called from the thread that calls :meth:`prompt`; a failure here shows again, named, when it runs."""
         try:
             for rel in canonical_prompt(self.row, tool_images).images:
-                if rel not in self._pictures and rel not in self._ahead:
+                if pool is None:
+                    self._picture(pictures, rel, data_root)
+                elif rel not in self._pictures and rel not in self._ahead:
                     self._ahead[rel] = pool.submit(pictures.get, resolve_image_path(rel, data_root))
         except Exception:
             return
@@ -329,7 +331,7 @@ def run_episodes(
     pool = ThreadPoolExecutor(max_workers=4)
     pictures = picture_cache(processor) if pictures is None else pictures
     pieces = PieceTokenizer(tokenizer)
-    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, pool, cfg.tool_images), decoder.slots)
+    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images, pool), decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
     ended: dict[int, bool] = {}  # slot -> whether the episode goes on after the turn it ended this step
@@ -397,7 +399,7 @@ def run_episodes(
             if ep is not None and (tokens[-1] in stop_ids or len(tokens) >= cfg.max_new_tokens):
                 ended[s] = end_turn(s, ep)
                 if ended[s]:
-                    ep.preload(pictures, data_root, pool, cfg.tool_images)
+                    ep.preload(pictures, data_root, cfg.tool_images, pool)
 
     def settle(s: int):
         """Leave slot ``s`` mid-turn, or empty when nothing is pending, or return the prompt its next turn

@@ -235,15 +235,19 @@ def test_preload_decodes_each_image_in_a_task_of_its_own_and_the_prompt_takes_th
 
     row = row_factory(images=["EO_GYM_DATA/aaaa0000/scene.jpg", "EO_GYM_DATA/bbbb1111/post.png"])
     loads = _Loads(processor)
-    pictures = ImageCache(load=loads)
+    pictures = ImageCache(load=loads, cost=lambda picture: 1)
     episode = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        episode.preload(pictures, data_root, pool)
+        episode.preload(pictures, data_root, pool=pool)
         assert len(episode._ahead) == 2
     _, images = episode.prompt(processor, data_root, pictures=pictures)
     assert loads.threads == [False, False]  # both in the pool's threads, none since
     assert [im is pictures.get(data_root / rel) for im, rel in zip(images, row["images"])] == [True, True]
     assert episode._ahead == {}
+    now = new_episode(row, "f:1", "base", 1, EOGymEnvironment(row, data_root))
+    loads.threads.clear()
+    now.preload(ImageCache(load=loads, cost=lambda picture: 1), data_root)  # without a pool: decoded here and now, held by the episode
+    assert loads.threads == [True, True] and len(now._pictures) == 2 and now._ahead == {}
 
 
 def test_a_preloaded_image_that_fails_fails_the_prompt_as_a_load_there_does(processor, data_root, row_factory):
@@ -260,7 +264,7 @@ def test_a_preloaded_image_that_fails_fails_the_prompt_as_a_load_there_does(proc
         pictures = picture_cache(processor)
         if preload:
             with ThreadPoolExecutor(max_workers=1) as pool:
-                episode.preload(pictures, data_root, pool)
+                episode.preload(pictures, data_root, pool=pool)
         with pytest.raises(ImageError) as err:
             episode.prompt(processor, data_root, pictures=pictures)
         errors.append(str(err.value))
