@@ -41,6 +41,8 @@
 #                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
 #                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false);
 #                                           # GRPO_PHASES_ENGINES=slots,recipe runs the recipe's defaults too
+#   bash bench/h200_session.sh decoder_candidates  # a decoder change before and after in one call: its GPU tests,
+#                                           # rollout_phases and grpo_phases on .before/ and the checkout (made as rollout_phases says)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -351,6 +353,15 @@ for a in json.load(open('$OUT/grpo_$arm.json'))['arms']:
     keys = ('step_s', 'generation_s', 'forward_backward_s', 'scoring_s', 'peak_allocated_gib', 'packed_vs_padded_logps', 'decoder_vs_loss_logps_variants')
     print('$arm', a['arm'], {k: round(a[k], 3) if isinstance(a.get(k), float) else a.get(k) for k in keys})" 2>&1 | tail -3
   done
+  ;;
+decoder_candidates)
+  # a decoder change before and after in one call (about 8 minutes on a fresh host): its GPU tests, the rollout
+  # bench's graphs arm and the GRPO slots step, each on .before/ and on the checkout. For issue 41's reverted changes:
+  # mkdir .before; git archive HEAD eogym_sft bench recipes | tar -x -C .before; git revert --no-commit f37bed9
+  [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "GPU tests failed"
+  OUT=$OUT/rollout ROLLOUT_PHASES_ARMS="before after" bash "$0" rollout_phases
+  if [ $SECONDS -lt 330 ]; then OUT=$OUT/grpo timeout $((570 - SECONDS)) bash "$0" grpo_phases; else echo "decoder_candidates: no time left for grpo_phases"; fi
   ;;
 agent_1gpu)
   # (after setup) GRPO improving an agent, the loop of `eogym-sft demo --agent` larger: 384 training and 128 held-out
