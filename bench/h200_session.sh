@@ -58,6 +58,20 @@ agent_gpu="train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=24
   grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true grpo_epsilon_high=0.28 rft_steps=0"
 
 make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
+make_adapters() {  # two random rank-16 adapters of the recipe's targets, lora_B from N(0, 0.02), seeds 1 and 2: /tmp/cl_adapters/{a,b}
+  [ -f /tmp/cl_adapters/b/adapter_config.json ] || python -c "
+from eogym_sft.models.loading import apply_lora, load_base_model
+import torch
+model = apply_lora(load_base_model('$model', 'bfloat16'))
+for name, seed in (('a', 1), ('b', 2)):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if 'lora_B' in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained('/tmp/cl_adapters/' + name)
+print('adapters a, b written')"
+}
 make_bench_data() {  # the benches' /tmp/bt sample (220 rows, prepared), without building arm B's model
   [ -f /tmp/bt/prepared/stats.json ] || python -c "
 import sys; from pathlib import Path; sys.path.insert(0, 'bench')
@@ -253,18 +267,7 @@ grpo)
 closed_loop_1gpu)
   make_model; make_data 48
   python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
-  [ -f /tmp/cl_adapters/b/adapter_config.json ] || python -c "
-from eogym_sft.models.loading import apply_lora, load_base_model
-import torch
-model = apply_lora(load_base_model('$model', 'bfloat16'))
-for name, seed in (('a', 1), ('b', 2)):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if 'lora_B' in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    model.save_pretrained('/tmp/cl_adapters/' + name)
-print('adapters a, b written')"
+  make_adapters
   for graphs in --cuda-graphs --no-cuda-graphs; do
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m eogym_sft.cli rollout --model $model --adapter a=/tmp/cl_adapters/a b=/tmp/cl_adapters/b \
       --data $data/train.jsonl --data-root $data/data --tools crop,replay --samples 1 --temperature 0 --max-turns 3 \
@@ -300,23 +303,13 @@ agent_seeds)
 rollout_phases)
   # the base commit's package and benches in .before/ (git archive, carried: it is git-ignored), then the tree;
   # ROLLOUT_PHASES_EAGER=1 times the eager decoder instead of CUDA graphs; ROLLOUT_PHASES_ADAPTER=1 runs each tree's
-  # base model and then a random rank-16 LoRA adapter of the recipe's targets (lora_B from N(0, 0.02)) on the same episodes
+  # base model and then make_adapters' adapter a (rank 16, lora_B from N(0, 0.02)) on the same episodes
   [ -d .before/eogym_sft ] || { echo "rollout_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench | tar -x -C .before"; exit 1; }
   make_model
   mode="--arms none --cuda-graphs"; [ "${ROLLOUT_PHASES_EAGER:-0}" = 1 ] && mode="--arms slots"
   adapter=""
   if [ "${ROLLOUT_PHASES_ADAPTER:-0}" = 1 ]; then
-    [ -f /tmp/rb_adapter/adapter_config.json ] || python -c "
-import torch
-from eogym_sft.models.loading import apply_lora, load_base_model
-model = apply_lora(load_base_model('$model', 'bfloat16'))
-g = torch.Generator().manual_seed(0)
-with torch.no_grad():
-    for n, p in model.named_parameters():
-        if 'lora_B' in n:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-model.save_pretrained('/tmp/rb_adapter')"
-    adapter="--adapter /tmp/rb_adapter"
+    make_adapters; adapter="--adapter /tmp/cl_adapters/a"
   fi
   args="--model $model --episodes 48 --serial-episodes 0 --concurrency 32 --turns 3 --new-tokens 128 $mode $adapter --workdir /tmp/rb"
   i=0

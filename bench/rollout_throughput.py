@@ -191,10 +191,10 @@ class VisionTimer:
     def __enter__(self):
         import torch
 
-        original = self.inner.get_image_features
+        original, on_gpu = self.inner.get_image_features, self.inner.device.type == "cuda"
 
         def timed(*args, **kwargs):
-            if not torch.cuda.is_available():
+            if not on_gpu:
                 start = time.perf_counter()
                 out = original(*args, **kwargs)
                 self.host_s += time.perf_counter() - start
@@ -216,7 +216,7 @@ class VisionTimer:
         import torch
 
         if self.events:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.inner.device)
         return self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000
 
 
