@@ -350,10 +350,12 @@ for a in json.load(open('$OUT/grpo_$arm.json'))['arms']:
 decoder_candidates)
   # a decoder change before and after in one call (about 8 minutes on a fresh host): its GPU tests, the rollout
   # bench's graphs arm and the GRPO slots step, each on .before/ and on the checkout. For issue 41's reverted changes:
-  # mkdir .before; git archive HEAD eogym_sft bench recipes | tar -x -C .before; git revert --no-commit f37bed9
+  # mkdir .before; git archive HEAD eogym_sft bench recipes ':!bench/results' | tar -x -C .before; git revert --no-commit f37bed9
+  # DECODER_CANDIDATES_ARMS="before tree_X after" adds a rollout arm on .tree_X/ (git-ignored, carried like .before/),
+  # e.g. one candidate of several alone
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "GPU tests failed"
-  OUT=$OUT/rollout ROLLOUT_PHASES_ARMS="before after" bash "$0" rollout_phases
+  OUT=$OUT/rollout ROLLOUT_PHASES_ARMS="${DECODER_CANDIDATES_ARMS:-before after}" bash "$0" rollout_phases
   if [ $SECONDS -lt 330 ]; then OUT=$OUT/grpo timeout $((570 - SECONDS)) bash "$0" grpo_phases; else echo "decoder_candidates: no time left for grpo_phases"; fi
   ;;
 agent_1gpu)
