@@ -21,9 +21,10 @@ How a turn ends (``stop`` of a finished episode):
 from __future__ import annotations
 
 import json
+import re
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,6 +69,68 @@ def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
     )
 
 
+class PieceTokenizer:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]``, the pieces of text between added tokens encoded
+    once while they are among the ``size`` last used.
+
+    A tokenizers-backed tokenizer cuts its input at its unnormalised added tokens before it normalises or
+    pre-tokenises anything, and encodes each piece alone: a text's ids are its pieces' ids end to end. An
+    episode's next prompt is its last one and a turn, so all its pieces but the turn's are encoded already (and
+    the samples of one question share a whole first prompt). Where the tokenizer is not such a one, every text
+    is encoded whole."""
+
+    def __init__(self, tokenizer, size: int = 4096):
+        self.tokenizer, self.size = tokenizer, size
+        self.held: OrderedDict[str, list[int]] = OrderedDict()
+        cuts = cut_tokens(tokenizer)
+        self.added = {t: [tokenizer.convert_tokens_to_ids(t)] for t in cuts}
+        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(cuts, key=len, reverse=True)) + ")").split if cuts else None
+
+    def __call__(self, text: str) -> list[int]:
+        if self.split is None:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = [p for p in self.split(text) if p]
+        ids = self._ids(dict.fromkeys(pieces))
+        out = []
+        for piece in pieces:
+            out += ids[piece]
+        return out
+
+    def _ids(self, pieces) -> dict[str, list[int]]:
+        """Each distinct piece's ids: an added token's own, a held piece's (now the most recently used), and
+        the others encoded in one call, then held."""
+        out = {p: self.added[p] for p in pieces if p in self.added}
+        for p in pieces:
+            if p in self.held:
+                self.held.move_to_end(p)
+                out[p] = self.held[p]
+        new = [p for p in pieces if p not in out]
+        if new:
+            out.update(zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]))
+            self.held.update((p, out[p]) for p in new)
+            while len(self.held) > self.size:
+                self.held.popitem(last=False)
+        return out
+
+
+def cut_tokens(tokenizer) -> list[str]:
+    """The added tokens a :class:`PieceTokenizer` may cut texts at: matched before normalisation, taking no
+    whitespace around them, and overlapped by no other added token (the tokenizer's leftmost match could take
+    that one instead). None for a tokenizer without a ``tokenizers`` backend, or one told to split special tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if not added or not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "split_special_tokens", True):
+        return []
+    contents = [t.content for t in added.values()]
+    plain = [t.content for t in added.values() if not (t.normalized or t.lstrip or t.rstrip or t.single_word)]
+    return [c for c in plain if c and not any(o != c and _may_take(o, c) for o in contents)]
+
+
+def _may_take(other: str, token: str) -> bool:
+    """Whether a match of ``other`` could cover part of an occurrence of ``token``: it holds ``token``, or it ends
+    with ``token``'s beginning (starting earlier, it would be matched first)."""
+    return token in other or any(other.endswith(token[:k]) for k in range(1, len(token)))
+
+
 def canonical_prompt(row: dict, tool_images=TOOL_IMAGES):
     """The normalised conversation of ``row`` up to the assistant turn to generate next, as a
     :class:`~eogym_sft.data.traces.Trace` (prep's own normalisation: the rendering matches SFT's)."""
@@ -101,31 +164,50 @@ class Episode:
     images_seen: list[str] = field(default_factory=list)
     sampled_ids: list[list[int]] = field(default_factory=list)  # per assistant turn, the token ids sampled (end token included)
     _pictures: dict = field(default_factory=dict, repr=False)
+    _ahead: dict = field(default_factory=dict, repr=False)  # rel -> Future of its picture, started by preload
 
     def prompt(
-        self, processor, data_root, tool_images=TOOL_IMAGES, pictures: ImageCache | None = None
+        self, processor, data_root, tool_images=TOOL_IMAGES, pictures: ImageCache | None = None, tokens: PieceTokenizer | None = None
     ) -> tuple[list[int], list[ImageInput]]:
         """The token ids (image pads expanded) and images of the next prompt; images come from ``pictures``
-        (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own)."""
+        (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own), ids from
+        ``tokens`` (a :class:`PieceTokenizer` shared alike; by default the tokenizer itself)."""
         trace = canonical_prompt(self.row, tool_images)
         text = render(processor, trace.messages, trace.tools, add_generation_prompt=True)
         pictures = pictures or picture_cache(processor)
         images = [self._picture(pictures, rel, data_root) for rel in trace.images]
         self.images_seen = list(trace.images)
-        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokens(text) if tokens is not None else processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         return expand_image_pads(ids, [im.tokens for im in images], processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
-    def preload(self, pictures: ImageCache, data_root, tool_images=TOOL_IMAGES) -> None:
-        """Decode and preprocess the images of the next prompt ahead of time (from a worker thread);
-        a failure here shows again, named, when :meth:`prompt` runs."""
-        for rel in canonical_prompt(self.row, tool_images).images:
-            self._picture(pictures, rel, data_root)
+    def preload(self, pictures: ImageCache, data_root, tool_images=TOOL_IMAGES, pool=None) -> None:
+        """Decode and preprocess the next prompt's images ahead of :meth:`prompt`: now, or with ``pool`` started there,
+        one task an image (so that one episode's images decode side by side), each taken by :meth:`prompt` as it is
+        ready. Called from the thread that calls :meth:`prompt`; a failure here shows again, named, when it runs."""
+        try:
+            for rel in canonical_prompt(self.row, tool_images).images:
+                if pool is None:
+                    self._picture(pictures, rel, data_root)
+                elif rel not in self._pictures and rel not in self._ahead:
+                    self._ahead[rel] = pool.submit(pictures.get, resolve_image_path(rel, data_root))
+        except Exception:
+            return
 
     def _picture(self, pictures: ImageCache, rel: str, data_root) -> ImageInput:
         # Held here too, so the shared cache may drop it while this episode still needs it.
         if rel not in self._pictures:
-            self._pictures[rel] = pictures.get(resolve_image_path(rel, data_root))
+            picture = self._ready(rel)
+            self._pictures[rel] = picture if picture is not None else pictures.get(resolve_image_path(rel, data_root))
         return self._pictures[rel]
+
+    def _ready(self, rel: str) -> ImageInput | None:
+        """The preloaded picture of ``rel`` if its task has finished well. Otherwise None: the caller asks the
+        cache, which waits for a load in flight or loads it here (rather than idle while the task waits its
+        turn), the same object either way; a failed task's error is raised again by that load."""
+        ahead = self._ahead.pop(rel, None)
+        if ahead is None or not ahead.done() or ahead.exception() is not None:
+            return None
+        return ahead.result()
 
     def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
         """Record the model's message ``text``; run its tool calls. True when the episode goes on."""
@@ -178,6 +260,7 @@ class Episode:
     def record(self) -> dict:
         """The episode as one EO-Gym JSONL row (``eogym-sft prepare`` reads it as it is) plus its outcome."""
         self._pictures.clear()
+        self._ahead.clear()
         return {
             **self.row,
             "id": f"{self.question_id}:{self.arm}:{self.sample}",
@@ -247,9 +330,11 @@ def run_episodes(
     generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
     pool = ThreadPoolExecutor(max_workers=4)
     pictures = picture_cache(processor) if pictures is None else pictures
-    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images), pool, decoder.slots)
+    pieces = PieceTokenizer(tokenizer)
+    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images, pool), decoder.slots)
     slot_ep: list[Episode | None] = [None] * decoder.slots
     turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
+    ended: dict[int, bool] = {}  # slot -> whether the episode goes on after the turn it ended this step
     stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
     clock = time.perf_counter
     start = clock()
@@ -257,7 +342,7 @@ def run_episodes(
     def next_prompt(ep: Episode):
         """The token ids and images ``ep``'s next turn starts from; None when the episode ends here instead."""
         try:
-            ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures)
+            ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures, pieces)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
             return None
@@ -289,8 +374,8 @@ def run_episodes(
                     slot_ep[s].fail(err)
                     finish(s)
 
-    def end_turn(s: int, ep: Episode):
-        """Record slot ``s``'s finished turn; the next prompt when the episode goes on, else None."""
+    def end_turn(s: int, ep: Episode) -> bool:
+        """Record slot ``s``'s finished turn and run its tools; True when the episode goes on."""
         tokens = turn.pop(s)
         ep.sampled_ids.append(tokens)
         ep.new_tokens += len(tokens)
@@ -301,10 +386,20 @@ def run_episodes(
             going = ep.take_turn(tokenizer.decode(tokens, skip_special_tokens=False), truncated, cfg.max_turns)
         except Exception as err:  # an environment bug in one call: this episode ends, named
             ep.fail(err)
-            return None
+            return False
         finally:
             stats["tool_s"] += clock() - began
-        return next_prompt(ep) if going else None
+        return going
+
+    def end_turns() -> None:
+        """End every finished turn before any next prompt is made, and start decoding the images those prompts
+        show (a tool's crops): the workers decode them while the loop renders and prefills the slots in order."""
+        for s, ep in enumerate(slot_ep):
+            tokens = turn.get(s)
+            if ep is not None and (tokens[-1] in stop_ids or len(tokens) >= cfg.max_new_tokens):
+                ended[s] = end_turn(s, ep)
+                if ended[s]:
+                    ep.preload(pictures, data_root, cfg.tool_images, pool)
 
     def settle(s: int):
         """Leave slot ``s`` mid-turn, or empty when nothing is pending, or return the prompt its next turn
@@ -317,11 +412,10 @@ def run_episodes(
                     return None
                 slot_ep[s] = ep
                 prompt = next_prompt(ep) if ep.stop is None else None  # failed before it began (see new_episode)
+            elif s not in ended:  # mid-turn
+                return None
             else:
-                tokens = turn[s]
-                if tokens[-1] not in stop_ids and len(tokens) < cfg.max_new_tokens:
-                    return None
-                prompt = end_turn(s, ep)
+                prompt = next_prompt(ep) if ended.pop(s) else None
             if prompt is not None:
                 return prompt
             finish(s)
@@ -337,6 +431,7 @@ def run_episodes(
 
     while True:
         prompts, queued, started = {}, 0, False
+        end_turns()
         for s in range(decoder.slots):
             prompt = settle(s)
             if prompt is None:
@@ -367,17 +462,13 @@ def run_episodes(
     return stats
 
 
-def _prefetched(items, work, pool, depth: int):
-    """``items`` in order, each yielded once ``work(item)`` has run in ``pool``, keeping ``depth`` in flight.
-    An exception in ``work`` is left for the caller to meet again (the episode names it)."""
+def _prefetched(items, start, depth: int):
+    """``items`` in order, ``start(item)`` called on each ``depth`` items before it is yielded (to start its
+    images decoding). Nothing waits here: the episode's prompt takes each image as it is ready."""
     ahead = deque()
     for item in items:
-        ahead.append((item, pool.submit(work, item)))
+        start(item)
+        ahead.append(item)
         if len(ahead) > depth:
-            first, future = ahead.popleft()
-            future.exception()  # waits; the error itself resurfaces in Episode.prompt
-            yield first
-    while ahead:
-        first, future = ahead.popleft()
-        future.exception()
-        yield first
+            yield ahead.popleft()
+    yield from ahead

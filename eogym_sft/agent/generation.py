@@ -88,9 +88,50 @@ class _Prefill:
         return self.source != self.slot and self.start > 0
 
 
+# A masked key's additive bias in the decode step (what SDPA's cuDNN path turns a boolean mask into).
+MASKED = -65504.0
+
 # The most new tokens of one batched prefill forward: about two first turns of EO-Gym's 5-8k-token prompts,
 # or a step's next turns of 16-32 slots (a crop is a few hundred tokens each).
 PREFILL_TOKENS = 16384
+
+
+def host_to(device, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on the host) on ``device``, queued without waiting for the GPU: a copy from pageable memory first
+    waits for every kernel already queued, so on CUDA the tensor travels through pinned memory, asynchronously (the
+    pinned block is kept until the copy is done)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def vision_metadata(visual, grid: torch.Tensor, device) -> dict:
+    """Keyword arguments for Qwen3-VL's vision tower that carry what its forward would otherwise derive from
+    ``grid`` on the GPU (a host synchronisation for each ``.tolist()``, one per block for the attention's image
+    lengths), computed here on the host from the host's ``grid`` by transformers' own helpers: the position
+    embedding's interpolation taps, the rotary positions, and the image boundaries (left on the host where the
+    attention only splits by them, on ``device`` for flash's variable-length kernel). ``visual`` is the model's
+    ``Qwen3VLVisionModel``; the features equal the unassisted forward's
+    (``tests/agent/test_generation.py::test_the_vision_metadata_from_the_host_gives_the_same_features``)."""
+    from transformers.utils.generic import is_flash_attention_requested
+    from transformers.vision_utils import (
+        get_vision_attention_seqlens,
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
+    )
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, visual.config)
+    return {
+        "interp_indices": host_to(device, indices),
+        "interp_weights": host_to(device, weights),
+        "position_ids": host_to(device, get_vision_position_ids(grid, visual.spatial_merge_size)),
+        "cu_seqlens": host_to(device, cu_seqlens) if is_flash_attention_requested(visual.config) else cu_seqlens,
+        "max_seqlen": max_seqlen,
+    }
 
 
 def _text_parts(model):
@@ -199,13 +240,20 @@ def reads(projection) -> tuple:
     return kind, id(projection), *(tuple(v) if isinstance(v, list) else v for v in state)
 
 
-def common_prefix(a: list, b: list, limit: int) -> int:
-    """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: a bisection over list-slice
-    comparisons (C loops), which a prefill runs against every slot's tokens (thousands each)."""
-    if a[:limit] == b[:limit]:
-        return limit
-    lo, hi = 0, limit  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+def common_prefix(a: list, b: list, limit: int, first: int = 64) -> int:
+    """How many leading items of ``a`` and ``b`` are equal, up to ``limit``: list-slice comparisons (C loops) over
+    blocks that double from ``first`` items, then a bisection inside the first block that differs. A prefill
+    compares its request with every slot's thousands of tokens, and most slots share only a prompt's first
+    hundred or two (the system turn's opening): slicing whole lists for them copied thousands of items a slot."""
+    lo, step = 0, first
+    while True:  # a[:lo] == b[:lo]
+        hi = min(lo + step, limit)
+        if lo == hi:
+            return limit
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, 2 * step
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[lo:mid] == b[lo:mid]:
             lo = mid
@@ -288,9 +336,9 @@ class SlotDecoder:
         self.attn_bucket = attn_bucket
         self.prefill_tokens = prefill_tokens
         self._norm = fused_rms_norm if norms_fuse(self.text, self.dtype) else module_norm
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import rotate_half
 
-        self._rotate = apply_rotary_pos_emb
+        self._rotate_half = rotate_half
         self.compile = compile
         self.merged: dict[tuple[int, str], MergedLinear] = {}  # (layer, projection) -> its kept merged weight
         self.projections: list[dict] = []  # per layer: projection name -> what runs it
@@ -501,28 +549,33 @@ class SlotDecoder:
         return start
 
     def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
-        ids = torch.tensor(chunk, device=self.device)
-        embeds = self.text.embed_tokens(ids)[None]
-        mask = ids == self.image_token_id
+        """The chunk's input embeddings with its images' features in place, where its image tokens are (an index
+        tensor) and the DeepStack features, all queued without a host synchronisation: inputs come from the host
+        (:func:`host_to`, :func:`vision_metadata`) and image tokens are found there, not by a mask on the GPU."""
+        host_ids = torch.tensor(chunk)
+        embeds = self.text.embed_tokens(host_to(self.device, host_ids))[None]
         if not images:
             return embeds, None, None
-        pixels = torch.cat([im.pixel_values for im in images]).to(self.device, self.inner.visual.dtype)
-        grid = torch.tensor([im.grid_thw for im in images], device=self.device)
-        out = self.inner.get_image_features(pixels, grid, return_dict=True)
+        at = (host_ids == self.image_token_id).nonzero()[:, 0]
+        visual = self.inner.visual
+        pixels = torch.cat([host_to(self.device, im.pixel_values) for im in images]).to(visual.dtype)
+        grid = torch.tensor([im.grid_thw for im in images])
+        out = self.inner.get_image_features(pixels, grid, return_dict=True, **vision_metadata(visual, grid, self.device))
         image_embeds = torch.cat(out.pooler_output).to(embeds.dtype)
-        if image_embeds.shape[0] != int(mask.sum()):
-            raise ValueError(f"{image_embeds.shape[0]} visual tokens for {int(mask.sum())} <|image_pad|> tokens")
-        embeds[0, mask] = image_embeds
+        if image_embeds.shape[0] != len(at):
+            raise ValueError(f"{image_embeds.shape[0]} visual tokens for {len(at)} <|image_pad|> tokens")
+        at = host_to(self.device, at)
+        embeds[0, at] = image_embeds
         deepstack = [torch.cat(feat).to(embeds.dtype) for feat in out.deepstack_features]
-        return embeds, mask, deepstack
+        return embeds, at, deepstack
 
     def _forward_chunks(self, now: list[_Prefill], positions: list[torch.Tensor]) -> list[torch.Tensor]:
         """One forward of every request's new tokens, side by side in one row: the norms, projections and MLPs
         run once over all of them; each request's attention reads its own slot. Returns each one's logits."""
         chunks = [p.ids[p.start :] for p in now]
         images = [im for p in now for im in p.images[sum(1 for at in p.starts if at < p.start) :]]
-        hidden, mask, deepstack = self._embed_chunk([t for chunk in chunks for t in chunk], images)
-        cos, sin = self.text.rotary_emb(hidden, torch.cat(positions, dim=1)[:, None, :].to(self.device))
+        hidden, image_at, deepstack = self._embed_chunk([t for chunk in chunks for t in chunk], images)
+        cos, sin = self.text.rotary_emb(hidden, host_to(self.device, torch.cat(positions, dim=1)[:, None, :]))
         spans, offset = [], 0
         for p, chunk in zip(now, chunks):
             end = p.start + len(chunk)
@@ -544,17 +597,25 @@ class SlotDecoder:
             hidden = hidden + proj["o_proj"](out.transpose(1, 2).reshape(1, offset, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
             if deepstack is not None and index < len(deepstack):
-                hidden[0, mask] = hidden[0, mask] + deepstack[index]
-        lasts = torch.tensor([last - 1 for *_, last, _ in spans], device=hidden.device)
+                hidden[0, image_at] = hidden[0, image_at] + deepstack[index]
+        lasts = host_to(self.device, torch.tensor([last - 1 for *_, last, _ in spans]))
         return list(self.lm_head(self._norm(self.text.norm, hidden[0, lasts])).float())
 
     def _qkv(self, attn, proj, x, cos, sin):
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = self._norm(attn.q_norm, proj["q_proj"](x).view(shape)).transpose(1, 2)
-        k = self._norm(attn.k_norm, proj["k_proj"](x).view(shape)).transpose(1, 2)
+        q = self._norm(attn.q_norm, proj["q_proj"](x).view(shape))
+        k = self._norm(attn.k_norm, proj["k_proj"](x).view(shape))
         v = proj["v_proj"](x).view(shape).transpose(1, 2)
-        q, k = self._rotate(q, k, cos, sin)
-        return q, k, v
+        # queries and keys rotated as one tensor: one set of elementwise kernels for both, each element's arithmetic
+        # that of transformers' apply_rotary_pos_emb
+        qk = self.rotate(torch.cat([q, k], dim=-2).transpose(1, 2), cos, sin)
+        return qk[:, : q.shape[-2]], qk[:, q.shape[-2] :], v
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL's rotary embedding of ``x`` ``(batch, heads, length, head_dim)`` at ``cos``/``sin`` ``(batch, length,
+        head_dim)``: transformers' ``apply_rotary_pos_emb`` for one tensor."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (x * cos) + (self._rotate_half(x) * sin)
 
     @staticmethod
     def _mlp(layer, proj, x):
@@ -604,7 +665,7 @@ class SlotDecoder:
             tokens[s], write[s], pos[s] = next_tokens[s], len(self.tokens[s]), self.next_pos[s]
             length[s] = len(self.tokens[s]) + 1
         span = min(self.max_len, math.ceil(int(length.max()) / self.attn_bucket) * self.attn_bucket)
-        args = [t.to(self.device, non_blocking=True) for t in (tokens, write, pos, length)]
+        args = [host_to(self.device, t) for t in (tokens, write, pos, length)]
         logits = self._step(*args, span)
         for s in busy:
             self.tokens[s].append(next_tokens[s])
@@ -616,6 +677,9 @@ class SlotDecoder:
         cos, sin = self.text.rotary_emb(hidden, pos.view(1, -1, 1).expand(3, -1, 1))
         rows = torch.arange(self.slots, device=hidden.device)
         visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
+        # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The value
+        # is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the softmax -inf gives.
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=hidden.device).masked_fill_(~visible, MASKED)
         for index, layer in enumerate(self.text.layers):
             attn, proj = layer.self_attn, self.projections[index]
             x = self._norm(layer.input_layernorm, hidden)
@@ -625,7 +689,7 @@ class SlotDecoder:
             # The query heads of one KV head are folded into the query length: no KV copy per group.
             q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
             out = F.scaled_dot_product_attention(
-                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=visible, scale=attn.scaling
+                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias, scale=attn.scaling
             )
             hidden = hidden + proj["o_proj"](out.reshape(self.slots, 1, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))

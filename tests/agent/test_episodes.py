@@ -10,7 +10,7 @@ import pytest
 from eogym_sft.data.prepare import PrepConfig, prepare_line
 from eogym_sft.data.traces import TraceError, normalize_row
 from eogym_sft.environment.env import EOGymEnvironment
-from eogym_sft.agent.episodes import LoopConfig, new_episode, run_episodes
+from eogym_sft.agent.episodes import LoopConfig, PieceTokenizer, cut_tokens, new_episode, run_episodes
 from eogym_sft.agent.generation import Sampling, SlotDecoder
 from eogym_sft.models.tiny import build_tiny_model
 
@@ -134,3 +134,170 @@ def test_the_environment_refuses_a_cap_below_one(tmp_path):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=f"max_calls_per_turn must be a whole number >= 1, got {bad!r}"):
             EOGymEnvironment(make_row(n_steps=1), tmp_path, max_calls_per_turn=bad)
+
+
+# ---------------------------------------------------------------- prompts: tokens and images made ahead
+
+FRAGMENTS = [
+    " ", "  ", "\n", "\n\n", " \n", "\t", "a", "ab", "Ab", "e", "\u0301", "é", "금", "１２", "12", "3.5", "'s", "'S",
+    '{"x": [1, 2]}', "<", "|>", "<|", "<|im", "_end|>", "<tool", "call>", "Final Answer:", "🛰️", "\r\n",
+]
+
+
+def _random_texts(tokenizer, rng, n: int) -> list[str]:
+    """Texts of fragments and added tokens side by side: whitespace, a combining accent or half a marker next to a cut."""
+    pieces = FRAGMENTS + [t.content for t in tokenizer.added_tokens_decoder.values()]
+    return ["".join(rng.choice(pieces, int(rng.integers(0, 40)))) for _ in range(n)]
+
+
+def test_piece_tokenizer_equals_the_tokenizer_on_texts_cut_anywhere(processor):
+    import numpy as np
+
+    tokenizer = processor.tokenizer
+    assert len(cut_tokens(tokenizer)) == len(tokenizer.added_tokens_decoder)  # Qwen3's 26 added tokens: all cuts
+    texts = _random_texts(tokenizer, np.random.default_rng(0), 400)
+    texts += texts[::7]  # again, from held pieces
+    for size in (4096, 1):  # a held piece dropped and encoded again
+        pieces = PieceTokenizer(tokenizer, size)
+        for text in texts:
+            assert pieces(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
+        assert len(pieces.held) <= size
+
+
+def test_piece_tokenizer_equals_the_tokenizer_on_an_episodes_prompts(processor, data_root, row_factory):
+    """Each next prompt of an episode is its last one and a turn: the same ids as encoding it whole, most of them held."""
+    row = row_factory(n_steps=2)
+    episode = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
+    pieces, encoded = PieceTokenizer(processor.tokenizer), []
+    for turn in row["messages"][2:]:
+        ids, _ = episode.prompt(processor, data_root, tokens=pieces)
+        encoded.append(len(pieces.held))
+        assert ids == episode.prompt(processor, data_root)[0]
+        episode.row["messages"].append(turn)
+    assert encoded == sorted(encoded) and len(set(encoded)) > 1
+
+
+@pytest.mark.parametrize(
+    "token, options, cut, not_cut",
+    [
+        ("<|strip|>", {"lstrip": True, "rstrip": True, "normalized": False}, False, set()),  # "x  <|strip|>  y": x, <|strip|>, y
+        ("<|norm|>", {"normalized": True}, False, set()),  # matched after normalisation
+        ("ab<|", {"normalized": False}, True, {"<|im_end|>", "<|image_pad|>"}),  # "ab<|im_end|>": ab<|, im, _end, |>
+        ("<|im_end|>z", {"normalized": False}, False, {"<|im_end|>"}),  # the longer match wins where both start
+    ],
+)
+def test_piece_tokenizer_cuts_only_where_the_tokenizer_does(processor, token, options, cut, not_cut):
+    """Added tokens that the tokenizer may not cut a text at are not cut at here either; the ids equal the tokenizer's."""
+    import copy
+
+    import numpy as np
+    from tokenizers import AddedToken
+
+    tokenizer = copy.deepcopy(processor.tokenizer)
+    tokenizer.add_tokens([AddedToken(token, **options)])
+    cuts = set(cut_tokens(tokenizer))
+    assert (token in cuts) == cut and not not_cut & cuts and "<tool_call>" in cuts
+    pieces = PieceTokenizer(tokenizer)
+    for text in _random_texts(tokenizer, np.random.default_rng(1), 300) + [f"x  {token}  y ab<|im_end|>\n{token}\u0301 z"]:
+        assert pieces(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
+
+
+def test_piece_tokenizer_encodes_whole_texts_where_special_tokens_are_text(processor):
+    import copy
+
+    tokenizer = copy.deepcopy(processor.tokenizer)
+    tokenizer.split_special_tokens = True
+    assert cut_tokens(tokenizer) == [] and PieceTokenizer(tokenizer).split is None
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert PieceTokenizer(tokenizer)(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class _Loads:
+    """An image cache's loader that records the thread of each load."""
+
+    def __init__(self, processor):
+        self.processor, self.threads = processor, []
+
+    def __call__(self, path):
+        import threading
+
+        from eogym_sft.agent.generation import image_input
+        from eogym_sft.data.images import load_rgb
+
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return image_input(self.processor, load_rgb(path))
+
+
+def test_preload_decodes_each_image_in_a_task_of_its_own_and_the_prompt_takes_them(processor, data_root, row_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eogym_sft.data.images import ImageCache
+
+    row = row_factory(images=["EO_GYM_DATA/aaaa0000/scene.jpg", "EO_GYM_DATA/bbbb1111/post.png"])
+    loads = _Loads(processor)
+    pictures = ImageCache(load=loads, cost=lambda picture: 1)
+    episode = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        episode.preload(pictures, data_root, pool=pool)
+        assert len(episode._ahead) == 2
+    _, images = episode.prompt(processor, data_root, pictures=pictures)
+    assert loads.threads == [False, False]  # both in the pool's threads, none since
+    assert [im is pictures.get(data_root / rel) for im, rel in zip(images, row["images"])] == [True, True]
+    assert episode._ahead == {}
+    now = new_episode(row, "f:1", "base", 1, EOGymEnvironment(row, data_root))
+    loads.threads.clear()
+    now.preload(ImageCache(load=loads, cost=lambda picture: 1), data_root)  # without a pool: decoded here and now, held by the episode
+    assert loads.threads == [True, True] and len(now._pictures) == 2 and now._ahead == {}
+
+
+def test_a_preloaded_image_that_fails_fails_the_prompt_as_a_load_there_does(processor, data_root, row_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eogym_sft.agent.episodes import picture_cache
+    from eogym_sft.data.images import ImageError
+
+    (data_root / "EO_GYM_DATA/aaaa0000/scene.jpg").write_bytes(b"\xff\xd8\xff not a jpeg")
+    row = row_factory()
+    errors = []
+    for preload in (True, False):
+        episode = new_episode(row, "f:1", "base", 0, EOGymEnvironment(row, data_root))
+        pictures = picture_cache(processor)
+        if preload:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                episode.preload(pictures, data_root, pool=pool)
+        with pytest.raises(ImageError) as err:
+            episode.prompt(processor, data_root, pictures=pictures)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "corrupt_image" in errors[0]
+
+
+class _EveryTurnCrops(Sampling):
+    """Every slot writes the same crop call every turn: the slots end their turns together."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.script = tokenizer(COMPACT_CALL, add_special_tokens=False)["input_ids"]
+
+    def pick(self, logits, generated, stop_ids, generator=None, banned_ids=()):
+        return [self.script[n] for n in generated]
+
+
+def test_the_tool_images_of_a_step_start_decoding_before_its_next_prompts_are_made(processor, tmp_path):
+    """Two slots end a turn in one step: both turns' tools run and their crops are handed to the workers before
+    either next prompt is rendered (the prompts are then made in slot order, as the prefill takes them)."""
+    from conftest import make_row, save_image
+
+    save_image(tmp_path, "EO_GYM_DATA/aaaa0000/scene.jpg", 640, 480)
+    row = make_row(n_steps=1)
+    events = []
+    episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, tmp_path)) for k in range(2)]
+    for ep in episodes:
+        for name in ("preload", "prompt"):
+            method = getattr(ep, name)
+            setattr(ep, name, lambda *a, _m=method, _n=name, _e=ep, **k: events.append((_n, _e.sample, _e.turns)) or _m(*a, **k))
+    decoder = SlotDecoder(build_tiny_model(0).eval(), slots=2, max_len=2048)
+    done = []
+    run_episodes(decoder, processor, iter(episodes), _EveryTurnCrops(processor.tokenizer), LoopConfig(2, MAX_NEW_TOKENS), tmp_path, done.append)
+    assert [ep.stop for ep in done] == ["max_turns", "max_turns"] and len(done[0].images_seen) == 2  # the scene and its crop
+    assert events == [("preload", 0, 0), ("preload", 1, 0), ("prompt", 0, 0), ("prompt", 1, 0),
+                      ("preload", 0, 1), ("preload", 1, 1), ("prompt", 0, 1), ("prompt", 1, 1)]

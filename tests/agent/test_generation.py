@@ -15,7 +15,9 @@ from helpers import perturb_lora_b
 
 from eogym_sft.agent.generation import (
     GraphedStep,
+    ImageInput,
     Sampling,
+    _Prefill,
     common_prefix,
     draw,
     fused_rms_norm,
@@ -24,7 +26,9 @@ from eogym_sft.agent.generation import (
     norms_fuse,
     SlotDecoder,
     image_input,
+    image_starts,
     parameter_storage,
+    vision_metadata,
     vision_token_ids,
 )
 from eogym_sft.models.layout import expand_image_pads, mrope_position_ids
@@ -171,8 +175,79 @@ def test_sampling_rules():
 def test_common_prefix_is_the_length_of_the_equal_start(a, b):
     limit = min(len(a), len(b))
     naive = next((i for i in range(limit) if a[i] != b[i]), limit)
-    assert common_prefix(a, b, limit) == naive
-    assert common_prefix(a, b, min(limit, 3)) == min(naive, 3)
+    for first in (1, 2, 3, 64):  # small first blocks double and bisect within these short lists too
+        assert common_prefix(a, b, limit, first) == naive
+        assert common_prefix(a, b, min(limit, 3), first) == min(naive, 3)
+
+
+def _naive_prefix(a: list, b: list, limit: int) -> int:
+    return next((i for i in range(limit) if a[i] != b[i]), limit)
+
+
+def test_common_prefix_equals_a_scan_on_long_lists_diverging_anywhere():
+    """Prompt-sized lists (fresh int objects, as a new request's are) that part at every kind of place: the
+    first item, the edges of the doubling blocks (64, 192, 448, ... for the default first block), inside one,
+    not at all, or past ``limit``."""
+    rng = np.random.default_rng(0)
+    edges = [64 * (2**k - 1) + d for k in range(1, 8) for d in (-1, 0, 1)]
+    for case in range(400):
+        n = int(rng.integers(1, 9000))
+        a = rng.integers(0, 151_000, n).tolist()
+        b = [int(str(x)) for x in a]
+        at = [0, n, int(rng.integers(0, n)), *edges][case % (3 + len(edges))]
+        if at < n:
+            b[at] += 1
+        if case % 5 == 0:
+            b = b[: int(rng.integers(0, n + 1))]  # one list shorter than the other
+        for limit in (min(len(a), len(b)), int(rng.integers(0, min(len(a), len(b)) + 1))):
+            for first in (1, 7, 64, 4096):
+                assert common_prefix(a, b, limit, first) == _naive_prefix(a, b, limit), (n, at, limit, first)
+
+
+def _fake_image(tokens: int) -> ImageInput:
+    return ImageInput(torch.zeros(4 * tokens, 3), (1, 2, 2 * tokens), merge_size=2)
+
+
+def _conversation_ids(rng, images: list[ImageInput]) -> list[int]:
+    """Text runs with each image's pads between vision markers (never two images side by side), as Qwen3-VL lays a prompt out."""
+    ids = []
+    for image in images:
+        ids += rng.integers(0, 50, int(rng.integers(0, 300))).tolist() + [151652] + [IMAGE_TOKEN_ID] * image.tokens + [151653]
+    return ids + rng.integers(0, 50, int(rng.integers(1, 300))).tolist()
+
+
+def _served_spec(held: list[int], held_images: list, ids: list[int], images: list) -> int:
+    """What a cache holding ``held`` may serve of ``ids``, by its definition: the longest prefix short of the last
+    token that ``held`` holds, ending inside no image's pads, and whose every image is the very object held."""
+    starts = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
+    for n in range(_naive_prefix(held, ids, min(len(held), len(ids) - 1)), 0, -1):
+        splits = ids[n] == IMAGE_TOKEN_ID and ids[n - 1] == IMAGE_TOKEN_ID
+        stale = any(k >= len(held_images) or held_images[k] is not images[k] for k, at in enumerate(starts) if at < n)
+        if not splits and not stale:
+            return n
+    return 0
+
+
+def test_reusable_prefixes_and_new_tokens_equal_their_definition_on_random_conversations(model):
+    """Slots holding long random conversations that a request shares in part: cut in text, inside an image's
+    pads, at its first pad, with an image of the same size but another object, or further on."""
+    rng = np.random.default_rng(1)
+    decoder = SlotDecoder(model, slots=3, max_len=16384, attn_bucket=64)
+    for case in range(150):
+        images = [_fake_image(int(rng.integers(1, 400))) for _ in range(int(rng.integers(0, 6)))]
+        ids = _conversation_ids(rng, images)
+        for slot in range(3):
+            held = [int(str(t)) for t in ids[: int(rng.integers(0, len(ids) + 200))]]
+            held += rng.integers(0, 50, max(0, len(ids) + 1 - len(held)) * int(rng.integers(0, 2))).tolist()
+            if held and rng.random() < 0.5:
+                held[int(rng.integers(0, len(held)))] = IMAGE_TOKEN_ID if rng.random() < 0.5 else 49
+            swap = int(rng.integers(0, len(images) + 1))  # the images from here on are other objects of the same size
+            decoder.tokens[slot] = held
+            decoder.images[slot] = images[:swap] + [_fake_image(im.tokens) for im in images[swap:]]
+        p = _Prefill(0, ids, images, image_starts(ids, images, IMAGE_TOKEN_ID))
+        served = [_served_spec(decoder.tokens[s], decoder.images[s], ids, images) for s in range(3)]
+        assert [decoder._reusable(s, p) for s in range(3)] == served, case
+        assert decoder.new_tokens(ids, images) == len(ids) - max(served)
 
 
 def test_draw_samples_in_proportion_to_the_weights_and_never_a_zero_weight():
@@ -701,6 +776,71 @@ def test_prefill_many_on_cuda_equals_each_prefill_alone(processor, dtype):
             torch.testing.assert_close(got, want, **ANOTHER_SHAPE)
         else:
             assert (got - want).abs().max() < 0.05 * want.std()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_and_keys_rotated_together_equal_transformers_rotary_embedding(model, dtype):
+    """The decoder rotates a layer's queries and keys as one tensor (their heads side by side): to the bit what
+    transformers' ``apply_rotary_pos_emb`` gives each of them, at Qwen3-VL's 3-D rotary positions."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+
+    decoder = SlotDecoder(model, slots=1, max_len=64)
+    g = torch.Generator().manual_seed(0)
+    heads, kv, d = decoder.kv_heads * decoder.groups, decoder.kv_heads, decoder.head_dim
+    q, k = torch.randn(2, 5, heads, d, generator=g).to(dtype), torch.randn(2, 5, kv, d, generator=g).to(dtype)
+    positions = torch.randint(0, 50, (3, 2, 5), generator=g)
+    cos, sin = model.model.language_model.rotary_emb(q, positions)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos.to(dtype), sin.to(dtype))
+    got = decoder.rotate(torch.cat([q, k], dim=-2).transpose(1, 2), cos.to(dtype), sin.to(dtype))
+    assert torch.equal(got[:, :heads], want_q) and torch.equal(got[:, heads:], want_k)
+
+
+def test_the_vision_metadata_from_the_host_gives_the_same_features(model, processor):
+    """transformers' Qwen3-VL vision forward takes its grid-derived metadata by keyword (``vision_utils``' helpers pop
+    them): what the decoder computes on the host gives the unassisted forward's features to the bit, and each keyword
+    is used, not ignored (one made wrong changes the features), so none is derived again on the GPU."""
+    images = [image_input(processor, p) for p in _pictures()]
+    pixels = torch.cat([im.pixel_values for im in images])
+    grid = torch.tensor([im.grid_thw for im in images])
+    visual = model.model.visual
+    meta = vision_metadata(visual, grid, torch.device("cpu"))
+    assert set(meta) == {"interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen"}
+
+    def features(**kwargs):
+        with torch.no_grad():
+            out = model.model.get_image_features(pixels, grid, return_dict=True, **kwargs)
+        return torch.cat(out.pooler_output), [torch.cat(f) for f in out.deepstack_features]
+
+    (want, want_deep), (got, got_deep) = features(), features(**meta)
+    assert torch.equal(got, want) and len(got_deep) == len(want_deep) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got_deep, want_deep))
+    one_image = torch.tensor([0, int(meta["cu_seqlens"][-1])], dtype=meta["cu_seqlens"].dtype)  # both images attend together
+    for key, wrong in (("interp_weights", meta["interp_weights"].flip(0)), ("position_ids", meta["position_ids"].flip(0)),
+                       ("interp_indices", meta["interp_indices"].flip(0)), ("cu_seqlens", one_image)):
+        assert not torch.equal(features(**{**meta, key: wrong})[0], want), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_prefill_with_images_queues_without_a_host_synchronisation(processor):
+    """A prefill's inputs travel from the host through pinned memory, the vision tower's metadata comes from the host
+    and image tokens are placed by an index found there: no CUDA call of a prefill waits for the GPU (torch's sync debug
+    mode raises at the first that would). The same requests run once before, so cuDNN's plans and the pinned blocks exist."""
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)
+    model = build_tiny_model(0, config).eval().to("cuda", torch.bfloat16)
+    images = [image_input(processor, p) for p in _pictures()]
+    first, second = _two_turns(processor, images)
+    requests = [(0, second, images), (1, first, images[:1])]
+    decoder = SlotDecoder(model, slots=2, max_len=512, attn_bucket=64)
+    want = decoder.prefill_many(requests)
+    decoder.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = decoder.prefill_many(requests)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_prefill_many_keeps_a_forward_within_prefill_tokens_and_never_splits_a_request(model):
