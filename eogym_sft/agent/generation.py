@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..models import decode_attention as split_kv
 from ..models.layout import grid_token_count, mrope_position_ids
 
 # Qwen3-VL's vision special tokens. A sampled one would stand for image features that do not exist:
@@ -283,6 +284,11 @@ class SlotDecoder:
     The text tower's RMSNorms run as torch's fused ``F.rms_norm`` (:func:`fused_rms_norm`) when all of them are
     transformers' plain Qwen3-VL norm in the activations' dtype (:func:`norms_fuse`); otherwise as their modules.
 
+    The decode step's attention (``attention``) is :func:`~eogym_sft.models.decode_attention.decode_attention` on a
+    CUDA device with triton (``"split_kv"``: each (slot, KV head) split over the span, reading only the slot's own
+    keys), and SDPA with an additive mask over the span elsewhere (``"masked_sdpa"``); setting the attribute switches
+    a decoder's next step (graphs captured with the other one stay as they were: :meth:`reset` drops them).
+
     Each layer's projections (q, k, v, o and the MLP's gate, up and down, which the decoder then combines itself as
     the MLP does: :func:`plain_mlp`) run over weights chosen by :func:`merge_plan` for the model's adapter state. A
     plain ``nn.Linear`` (the base model, a projection no adapter targets, adapters disabled or merged) is called as
@@ -336,6 +342,9 @@ class SlotDecoder:
         self.attn_bucket = attn_bucket
         self.prefill_tokens = prefill_tokens
         self._norm = fused_rms_norm if norms_fuse(self.text, self.dtype) else module_norm
+        # The decode step's attention: split-KV Triton kernels where they run (CUDA, triton importable), which read
+        # each slot's own keys only; masked SDPA elsewhere, the reference they are tested against.
+        self.attention = "split_kv" if split_kv.available(self.device) else "masked_sdpa"
         from transformers.models.qwen3_vl.modeling_qwen3_vl import rotate_half
 
         self._rotate_half = rotate_half
@@ -676,10 +685,12 @@ class SlotDecoder:
         hidden = self.text.embed_tokens(tokens)[:, None]  # (slots, 1, hidden)
         cos, sin = self.text.rotary_emb(hidden, pos.view(1, -1, 1).expand(3, -1, 1))
         rows = torch.arange(self.slots, device=hidden.device)
-        visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
-        # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The value
-        # is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the softmax -inf gives.
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=hidden.device).masked_fill_(~visible, MASKED)
+        kernel = self.attention == "split_kv"
+        if not kernel:
+            visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
+            # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The value
+            # is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the softmax -inf gives.
+            bias = torch.zeros(visible.shape, dtype=self.dtype, device=hidden.device).masked_fill_(~visible, MASKED)
         for index, layer in enumerate(self.text.layers):
             attn, proj = layer.self_attn, self.projections[index]
             x = self._norm(layer.input_layernorm, hidden)
@@ -688,9 +699,12 @@ class SlotDecoder:
             self.values[index][rows, :, write] = v[:, :, 0]
             # The query heads of one KV head are folded into the query length: no KV copy per group.
             q = q.reshape(self.slots, self.kv_heads, self.groups, self.head_dim)
-            out = F.scaled_dot_product_attention(
-                q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias, scale=attn.scaling
-            )
+            if kernel:  # an idle slot (length 0) gets zeros here, the mean of the span's values from SDPA: never read
+                out = split_kv.decode_attention(q, self.keys[index], self.values[index], length, span, attn.scaling)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias, scale=attn.scaling
+                )
             hidden = hidden + proj["o_proj"](out.reshape(self.slots, 1, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
         return self.lm_head(self._norm(self.text.norm, hidden[:, 0])).float()
