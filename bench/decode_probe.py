@@ -34,6 +34,11 @@ synchronised before and after (CUDA events beside the host clock on a GPU), mean
     copy, no mask), q ``(slots, heads, 1, head_dim)``, ``enable_gqa=True``: the unmasked best case through flash.
 
   Elsewhere ``setup.flash_arms.absent`` says why they are not there (``"not on CPU"``, ...);
+* where the decoder runs the split-KV Triton kernels (CUDA with triton: ``setup.decode_attention`` is ``"split_kv"``),
+  ``step/masked_sdpa`` (with graphs) and ``step_eager/masked_sdpa``: the same step with masked SDPA, its attention
+  before them; and the attention arms ``split_kv`` (every slot at ``history + 1`` keys), ``split_kv_ragged`` (the slots'
+  lengths spread evenly from 1 to ``history + 1``) and ``masked_ragged`` (masked SDPA at those lengths, the ragged
+  arm's reference); elsewhere ``setup.split_kv_arms.absent`` says why not;
 * ``floor``: the bytes a step must read (the text tower's and head's weights; the keys and values of ``history + 1``
   tokens, and of the span the masked call reads) over ``--bandwidth``: an estimate, not a measurement.
 
@@ -283,12 +288,41 @@ def flash_decode_calls(q, keys, values, lengths, span: int, scale: float, dense_
     return calls
 
 
+def split_kv_calls(q, keys, values, length: int, span: int, scale: float) -> tuple[dict, dict]:
+    """The split-KV Triton kernels (:func:`eogym_sft.models.decode_attention.decode_attention`, the decoder's attention
+    on CUDA) over one layer's caches, each a call of no arguments: ``split_kv`` with every slot at ``length`` keys;
+    ``split_kv_ragged`` with the slots' lengths spread evenly from 1 to ``length`` (the kernels stop at each slot's
+    length, masked SDPA reads the span whatever they are), and ``masked_ragged``, masked SDPA at those lengths, which
+    it is checked against. Also the notes: splits, keys a split, the ragged lengths."""
+    import torch
+
+    from eogym_sft.models.decode_attention import decode_attention, split_size, splits_for
+
+    slots = q.shape[0]
+    lengths = torch.full((slots,), length, device=q.device)
+    ragged = torch.linspace(1, length, slots, device=q.device).round().long()
+    visible = (torch.arange(span, device=q.device)[None] < ragged[:, None])[:, None, None]
+    calls = {
+        "split_kv": lambda: decode_attention(q, keys, values, lengths, span, scale),
+        "masked_ragged": lambda: masked_attention(q, keys, values, visible, span, scale),
+        "split_kv_ragged": lambda: decode_attention(q, keys, values, ragged, span, scale),
+    }
+    notes = {"splits": splits_for(span), "split_keys": split_size(span, splits_for(span)), "ragged_lengths": ragged.tolist()}
+    return calls, notes
+
+
+# what a ragged arm's output is checked against (the others: ``masked``); None: not checked (other lengths)
+REFERENCE = {"masked_ragged": None, "split_kv_ragged": "masked_ragged"}
+
+
 def attention_arms(decoder, layer: int, length: int, span: int, seed: int, device, repeats: int, warmup: int) -> tuple[dict, dict]:
     """One layer's decode attention at the step's shapes: ``masked`` as ``_decode_step`` calls it (over ``span`` keys,
     ``length`` visible in every slot) and ``unmasked`` over exactly ``length`` keys; on CUDA each also under every SDPA
     backend alone; where flash runs, :func:`flash_decode_calls`'s candidates (``sdpa_flash_dense`` under SDPA's flash
-    backend alone). ms per call (back to back) and the largest difference from ``masked``; and what the flash arms were
-    (``arms``, or ``absent``: why not) beside :func:`flash_ops_here`."""
+    backend alone); where the decoder's split-KV kernels run (CUDA with triton), :func:`split_kv_calls`'s arms. ms per
+    call (back to back) and the largest difference from ``masked`` (a ragged arm's from ``masked_ragged``); and what
+    the flash arms were (``arms``, or ``absent``: why not) beside :func:`flash_ops_here`, and the split-KV arms'
+    notes."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -325,7 +359,16 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
             for name, fn in calls.items():
                 arms[name] = (fn, backends["flash"] if name == "sdpa_flash_dense" else None)
             notes["arms"] = list(calls)
-    out, ref = {}, None
+    from eogym_sft.models.decode_attention import available
+
+    why = "triton is not installed" if device.type == "cuda" else f"not on {device.type.upper()}"
+    split_notes = {"absent": None if available(device) else why}
+    if available(device):
+        calls, more = split_kv_calls(q, keys, values, length, span, scale)
+        arms.update({name: (fn, None) for name, fn in calls.items()})
+        split_notes.update(more, arms=list(calls))
+    notes["split_kv_arms"] = split_notes
+    out, ref, results = {}, None, {}
     for name, (fn, backend) in arms.items():
         def call(fn=fn, backend=backend):
             if backend is None:
@@ -340,8 +383,28 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
             continue
         res = res.reshape(S, -1).float()  # SDPA's (S, kv, groups, d) and flash's (S, heads, d) hold the heads in one order
         ref = res if ref is None else ref
-        out[name] = {**stats, "max_abs_diff": float((res - ref).abs().max())}
+        results[name] = res
+        against = results.get(REFERENCE[name]) if name in REFERENCE else ref
+        out[name] = stats if against is None else {**stats, "max_abs_diff": float((res - against).abs().max())}
     return out, notes
+
+
+def masked_sdpa_step(decoder, inputs, span: int, graphs: bool, device, repeats: int, warmup: int) -> dict:
+    """The decode step with the decoder's masked SDPA attention in place of the split-KV kernels it runs on CUDA:
+    ``step/masked_sdpa``, a graph of its own replayed (with ``graphs``), and ``step_eager/masked_sdpa``."""
+    from eogym_sft.agent.generation import GraphedStep
+
+    parts = {}
+    decoder.attention = "masked_sdpa"
+    try:
+        if graphs:
+            other = GraphedStep(decoder._decode_step, decoder.slots, device)
+            other(*inputs, span)  # captures with masked SDPA: the replay keeps it after the attribute is back
+            parts["step/masked_sdpa"], _ = measure(other.graphs[span][0].replay, device, repeats, warmup)
+        parts["step_eager/masked_sdpa"], _ = measure(lambda: decoder._decode_step(*inputs, span), device, repeats, warmup)
+    finally:
+        decoder.attention = "split_kv"
+    return parts
 
 
 def floor_estimate(decoder, model, length: int, span: int, bandwidth: float) -> dict:
@@ -428,6 +491,12 @@ def format_table(result: dict) -> str:
     if flash["absent"]:
         lines.append(f"{'attention, 1 layer: flash arms':<34} absent: {flash['absent']}")
     lines.append(f"{'flash kv-cache decode op':<34} {flash['flash_kvcache']}")
+    split = setup["split_kv_arms"]
+    if split["absent"]:
+        lines.append(f"{'attention, 1 layer: split_kv arms':<34} absent: {split['absent']}")
+    else:
+        lines.append(f"{'split_kv':<34} {split['splits']} splits of {split['split_keys']} keys; the step's attention: "
+                     f"{setup['decode_attention']}")
     lines.append(f"{'floor estimate (weights + kv)':<34} {floor['floor_ms']:9.3f}   ({floor['weight_bytes'] / 1e9:.2f} GB + "
                  f"{floor['kv_bytes'] / 1e9:.2f} GB at {floor['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; span: {floor['floor_span_ms']:.3f})")
     lines += [f"{k:<34} {v}" for k, v in result["derived"].items()]
@@ -531,8 +600,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         # (e) one layer's attention alone
         attention, flash_arms = attention_arms(decoder, 0, length, span, args.seed, device, reps, warm)
+        split_arms = flash_arms.pop("split_kv_arms")
 
-    # (f) the floor
+        # (f) the step with masked SDPA, where the decoder runs the split-KV kernels: before and after in one call
+        if decoder.attention == "split_kv":
+            parts.update(masked_sdpa_step(decoder, inputs, span, graphs, device, reps, warm))
+
+    # (g) the floor
     floor = floor_estimate(decoder, model, length, span, args.bandwidth)
     layers = len(decoder.keys)
     step_ms = parts["step"]["gpu_ms"] or parts["step"]["ms"]
@@ -546,7 +620,7 @@ def main(argv: list[str] | None = None) -> dict:
         "attention_masked_x_layers_ms": round(per_call(attention["masked"]) * layers, 4),
         "attention_unmasked_x_layers_ms": round(per_call(attention["unmasked"]) * layers, 4),
         **{f"attention_{name}_x_layers_ms": round(per_call(attention[name]) * layers, 4)
-           for name in flash_arms["arms"] if "error" not in attention[name]},
+           for name in flash_arms["arms"] + split_arms.get("arms", []) if "error" not in attention[name]},
         "step_over_floor": round(step_ms / floor["floor_ms"], 3),
     }
     result = {
@@ -565,6 +639,8 @@ def main(argv: list[str] | None = None) -> dict:
             "timing": "parts: each call synchronised before and after, mean host ms and mean CUDA-event ms; "
                       "attention: calls back to back, per call",
             "flash_arms": flash_arms,
+            "decode_attention": decoder.attention,
+            "split_kv_arms": split_arms,
         },
         "parts": parts,
         "attention_one_layer": attention,

@@ -100,6 +100,8 @@ def test_decode_probe_times_every_part_and_its_attention_arms_agree(tiny_model_d
     flash = result["setup"]["flash_arms"]
     assert (flash["absent"], flash["arms"]) == ("not on CPU", [])
     assert "_flash_attention_forward" in flash["aten_attention_ops"]
+    assert result["setup"]["split_kv_arms"] == {"absent": "not on CPU"}  # nor the masked step beside it
+    assert result["setup"]["decode_attention"] == "masked_sdpa" and "split_kv arms" in format_table(result)
     assert "flash arms" in format_table(result) and not any("flash" in k for k in result["derived"])
     assert all(a["ms"] > 0 and a["back_to_back"] for a in attention.values())
     assert attention["unmasked"]["max_abs_diff"] < 1e-5
