@@ -37,6 +37,9 @@
 #                                           # not, and the flash candidates flash_varlen, flash_varlen_folded,
 #                                           # efficient_varlen_folded, sdpa_flash_dense; the bandwidth floor), with CUDA
 #                                           # graphs, then eager with a profile of 3 steps
+#   bash bench/h200_session.sh split_kv_probe  # issue 41: the split-KV Triton decode kernels' GPU tests (against masked
+#                                           # SDPA, a graph replayed over new lengths, the slot decoder eager and graphed),
+#                                           # then decode_probe with CUDA graphs: the split_kv arms and the step with masked SDPA
 #   bash bench/h200_session.sh grpo_phases  # the grpo stage's slots arm (one step after one warm-up), the base commit's
 #                                           # .before/ (as rollout_phases) then the tree; GRPO_PHASES_EXTRA="--flag value"
 #                                           # adds the tree once more with those recipe flags (e.g. --activation_checkpointing false);
@@ -330,6 +333,16 @@ decode_probe)
   CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --no-cuda-graphs --profile 3 \
     --json $OUT/decode_probe_eager.json > $OUT/decode_probe_eager.log 2>&1 || echo "decode_probe --no-cuda-graphs: exit $?"
   grep -vE "Warning|warn|Loading weights" $OUT/decode_probe_eager.log | tail -100
+  ;;
+split_kv_probe)
+  # issue 41: the decoder's split-KV attention on the GPU: its tests first (the kernels' compiles included), then one
+  # decode_probe run (the model's load ~1 min, one shared 6,000-token prefill of 32 slots)
+  make_model
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_decode_attention.py \
+    tests/agent/test_generation.py 2>&1 | tail -8 || echo "split_kv GPU tests failed"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --cuda-graphs \
+    --json $OUT/split_kv_probe.json > $OUT/split_kv_probe.log 2>&1 || echo "decode_probe --cuda-graphs: exit $?"
+  grep -vE "Warning|warn|Loading weights" $OUT/split_kv_probe.log | tail -50
   ;;
 grpo_phases)
   [ -d .before/eogym_sft ] || { echo "grpo_phases: no .before/: mkdir .before; git archive BASE eogym_sft bench recipes | tar -x -C .before"; exit 1; }

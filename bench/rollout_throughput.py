@@ -235,7 +235,7 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
     phases = {name: round(stats[name], 2) for name in ("prefill_s", "decode_s", "tool_s", "other_s")}
     phases["prefill_vision_s"] = round(vision.seconds(), 2)  # the vision tower's part of prefill_s
     return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
-            "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2),
+            "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2), "decode_attention": decoder.attention,
             "merged_weights_gib": round(decoder.merged_bytes() / 2**30, 2), **phases}
 
 

@@ -30,6 +30,7 @@ def test_rollout_bench_runs_all_arms_on_the_same_episodes(tiny_model_dir, tmp_pa
     assert (serial["episodes"], serial["turns"], serial["new_tokens"]) == (1, 2, 4)
     assert 0 < slots["prefill_tokens"] and batched["speedup_vs_batched"] == 1.0
     assert 0 < slots["prefill_vision_s"] <= slots["prefill_s"]  # the vision tower runs inside the prefills
+    assert slots["decode_attention"] == "masked_sdpa"  # the split-KV kernels run on CUDA only
     assert "gen tok/s" in format_table(result)
 
 

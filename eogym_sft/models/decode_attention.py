@@ -63,6 +63,8 @@ def decode_attention(q, keys, values, lengths, span: int, scale: float, splits: 
     any strides with a unit last one); ``lengths`` ``(slots,)`` integer on the device. Returns ``(slots, kv_heads,
     groups, head_dim)`` in ``q``'s dtype, as SDPA's output. ``splits`` overrides :func:`splits_for` (tests)."""
     slots, kv_heads, groups, head_dim = q.shape
+    if splits is not None and not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be 1 to {MAX_SPLITS}, not {splits}")
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("decode_attention reads keys and values with a unit stride along head_dim")
     splits = splits or splits_for(span)
@@ -79,8 +81,8 @@ def decode_attention(q, keys, values, lengths, span: int, scale: float, splits: 
         ROWS=rows, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PRECISION=precision,
     )
     _combine[(slots * kv_heads,)](
-        partial, stats, out, *out.stride(), kv_heads, groups, head_dim,
-        SPLITS=splits, ROWS=rows, BLOCK_D=block_d,
+        partial, stats, out, *out.stride(), kv_heads, groups, head_dim, splits,
+        MAX_SPLITS=MAX_SPLITS, ROWS=rows, BLOCK_D=block_d,
     )
     return out
 
@@ -130,33 +132,35 @@ if triton is not None:
             first += BLOCK_N
         row = (pid * splits + split) * groups + g  # (slot, head, split, row) flattened
         tl.store(partial + row[:, None] * head_dim + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        stat = row
-        tl.store(stats + stat, m, mask=row_ok)
-        tl.store(stats + tl.num_programs(0) * splits * groups + stat, total, mask=row_ok)
+        tl.store(stats + row, m, mask=row_ok)
+        tl.store(stats + tl.num_programs(0) * splits * groups + row, total, mask=row_ok)
 
     @triton.jit
     def _combine(
-        partial, stats, out, o_s, o_h, o_g, o_d, kv_heads, groups, head_dim,
-        SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+        partial, stats, out, o_s, o_h, o_g, o_d, kv_heads, groups, head_dim, splits,
+        MAX_SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
         s, h = (pid // kv_heads).to(tl.int64), pid % kv_heads
         g = tl.arange(0, ROWS)
         d = tl.arange(0, BLOCK_D)
         row_ok, d_ok = g < groups, d < head_dim
-        sums = tl.num_programs(0) * SPLITS * groups  # where the sums start in stats
+        sums = tl.num_programs(0) * splits * groups  # where the sums start in stats
+        # MAX_SPLITS iterations, those past splits masked: one compile for every span (a constexpr count would compile
+        # once per split count as the spans first come; a runtime loop bound the interpreter cannot take)
         top = tl.full((ROWS,), float("-inf"), tl.float32)
-        for split in range(0, SPLITS):
-            top = tl.maximum(top, tl.load(stats + (pid * SPLITS + split) * groups + g, mask=row_ok, other=float("-inf")))
+        for split in range(0, MAX_SPLITS):
+            ok = row_ok & (split < splits)
+            top = tl.maximum(top, tl.load(stats + (pid * splits + split) * groups + g, mask=ok, other=float("-inf")))
         top = tl.where(top == float("-inf"), 0.0, top)  # no key in any split (length 0): every weight below is 0
         total = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
-        for split in range(0, SPLITS):
-            row = (pid * SPLITS + split) * groups + g
-            weight = tl.exp2(tl.load(stats + row, mask=row_ok, other=float("-inf")) - top)  # 0 for an empty split
-            total += weight * tl.load(stats + sums + row, mask=row_ok, other=0.0)
-            part = tl.load(partial + row[:, None] * head_dim + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            acc += weight[:, None] * part
+        for split in range(0, MAX_SPLITS):
+            ok = row_ok & (split < splits)
+            row = (pid * splits + split) * groups + g
+            weight = tl.exp2(tl.load(stats + row, mask=ok, other=float("-inf")) - top)  # 0 for an empty or absent split
+            total += weight * tl.load(stats + sums + row, mask=ok, other=0.0)
+            acc += weight[:, None] * tl.load(partial + row[:, None] * head_dim + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         result = acc / tl.where(total > 0, total, 1.0)[:, None]  # length 0: zeros, not 0 / 0
         tl.store(out + s * o_s + h * o_h + g[:, None] * o_g + d[None, :] * o_d, result.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])

@@ -112,7 +112,7 @@ def test_triton_compiles_both_kernels_for_sm90_without_a_gpu(dtype):
     target = GPUTarget("cuda", 90, 64)
     first = {"ROWS": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     data = {name: f"*{dtype}" for name in ("q", "k", "v")} | {"lengths": "*i64", "partial": "*fp32", "stats": "*fp32"}
-    second = {"SPLITS": 12, "ROWS": 16, "BLOCK_D": 128}
+    second = {"MAX_SPLITS": split_kv.MAX_SPLITS, "ROWS": 16, "BLOCK_D": 128}
     for kernel, pointers, floats, constexprs in (
         (split_kv._partials, data, ("scale_log2",), first),
         (split_kv._combine, {"partial": "*fp32", "stats": "*fp32", "out": f"*{dtype}"}, (), second),
