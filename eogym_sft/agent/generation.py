@@ -100,8 +100,8 @@ PREFILL_TOKENS = 16384
 def host_to(device, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (on the host) on ``device``, queued without waiting for the GPU: a copy from pageable memory first
     waits for every kernel already queued, so on CUDA the tensor travels through pinned memory, asynchronously (the
-    pinned block is kept until the copy is done)."""
-    if device.type != "cuda":
+    pinned block is kept until the copy is done). A tensor already on a GPU is moved as it is."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 

@@ -21,6 +21,7 @@ from eogym_sft.agent.generation import (
     common_prefix,
     draw,
     fused_rms_norm,
+    host_to,
     merge_plan,
     module_norm,
     norms_fuse,
@@ -841,6 +842,26 @@ def test_a_prefill_with_images_queues_without_a_host_synchronisation(processor):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_image_already_on_the_gpu_is_prefilled_as_it_is(processor):
+    """Pixels a caller already moved to the GPU (bench/grpo_step.py's decoder check hands over the loss batch's) are
+    not pinned (only host tensors can be): they go in as they are, and give the same logits as from the host."""
+    assert torch.equal(host_to(torch.device("cuda"), torch.arange(3, device="cuda")).cpu(), torch.arange(3))
+    model = build_tiny_model(0, copy.deepcopy(TINY_QWEN3_VL_CONFIG)).eval().to("cuda", torch.bfloat16)
+    images = [image_input(processor, p) for p in _pictures()]
+    first, _ = _two_turns(processor, images)
+    on_gpu = [ImageInput(im.pixel_values.cuda(), im.grid_thw, im.merge_size) for im in images[:1]]
+    want = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64).prefill(0, first, images[:1])
+    got = SlotDecoder(model, slots=1, max_len=512, attn_bucket=64).prefill(0, first, on_gpu)
+    assert torch.equal(got, want)
+
+
+def test_host_to_leaves_a_cpu_copy_alone_off_cuda():
+    tensor = torch.arange(4)
+    assert host_to(torch.device("cpu"), tensor) is tensor
 
 
 def test_prefill_many_keeps_a_forward_within_prefill_tokens_and_never_splits_a_request(model):
