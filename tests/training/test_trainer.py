@@ -653,3 +653,49 @@ def test_a_collator_without_the_host_layout_still_trains(packed_trainers, proces
     assert "host_layout" not in batch
     loss, grads, steps, _ = _train_micro_batch(trainer, batch)
     assert torch.isfinite(loss) and any(g.abs().sum() > 0 for g in grads) and steps[0, 1] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["eogym_varlen", "eogym_varlen_cudnn"])
+def test_the_host_layout_on_a_gpu_syncs_less_and_changes_nothing(processor_at_cap, tmp_path, attention):
+    """On CUDA (bf16, the recipe's attentions): a packed step through the trainer's DataLoader path (pinned, moved by
+    ``_prepare_inputs``) with the layout has the same loss and LoRA gradients as without it, bit for bit, and fewer
+    host syncs (``torch.cuda.set_sync_debug_mode("warn")``): none of the vision blocks' ``.tolist()``."""
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+    from torch.utils.data._utils.pin_memory import pin_memory
+    from trl import SFTConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from sync_counter import count
+
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
+    from eogym_sft.models.host_layout import VisionGeometry
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    register_varlen_attention()
+    model = build_tiny_model(seed=4, dtype="bfloat16", device="cuda")
+    model.set_attn_implementation({"text_config": attention, "vision_config": "sdpa"})
+    add_sample_boundaries(model)
+    model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=4)
+    args = SFTConfig(output_dir=str(tmp_path), bf16=True, report_to="none", padding_free=True, remove_unused_columns=False,
+                     dataset_kwargs={"skip_prepare_dataset": True})
+    collator = EOGymCollator(processor_at_cap, padding_free=True, host_layout=True, vision=VisionGeometry.of(model), pixel_dtype=torch.bfloat16)
+    trainer = EOGymSFTTrainer(model=model, args=args, data_collator=collator, train_dataset=Dataset.from_list([{"messages": "[]"}]),
+                              processing_class=processor_at_cap)
+    trainer.model.train()
+    batch = pin_memory(collator(_examples() * 2))  # as the DataLoader hands it over
+    assert batch["host_layout"].supervised.is_pinned() and batch["host_layout"].vision["interp_indices"].is_pinned()
+    without = {k: v for k, v in batch.items() if k != "host_layout"}
+    count(trainer, dict(without), "cuda")  # warm-up
+    syncs_without, loss_without, grads_without = count(trainer, dict(without), "cuda")
+    syncs_with, loss_with, grads_with = count(trainer, dict(batch), "cuda")
+    assert torch.equal(loss_with, loss_without) and all(torch.equal(a, b) for a, b in zip(grads_with, grads_without))
+    print(f"{attention}: host syncs without the layout {dict(syncs_without)}, with it {dict(syncs_with)}")
+    assert sum(syncs_with.values()) + 2 * model.config.vision_config.depth <= sum(syncs_without.values())
