@@ -26,6 +26,11 @@ after prep) are logged as a warning by sample id and file when they happen, coun
 (``skipped_samples``, ``eval_skipped_samples``: checkpointed with the log history, so a resumed run
 keeps the count) and listed in ``<output_dir>/skipped_samples.jsonl``.
 
+A batch with a ``host_layout`` (``EOGymCollator(host_layout=True)``, :mod:`eogym_sft.models.host_layout`) gives the
+forward what it would otherwise read back from the GPU: the supervised positions, the text tower's packed-sequence
+arguments, the images' grid on the host and, by a vision-tower pre-hook for the one call, the tower's metadata. The
+step computes the same values bit for bit with fewer host syncs; a batch without it takes the old path.
+
 When ``train`` returns, the workers of persistent-worker DataLoaders are stopped (:func:`stop_dataloader_workers`).
 """
 
