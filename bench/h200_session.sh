@@ -404,10 +404,10 @@ sft_hostsync)
   # syncs a micro-batch on the 4B model) against B, in one process, 1 warm-up + 3 timed steps each at the recipe's 32
   # micro-batches, as cudnn_1gpu. ~8.5 min with the data (estimate from cudnn_1gpu's arms).
   make_bench_data; mkdir -p /tmp/logs
-  timeout $((565 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 3 --grad-accum 32 \
-    --workdir /tmp/bt --parity-samples 0 --arms B-syncs,B --json $OUT/hostsync_armsB.json > /tmp/logs/hostsync_armsB.log 2>&1 \
+  timeout $((${SFT_HOSTSYNC_LIMIT:-565} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+    --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms B-syncs,B --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
     || echo "arms B: exit $?"
-  grep -vE "Warning|warn" /tmp/logs/hostsync_armsB.log | tail -4
+  grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
   ;;
 validate_1gpu)
   # issue 26: validate's forward on the same random rank-16 adapter, 80 generated rows (~96 samples of ~6.3k tokens):

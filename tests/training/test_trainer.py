@@ -676,11 +676,12 @@ def test_the_host_layout_on_a_gpu_syncs_less_and_changes_nothing(processor_at_ca
     from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
     from eogym_sft.models.host_layout import VisionGeometry
     from eogym_sft.models.loading import apply_lora
-    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG, build_tiny_model
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     register_varlen_attention()
-    model = build_tiny_model(seed=4, dtype="bfloat16", device="cuda")
+    # the demo's width: flash and cuDNN take head dims that are multiples of 8, not the 16-wide model's 4
+    model = build_tiny_model(seed=4, config=DEMO_QWEN3_VL_CONFIG, dtype="bfloat16", device="cuda")
     model.set_attn_implementation({"text_config": attention, "vision_config": "sdpa"})
     add_sample_boundaries(model)
     model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=4)
