@@ -46,6 +46,9 @@
 #                                           # GRPO_PHASES_ENGINES=slots,recipe runs the recipe's defaults too
 #   bash bench/h200_session.sh decoder_candidates  # a decoder change before and after in one call: its GPU tests,
 #                                           # rollout_phases and grpo_phases on .before/ and the checkout (made as rollout_phases says)
+#   bash bench/h200_session.sh sft_hostsync_tests  # issue 41: the HostLayout's GPU tests (bit-equal step, fewer host syncs),
+#                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
+#   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -382,6 +385,29 @@ agent_1gpu)
     > $OUT/agent_1gpu.log 2>&1 || echo "agent_1gpu: exit $?"
   cp /tmp/agent_gpu/seed0/agent_report.json $OUT/agent_1gpu.json 2>/dev/null || echo "agent_1gpu: no report"
   grep -vE "Warning|warn|it/s\]|s/it\]" $OUT/agent_1gpu.log | tail -30
+  ;;
+sft_hostsync_tests)
+  # issue 41: the host layout's GPU tests (a packed step with and without it: loss and LoRA gradients bit for bit, fewer
+  # host syncs counted by set_sync_debug_mode), then the counts of one micro-batch, tiny model and the 4B architecture
+  # (random bf16, 4 samples of 2 images). ~3 min (estimate).
+  timeout 200 python -m pytest -q -s -p no:cacheprovider -o addopts="" -m gpu tests/training/test_trainer.py -k host_layout \
+    > $OUT/hostsync_tests.log 2>&1 || echo "GPU tests: exit $?"
+  grep -E "host syncs|passed|failed|FAILED|Error" $OUT/hostsync_tests.log | tail -8
+  timeout 120 python bench/sync_counter.py --device cuda --attn eogym_varlen_cudnn --json $OUT/hostsync_tiny.json \
+    > $OUT/hostsync_tiny.log 2>&1 || echo "sync_counter tiny: exit $?"
+  timeout $((560 - SECONDS)) python bench/sync_counter.py --device cuda --attn eogym_varlen_cudnn --config $cfg \
+    --json $OUT/hostsync_4b.json > $OUT/hostsync_4b.log 2>&1 || echo "sync_counter 4B: exit $?"
+  cat $OUT/hostsync_tiny.json $OUT/hostsync_4b.json 2>/dev/null | tr -d '\n ' ; echo
+  ;;
+sft_hostsync)
+  # issue 41: B-syncs (B with the collator's HostLayout off: the forward reads its layout back from the GPU, ~104
+  # syncs a micro-batch on the 4B model) against B, in one process, 1 warm-up + 3 timed steps each at the recipe's 32
+  # micro-batches, as cudnn_1gpu. ~8.5 min with the data (estimate from cudnn_1gpu's arms).
+  make_bench_data; mkdir -p /tmp/logs
+  timeout $((${SFT_HOSTSYNC_LIMIT:-565} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+    --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms B-syncs,B --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
+    || echo "arms B: exit $?"
+  grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
   ;;
 validate_1gpu)
   # issue 26: validate's forward on the same random rank-16 adapter, 80 generated rows (~96 samples of ~6.3k tokens):

@@ -71,6 +71,7 @@ SHIPPED = {
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
+    "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
 }
 ARMS = {
     "A": None,
@@ -92,6 +93,7 @@ ARMS = {
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
+    "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
 }
 
 
@@ -241,6 +243,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
 
     from eogym_sft.models.loading import apply_lora, compile_language_layers
     from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.host_layout import VisionGeometry
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
@@ -277,6 +280,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     collator = EOGymCollator(
         processor, data_root=str(root), padding_free=s["pack"],
         pixel_dtype=base.dtype if s["model_dtype_pixels"] else None,
+        host_layout=s["host_layout"], vision=VisionGeometry.of(base) if s["host_layout"] else None,
     )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)

@@ -13,6 +13,7 @@ import torch
 from transformers import ProcessorMixin
 
 from ..config import SampleConfig
+from ..models.host_layout import HostLayout, VisionGeometry
 from ..models.layout import expand_image_pads_and_mask, grid_token_counts, mrope_position_ids
 from .encoding import encode_conversation
 from .images import ImageError, load_rgb, resolve_image_path, to_rgb8
@@ -55,11 +56,19 @@ class EOGymCollator:
             processor's float32). Qwen3-VL's vision tower casts them to its own dtype before anything else, so
             that dtype (bfloat16 in the recipe) gives the model the same values at half the bytes to concatenate,
             pass between the dataloader's processes, pin and copy to the GPU.
+        host_layout (`bool`, *optional*, defaults to `False`): add ``host_layout``, a
+            :class:`~eogym_sft.models.host_layout.HostLayout`: what the forward would otherwise read back from the GPU
+            (supervised positions, the samples' boundaries, the images' grid), computed here on the host.
+            :class:`~eogym_sft.training.trainer.EOGymSFTTrainer` feeds it to the model; pop it before calling the
+            model yourself. The SFT recipe turns it on.
+        vision (`VisionGeometry`, *optional*): the model's vision tower settings
+            (``VisionGeometry.of(model)``); with ``host_layout``, the layout carries the tower's metadata too
+            (rotary positions, position-grid interpolation, attention boundaries), so it reads nothing back.
 
     Returns a dict with ``input_ids``, ``labels``, ``position_ids`` (``[4, batch, length]``),
     ``pixel_values`` and ``image_grid_thw`` (when there are images), ``attention_mask`` (padded mode),
-    ``mm_token_type_ids`` (when the processor produces them) and, with ``skip_bad_images``,
-    ``skipped_samples``: ``[{"index", "sample_id", "file", "reason", "detail"}]``.
+    ``mm_token_type_ids`` (when the processor produces them), with ``host_layout`` ``host_layout`` and, with
+    ``skip_bad_images``, ``skipped_samples``: ``[{"index", "sample_id", "file", "reason", "detail"}]``.
 
     Example:
 
@@ -89,6 +98,8 @@ class EOGymCollator:
     ignore_index: int = -100
     skip_bad_images: bool = False
     pixel_dtype: torch.dtype | None = None
+    host_layout: bool = False
+    vision: VisionGeometry | None = None
 
     def __post_init__(self):
         tokenizer = self.processor.tokenizer
@@ -111,6 +122,10 @@ class EOGymCollator:
         if grids:
             batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows if r["pixel_values"] is not None])
             batch["image_grid_thw"] = torch.cat(grids)
+        if self.host_layout:
+            batch["host_layout"] = HostLayout.of_batch(
+                batch["labels"], batch["position_ids"], batch.get("image_grid_thw"), self.vision, self.ignore_index
+            )
         if self.skip_bad_images:
             batch["skipped_samples"] = skipped
         return batch

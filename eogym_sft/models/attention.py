@@ -395,7 +395,7 @@ def varlen_attention_forward(
     return out.view(batch, length, heads, dim), None
 
 
-def _text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The text row of the position ids a Qwen3-VL text model is given (4 rows: text, then mRoPE t/h/w)."""
     if position_ids is None:
         return None
@@ -415,19 +415,29 @@ def add_sample_boundaries(model) -> None:
     """
 
     def add(module, args, kwargs):
-        positions = _text_positions(kwargs.get("position_ids"))
+        positions = text_positions(kwargs.get("position_ids"))
         if (module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None
                 or kwargs.get("eogym_shared_prefixes") is not None):  # shared prompts carry their own layout
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
-        if module.config._attn_implementation == CUDNN_NAME and positions.shape[0] == 1:
-            # Its op (packed batches: one row) loops over the samples on the host, in every layer's forward and
-            # backward: from here, not a GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py).
-            cu = cu.cpu()
-        packed = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
-        return args, {**kwargs, **packed}
+        return args, {**kwargs, **packed_arguments(cu, max_len, module.config._attn_implementation, positions.shape[0], positions.device)}
 
     model.get_decoder().register_forward_pre_hook(add, with_kwargs=True)
+
+
+def packed_arguments(cu: torch.Tensor, max_len: int, attn_implementation: str, rows: int, device) -> dict:
+    """Transformers' packed-sequence arguments for the text tower from the boundaries ``cu`` (on the host or on
+    ``device``): ``{}`` unless it runs ``eogym_varlen*``. ``eogym_varlen_cudnn``'s op on a packed batch (one row) loops
+    over the samples on the host, in every layer's forward and backward, so it gets them there: from here, not a
+    GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py); flash's kernel gets them on the device
+    (a host copy goes over without waiting: pinned by the DataLoader, :class:`~eogym_sft.models.host_layout.HostLayout`)."""
+    if attn_implementation not in NAMES:
+        return {}
+    if attn_implementation == CUDNN_NAME and rows == 1:
+        cu = cu.cpu()
+    else:
+        cu = cu.to(device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
 
 
 def register_varlen_attention() -> None:

@@ -14,6 +14,7 @@ from ..config import EOGymScriptArguments
 from ..data.datasets import is_held_out, load_or_prepare, read_rows, split_by_trace
 from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
+from ..models.host_layout import VisionGeometry
 from ..models.processor import load_processor
 from ..data.collator import EOGymCollator
 from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
@@ -161,10 +162,10 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     ################
     # An image that fails after prep (changed on disk) skips its sample, logged and counted by the trainer.
     # Pixels leave the workers in the model's dtype, which the vision tower casts them to anyway:
-    # half of float32's bytes.
+    # half of float32's bytes. The workers also compute what the forward would read back from the GPU (host_layout).
     collator = EOGymCollator(
         processor, max_length=sample.max_length, data_root=script_args.data_root, padding_free=training_args.padding_free,
-        skip_bad_images=True, pixel_dtype=model.dtype,
+        skip_bad_images=True, pixel_dtype=model.dtype, host_layout=True, vision=VisionGeometry.of(model),
     )
     trainer = EOGymSFTTrainer(
         model=model,

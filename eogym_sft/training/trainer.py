@@ -26,6 +26,11 @@ after prep) are logged as a warning by sample id and file when they happen, coun
 (``skipped_samples``, ``eval_skipped_samples``: checkpointed with the log history, so a resumed run
 keeps the count) and listed in ``<output_dir>/skipped_samples.jsonl``.
 
+A batch with a ``host_layout`` (``EOGymCollator(host_layout=True)``, :mod:`eogym_sft.models.host_layout`) gives the
+forward what it would otherwise read back from the GPU: the supervised positions, the text tower's packed-sequence
+arguments, the images' grid on the host and, by a vision-tower pre-hook for the one call, the tower's metadata. The
+step computes the same values bit for bit with fewer host syncs; a batch without it takes the old path.
+
 When ``train`` returns, the workers of persistent-worker DataLoaders are stopped (:func:`stop_dataloader_workers`).
 """
 
@@ -37,6 +42,7 @@ import math
 import os
 import shutil
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -44,6 +50,8 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_argmax
+from ..models.attention import packed_arguments
+from ..models.host_layout import VISION_DEVICE_KEYS, HostLayout, supervised_positions, vision_tower
 from .loss import cross_entropy_with_entropy
 from .sampler import TokenBalancedSampler
 
@@ -120,12 +128,18 @@ class EOGymSFTTrainer(SFTTrainer):
         mode = "train" if self.model.training else "eval"
         inputs = dict(inputs)
         self._note_skipped(inputs.pop("skipped_samples", None) or [], mode)
+        layout = inputs.pop("host_layout", None)
         if self.compute_loss_func is not None or self.label_smoother is not None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # both need full logits
         labels = inputs.pop("labels")
         targets = labels[:, 1:]
-        keep = (targets != IGNORE_INDEX).any(0).nonzero().flatten()
-        outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
+        if layout is None:
+            keep = supervised_positions(labels, IGNORE_INDEX)  # a host sync
+            outputs = model(**inputs, use_cache=False, logits_to_keep=keep)
+        else:
+            keep = layout.supervised.to(labels.device, non_blocking=True)
+            with self._fed_vision_tower(layout):
+                outputs = model(**{**inputs, **self._layout_inputs(layout, inputs)}, use_cache=False, logits_to_keep=keep)
         logits = outputs.logits.float()
         picked = targets[:, keep]
         # One softmax gives the loss, the logged entropy and the argmax accuracy counts (training/loss.py). Flat [positions, vocab]: a softmax
@@ -148,6 +162,53 @@ class EOGymSFTTrainer(SFTTrainer):
             else:
                 self._record_eval(right, valid, inputs, keep, entropy)
         return (loss, outputs) if return_outputs else loss
+
+    def _layout_inputs(self, layout: HostLayout, inputs: dict) -> dict:
+        """The text tower's packed-sequence arguments, and the images' grid on the host when the vision tower gets
+        its metadata from the layout (then nothing of the model reads the grid on the device)."""
+        text_config = self.model.config.get_text_config()
+        ids = inputs["input_ids"]
+        extra = packed_arguments(layout.cu_seq_lens, layout.max_length, text_config._attn_implementation, ids.shape[0], ids.device)
+        if layout.vision is not None and "image_grid_thw" in inputs and self._tower() is not None:
+            extra["image_grid_thw"] = layout.image_grid_thw
+        return extra
+
+    def _tower(self):
+        if not hasattr(self, "_vision_tower"):
+            self._vision_tower = vision_tower(self.model)  # looked up once: walking the model costs host time
+        return self._vision_tower
+
+    @contextmanager
+    def _fed_vision_tower(self, layout: HostLayout):
+        """For one forward, a pre-hook on the vision tower adds the layout's metadata under the keywords that
+        transformers' ``vision_utils`` helpers take precomputed (``cu_seqlens``, ``max_seqlen``, ``position_ids``,
+        ``interp_indices``, ``interp_weights``), when the tower is called with the layout's grid. ``cu_seqlens`` stays
+        on the host (SDPA's vision blocks read it there) unless the tower runs flash attention."""
+        if layout.vision is None:
+            yield
+            return
+        tower = self._tower()
+
+        def add(module, args, kwargs):
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            if grid is not layout.image_grid_thw:
+                return None
+            device = module.pos_embed.weight.device
+            vision = dict(layout.vision)
+            for key in VISION_DEVICE_KEYS:
+                vision[key] = vision[key].to(device, non_blocking=True)
+            if vision["max_seqlen"] is None:
+                del vision["max_seqlen"]  # not flash: the tower asks for none
+            else:
+                vision["cu_seqlens"] = vision["cu_seqlens"].to(device, non_blocking=True)
+            return args, {**kwargs, **vision}
+
+        handle = tower.register_forward_pre_hook(add, with_kwargs=True) if tower is not None else None
+        try:
+            yield
+        finally:
+            if handle is not None:
+                handle.remove()
 
     def _note_skipped(self, records: list[dict], mode: str) -> None:
         for record in records:

@@ -465,3 +465,57 @@ def test_an_image_broken_after_prep_names_the_sample_or_is_skipped(processor_at_
     pad = processor_at_cap.tokenizer.pad_token_id
     assert empty["input_ids"].tolist() == [[pad]] and empty["labels"].tolist() == [[-100]]
     assert empty["position_ids"].tolist() == [[[0]]] * 4 and "pixel_values" not in empty
+
+
+# ---- host layout ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_the_host_layout_holds_what_the_forward_reads_back(processor_at_cap, tiny_model, padding_free):
+    """``host_layout=True`` adds a :class:`HostLayout`: the supervised positions, the samples' boundaries from the text
+    position row (a padded row's pads are samples of their own, as the text tower's hook finds them), the images' grid
+    and the vision tower's metadata, with which the tower's output is the one it computes by itself, bit for bit."""
+    from eogym_sft.models.attention import sample_boundaries
+    from eogym_sft.models.host_layout import HostLayout, VisionGeometry, supervised_positions
+
+    examples = [
+        {"messages": tool_use_messages(), "images": [_image(64, 64), _image(32, 96, seed=1)]},
+        {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Sea?"}]},
+                      {"role": "assistant", "content": "Final Answer: yes"}], "images": [_image(96, 32, seed=2)]},
+    ]
+    collator = EOGymCollator(processor_at_cap, padding_free=padding_free, host_layout=True, vision=VisionGeometry.of(tiny_model))
+    batch = collator(examples)
+    layout = batch["host_layout"]
+    assert isinstance(layout, HostLayout) and not torch.is_tensor(layout)
+    assert torch.equal(layout.supervised, supervised_positions(batch["labels"])) and layout.supervised.numel() > 0
+    cu, longest = sample_boundaries(batch["position_ids"][0])
+    assert torch.equal(layout.cu_seq_lens, cu) and layout.max_length == longest
+    assert layout.image_grid_thw is batch["image_grid_thw"]
+    tower = tiny_model.model.visual
+    with torch.no_grad():
+        own = tower(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+        fed = tower(batch["pixel_values"], grid_thw=batch["image_grid_thw"], **{k: v for k, v in layout.vision.items() if v is not None})
+    assert torch.equal(fed.pooler_output, own.pooler_output)
+    assert all(torch.equal(a, b) for a, b in zip(fed.deepstack_features, own.deepstack_features))
+    assert "host_layout" not in EOGymCollator(processor_at_cap, padding_free=padding_free)(examples)  # off by default
+
+
+def test_the_host_layout_is_left_on_the_host_by_the_trainer_and_accelerate(processor_at_cap):
+    """It is no tensor and has no ``to``: accelerate's ``send_to_device`` and the Trainer's ``_prepare_input`` hand
+    back the same object, and it pickles (DataLoader workers send batches to the training process that way)."""
+    import pickle
+
+    from accelerate.utils import send_to_device
+    from transformers import Trainer
+
+    batch = EOGymCollator(processor_at_cap, padding_free=True, host_layout=True)([{"messages": tool_use_messages(), "images": [_image(64, 64), _image(32, 96, seed=1)]}])
+    layout = batch["host_layout"]
+    assert not hasattr(layout, "to")
+    assert send_to_device(batch, "cpu")["host_layout"] is layout
+    assert send_to_device(batch, "meta")["host_layout"] is layout and send_to_device(batch, "meta")["input_ids"].is_meta
+    trainer = Trainer.__new__(Trainer)
+    trainer.args = type("Args", (), {"device": torch.device("meta")})()
+    trainer.is_deepspeed_enabled = False
+    assert trainer._prepare_input(batch)["host_layout"] is layout
+    back = pickle.loads(pickle.dumps(layout))
+    assert torch.equal(back.supervised, layout.supervised) and torch.equal(back.cu_seq_lens, layout.cu_seq_lens)

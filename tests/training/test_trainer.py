@@ -526,3 +526,177 @@ def test_upstream_sft_log_averages_and_clears_its_metric_lists(trainer):
     trainer.log(logs)
     assert logs["eval_mean_token_accuracy"] == 0.5 and not trainer._metrics["eval"]
     assert isinstance(trainer._total_train_tokens, int)
+
+
+@pytest.fixture(scope="module")
+def packed_trainers(processor_at_cap, tmp_path_factory):
+    """``{attn_implementation: trainer}``: a LoRA tiny model training on packed batches, its text tower on SDPA or on
+    ``eogym_varlen`` (which takes the packed-sequence arguments)."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import build_tiny_model
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    trainers = {}
+    for attention in ("sdpa", "eogym_varlen"):
+        model = sharpen(build_tiny_model(seed=4), seed=4)
+        if attention != "sdpa":
+            register_varlen_attention()
+            model.set_attn_implementation({"text_config": attention, "vision_config": "sdpa"})
+            add_sample_boundaries(model)
+        model = perturb_lora_b(apply_lora(model), seed=4)
+        args = SFTConfig(
+            output_dir=str(tmp_path_factory.mktemp("packed")), use_cpu=True, bf16=False, report_to="none", padding_free=True,
+            remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True},
+        )
+        train = Dataset.from_list([{"messages": "[]"}])  # needed, unused
+        trainers[attention] = EOGymSFTTrainer(
+            model=model, args=args, data_collator=EOGymCollator(processor_at_cap, padding_free=True), train_dataset=train,
+            processing_class=processor_at_cap,
+        )
+    return trainers
+
+
+def _train_micro_batch(trainer, batch):
+    """One training micro-batch's loss, LoRA gradients and the counts kept for the log (no dropout)."""
+    trainer._train_steps.clear()
+    trainer._train_entropy.clear()
+    trainer.model.train()
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(64))
+    return loss, torch.autograd.grad(loss, params), torch.stack(trainer._train_steps), torch.stack(trainer._train_entropy)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eogym_varlen"])
+def test_the_host_layout_changes_nothing_the_step_computes(packed_trainers, processor_at_cap, attention, monkeypatch):
+    """A packed micro-batch of six samples and six images, trained with the collator's host layout and without it:
+    the loss, every LoRA gradient and the counts kept for the log are equal bit for bit. With the layout the vision
+    tower computes none of its metadata and reads the layout's (the helpers' results are the layout's tensors), and
+    without it computes the same values itself."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.host_layout import HostLayout, VisionGeometry
+
+    trainer = packed_trainers[attention]
+    collator = EOGymCollator(processor_at_cap, padding_free=True, host_layout=True, vision=VisionGeometry.of(trainer.model))
+    batch = collator(_examples() * 2)
+    layout = batch["host_layout"]
+    assert isinstance(layout, HostLayout) and batch["image_grid_thw"].shape[0] == 6 and layout.cu_seq_lens.numel() == 7
+    seen = []
+    for name in ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids", "get_vision_attention_seqlens"):
+        helper = getattr(modeling_qwen3_vl, name)
+        monkeypatch.setattr(modeling_qwen3_vl, name, lambda *a, _h=helper, _n=name, **k: seen.append((_n, _h(*a, **k))) or seen[-1][1])
+    without = _train_micro_batch(trainer, {k: v for k, v in batch.items() if k != "host_layout"})
+    computed, seen[:] = list(seen), []
+    with_layout = _train_micro_batch(trainer, batch)
+    assert torch.equal(with_layout[0], without[0]) and 1.0 < without[0].item() < 100.0
+    assert all(torch.equal(g, w) for g, w in zip(with_layout[1], without[1]))
+    assert any(w.abs().sum() > 0 for w in without[1])
+    assert torch.equal(with_layout[2], without[2]) and torch.equal(with_layout[3], without[3])
+    # the layout's values are the model's own; with the layout the helpers hand back the layout's tensors
+    vision = layout.vision
+    ours = {"get_vision_interpolation_indices_and_weights": (vision["interp_indices"], vision["interp_weights"]),
+            "get_vision_position_ids": vision["position_ids"],
+            "get_vision_attention_seqlens": (vision["cu_seqlens"], vision["max_seqlen"])}
+    assert [n for n, _ in computed] == [n for n, _ in seen] == list(ours)
+    for (name, theirs), (_, fed) in zip(computed, seen):
+        want = ours[name] if isinstance(ours[name], tuple) else (ours[name],)
+        theirs, fed = (t if isinstance(t, tuple) else (t,) for t in (theirs, fed))
+        assert all(type(a) is type(b) and (a is b or torch.equal(a, b)) for a, b in zip(theirs, want)), name
+        assert all(a is b for a, b in zip(fed, want)), name
+    assert not trainer._vision_tower._forward_pre_hooks  # the hook is removed after the call
+
+
+def test_the_host_layout_equals_what_the_forward_reads(packed_trainers, processor_at_cap):
+    """The layout's supervised positions are the loss's, and its boundaries those the text tower finds itself from
+    the text position row (``add_sample_boundaries``), which it is given instead."""
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.attention import sample_boundaries
+    from eogym_sft.models.host_layout import supervised_positions
+
+    trainer = packed_trainers["eogym_varlen"]
+    batch = EOGymCollator(processor_at_cap, padding_free=True, host_layout=True)(_examples() * 2)
+    layout = batch["host_layout"]
+    assert layout.vision is None  # no geometry: the vision tower computes its own
+    assert torch.equal(layout.supervised, (batch["labels"][:, 1:] != -100).any(0).nonzero().flatten())
+    assert torch.equal(layout.supervised, supervised_positions(batch["labels"]))
+    cu, longest = sample_boundaries(batch["position_ids"][0])
+    assert torch.equal(layout.cu_seq_lens, cu) and layout.max_length == longest
+    got = []
+    decoder = trainer.model.get_decoder()
+    handle = decoder.register_forward_pre_hook(lambda m, a, k: got.append(k), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, batch)
+    finally:
+        handle.remove()
+    assert got[0]["cu_seq_lens_q"] is got[0]["cu_seq_lens_k"] and torch.equal(got[0]["cu_seq_lens_q"], cu)
+    assert got[0]["max_length_q"] == got[0]["max_length_k"] == longest
+
+
+def test_a_collator_without_the_host_layout_still_trains(packed_trainers, processor_at_cap):
+    """A user's own collator (no ``host_layout`` in its batches) takes the old path: the model finds everything
+    itself, and the step trains."""
+    from eogym_sft.data.collator import EOGymCollator
+
+    trainer = packed_trainers["eogym_varlen"]
+    own = EOGymCollator(processor_at_cap, padding_free=True)
+    batch = dict(own(_examples()))
+    assert "host_layout" not in batch
+    loss, grads, steps, _ = _train_micro_batch(trainer, batch)
+    assert torch.isfinite(loss) and any(g.abs().sum() > 0 for g in grads) and steps[0, 1] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["eogym_varlen", "eogym_varlen_cudnn"])
+def test_the_host_layout_on_a_gpu_syncs_less_and_changes_nothing(processor_at_cap, tmp_path, attention):
+    """On CUDA (bf16, the recipe's attentions): a packed step through the trainer's DataLoader path (pinned, moved by
+    ``_prepare_inputs``) with the layout has the same loss and LoRA gradients as without it, bit for bit, and fewer
+    host syncs (``torch.cuda.set_sync_debug_mode("warn")``): none of the vision blocks' ``.tolist()``."""
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+    from torch.utils.data._utils.pin_memory import pin_memory
+    from trl import SFTConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from sync_counter import count
+
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
+    from eogym_sft.models.host_layout import VisionGeometry
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG, build_tiny_model
+    from eogym_sft.training.trainer import EOGymSFTTrainer
+
+    register_varlen_attention()
+    # the demo's width: flash and cuDNN take head dims that are multiples of 8, not the 16-wide model's 4
+    model = build_tiny_model(seed=4, config=DEMO_QWEN3_VL_CONFIG, dtype="bfloat16", device="cuda")
+    model.set_attn_implementation({"text_config": attention, "vision_config": "sdpa"})
+    add_sample_boundaries(model)
+    model = perturb_lora_b(apply_lora(model, dropout=0.0), seed=4)
+    args = SFTConfig(output_dir=str(tmp_path), bf16=True, report_to="none", padding_free=True, remove_unused_columns=False,
+                     dataset_kwargs={"skip_prepare_dataset": True})
+    collator = EOGymCollator(processor_at_cap, padding_free=True, host_layout=True, vision=VisionGeometry.of(model), pixel_dtype=torch.bfloat16)
+    trainer = EOGymSFTTrainer(model=model, args=args, data_collator=collator, train_dataset=Dataset.from_list([{"messages": "[]"}]),
+                              processing_class=processor_at_cap)
+    trainer.model.train()
+    batch = pin_memory(collator(_examples() * 2))  # as the DataLoader hands it over
+    assert batch["host_layout"].supervised.is_pinned() and batch["host_layout"].vision["interp_indices"].is_pinned()
+    without = {k: v for k, v in batch.items() if k != "host_layout"}
+    count(trainer, dict(without), "cuda")  # warm-up
+    syncs_without, loss_without, grads_without = count(trainer, dict(without), "cuda")
+    syncs_with, loss_with, grads_with = count(trainer, dict(batch), "cuda")
+    assert torch.equal(loss_with, loss_without) and all(torch.equal(a, b) for a, b in zip(grads_with, grads_without))
+    print(f"{attention}: host syncs without the layout {dict(syncs_without)}, with it {dict(syncs_with)}")
+    assert sum(syncs_with.values()) + 2 * model.config.vision_config.depth <= sum(syncs_without.values())
