@@ -94,6 +94,7 @@ ARMS = {
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
+    "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
 }
 
 
