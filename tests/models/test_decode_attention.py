@@ -7,6 +7,7 @@ import copy
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,7 +79,10 @@ def interpreted_checks() -> list[str]:
 
 
 def test_the_kernels_equal_masked_sdpa_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when triton's jit decorates the kernels: a fresh process
+    # TRITON_INTERPRET is read when triton's jit decorates the kernels: a fresh process, which imports this checkout's
+    # package whether or not it is installed
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
     ran = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert ran.stdout.splitlines() == [f"{c[0]} groups {c[1]} head_dim {c[2]} splits {c[3]}" for c in INTERPRETED]
