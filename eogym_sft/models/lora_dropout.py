@@ -5,15 +5,16 @@ the dropout costs arm B 11% of its step and 20 GiB (``B-dropout0``, docs/benchma
 evaluation a random number (``tl.rand``), writes each dropped input and keeps a mask or the dropped input per
 projection for the backward (q, k and v take the same input, with three masks).
 
-Here the dropped input is never written. :func:`dropout_matmul` reads ``x`` in tiles, draws four uniforms per Philox
-evaluation (``tl.rand4x``), scales or zeroes each element and accumulates the tile's product with ``A`` (rank ``r``
-columns) in fp32. Its backward keeps only ``x`` (the same tensor for q, k and v), the weight and the 8-byte seed, and
-draws the same numbers again: element ``(m, k)`` of an ``(M, K)`` input takes lane ``k % 4`` of the evaluation at
-counter ``m * K // 4 + k // 4``, which no block size changes. The backward kernel writes ``dx = (dy @ A) * factor``
-and each program's share of ``dA = dy.T @ (x * factor)`` in fp32, summed afterwards in a fixed order (deterministic).
+Here the dropped input is never written. :func:`dropout_matmul` reads ``x`` in tiles, takes eight 16-bit random
+numbers from each Philox evaluation (``tl.randint4x``, four 32-bit outputs split in halves), scales or zeroes each
+element and accumulates the tile's product with ``A`` (rank ``r`` columns) in fp32. Its backward keeps only ``x`` (the
+same tensor for q, k and v), the weight and the 8-byte seed, and draws the same numbers again: element ``(m, c)`` of an
+``(M, K)`` input takes half ``c % 8`` of the evaluation at counter ``m * K // 8 + c // 8``, which no block size
+changes. The backward kernel writes ``dx = (dy @ A) * factor`` and each program's share of ``dA = dy.T @ (x *
+factor)`` in fp32, summed afterwards in a fixed order (deterministic).
 
-The dropout distribution is PEFT's (each element kept with probability ``1 - p``, scaled by ``1 / (1 - p)``, a new mask
-each call and projection); the random numbers are Triton's, not torch's, so a run's masks differ from an unfused one
+The dropout distribution is PEFT's (each element kept with probability ``1 - p``, to within 2**-17 by the 16-bit
+comparison, and scaled by ``1 / (1 - p)``; a new mask each call and projection); the random numbers are Triton's, not torch's, so a run's masks differ from an unfused one
 with the same seed. :func:`fuse_lora_dropout` swaps it into a PEFT model's LoRA layers; on a device the kernels do not
 run on (CPU), the swapped layer runs torch's dropout and matmul, the same numbers as PEFT's forward.
 """
@@ -32,7 +33,7 @@ except ImportError:  # CPU installs without triton: the swapped layers run torch
     triton = None
 
 BLOCK_M = 64  # input rows a program's tile holds
-BLOCK_K = 64  # input columns a tile holds (a multiple of 4: a Philox evaluation's four lanes)
+BLOCK_K = 64  # input columns a tile holds (a multiple of 8: a Philox evaluation's eight 16-bit halves)
 BACKWARD_ROWS = 256  # input rows one backward program sums its dA share over
 
 
@@ -49,9 +50,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def threshold(p: float) -> int:
+    """The 16-bit number at or above which an element is kept: ``p * 65536`` rounded, so an element is dropped with
+    probability ``p`` to within 2**-17 (``p = 0.05``: 3277 / 65536 = 0.050003)."""
+    return round(p * 65536)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, p: float) -> None:
-    if x.shape[-1] % 4:
-        raise ValueError(f"dropout_matmul takes inputs of a multiple of 4 features, not {x.shape[-1]}")
+    if x.shape[-1] % 8:
+        raise ValueError(f"dropout_matmul takes inputs of a multiple of 8 features, not {x.shape[-1]}")
     if x.dtype != weight.dtype or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"dropout_matmul: x {tuple(x.shape)} {x.dtype} and weight {tuple(weight.shape)} {weight.dtype} do not match")
     if not 0 <= p < 1:
@@ -78,7 +85,7 @@ def _forward_impl(x: torch.Tensor, weight: torch.Tensor, seed: torch.Tensor, p: 
     out = torch.empty((rows.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _forward[(triton.cdiv(rows.shape[0], BLOCK_M),)](
-            rows, weight, out, seed, rows.shape[0], rows.shape[1], weight.shape[0], weight.stride(0), 1.0 / (1.0 - p), p,
+            rows, weight, out, seed, rows.shape[0], rows.shape[1], weight.shape[0], weight.stride(0), 1.0 / (1.0 - p), threshold(p),
             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_rank_block(weight.shape[0]),
         )
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -94,7 +101,7 @@ def _backward_impl(
     shares = torch.zeros((max(programs, 1), rank, k), dtype=torch.float32, device=x.device)
     if m:
         _backward[(programs, triton.cdiv(k, BLOCK_K))](
-            grads, rows, weight, dx, shares, seed, m, k, rank, weight.stride(0), 1.0 / (1.0 - p), p,
+            grads, rows, weight, dx, shares, seed, m, k, rank, weight.stride(0), 1.0 / (1.0 - p), threshold(p),
             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_rank_block(rank), ROWS=BACKWARD_ROWS,
         )
     return dx.view(x.shape), shares.sum(0).to(weight.dtype)
@@ -131,23 +138,29 @@ def dropout_factors(seed: torch.Tensor, m: int, k: int, p: float, device) -> tor
     """The ``(m, k)`` fp32 factors :func:`dropout_matmul` multiplies an ``(m, k)`` input by for ``seed``: ``1 / (1 - p)``
     where an element is kept, 0 where dropped. For tests: the mask the kernels draw, written out."""
     out = torch.empty((m, k), dtype=torch.float32, device=device)
-    _factors[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](out, seed, m, k, 1.0 / (1.0 - p), p, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    _factors[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](out, seed, m, k, 1.0 / (1.0 - p), threshold(p), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _factor(seed, rows, k0, k, scale, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """(BLOCK_M, BLOCK_K) fp32: ``scale`` where kept, 0 where dropped, for columns ``k0`` on (``k0 % 4 == 0``)."""
-        quads = (k0 // 4 + tl.arange(0, BLOCK_K // 4)).to(tl.int64)
-        counter = rows.to(tl.int64)[:, None] * (k // 4) + quads[None, :]
-        u0, u1, u2, u3 = tl.rand4x(seed, counter)
-        u = tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), (BLOCK_M, BLOCK_K))  # lane j of a quad is column 4q+j
-        return tl.where(u > p, scale, 0.0)
+    def _factor(seed, rows, k0, k, scale, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(BLOCK_M, BLOCK_K) fp32: ``scale`` where kept, 0 where dropped, for columns ``k0`` on (``k0 % 8 == 0``).
+        Element ``(m, c)`` reads half ``c % 8`` (low half first) of the four 32-bit outputs of the Philox evaluation at
+        counter ``m * k // 8 + c // 8``, and is kept when that 16-bit number is at least ``threshold``."""
+        octets = (k0 // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)
+        counter = rows.to(tl.int64)[:, None] * (k // 8) + octets[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        halves = tl.join(
+            tl.join(tl.join(r0 & 0xFFFF, r0 >> 16), tl.join(r1 & 0xFFFF, r1 >> 16)),
+            tl.join(tl.join(r2 & 0xFFFF, r2 >> 16), tl.join(r3 & 0xFFFF, r3 >> 16)),
+        )
+        bits = tl.reshape(halves, (BLOCK_M, BLOCK_K))  # half j of an octet is column 8q+j
+        return tl.where(bits >= threshold, scale, 0.0)
 
     @triton.jit
-    def _forward(x, w, out, seed_ptr, m, k, rank, w_r, scale, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _forward(x, w, out, seed_ptr, m, k, rank, w_r, scale, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         ranks = tl.arange(0, BLOCK_R)
         row_ok, rank_ok = rows < m, ranks < rank
@@ -158,7 +171,7 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             col_ok = cols < k
             xs = tl.load(x + rows.to(tl.int64)[:, None] * k + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            dropped = (xs.to(tl.float32) * _factor(seed, rows, k0, k, scale, p, BLOCK_M, BLOCK_K)).to(xs.dtype)
+            dropped = (xs.to(tl.float32) * _factor(seed, rows, k0, k, scale, threshold, BLOCK_M, BLOCK_K)).to(xs.dtype)
             ws = tl.load(w + ranks[None, :] * w_r + cols[:, None], mask=rank_ok[None, :] & col_ok[:, None], other=0.0)
             acc += tl.dot(dropped, ws)
             k0 += BLOCK_K
@@ -166,7 +179,7 @@ if triton is not None:
 
     @triton.jit
     def _backward(
-        dy, x, w, dx, shares, seed_ptr, m, k, rank, w_r, scale, p,
+        dy, x, w, dx, shares, seed_ptr, m, k, rank, w_r, scale, threshold,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
     ):
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -180,18 +193,18 @@ if triton is not None:
             row_ok = rows < m
             both = row_ok[:, None] & col_ok[None, :]
             grads = tl.load(dy + rows.to(tl.int64)[:, None] * rank + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
-            factor = _factor(seed, rows, tl.program_id(1) * BLOCK_K, k, scale, p, BLOCK_M, BLOCK_K)
+            factor = _factor(seed, rows, tl.program_id(1) * BLOCK_K, k, scale, threshold, BLOCK_M, BLOCK_K)
             tl.store(dx + rows.to(tl.int64)[:, None] * k + cols[None, :], (tl.dot(grads, ws) * factor).to(dx.dtype.element_ty), mask=both)
             xs = tl.load(x + rows.to(tl.int64)[:, None] * k + cols[None, :], mask=both, other=0.0)
             share += tl.dot(tl.trans(grads), (xs.to(tl.float32) * factor).to(xs.dtype))
         tl.store(shares + tl.program_id(0) * rank * k + ranks[:, None] * k + cols[None, :], share, mask=rank_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _factors(out, seed_ptr, m, k, scale, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _factors(out, seed_ptr, m, k, scale, threshold, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         k0 = tl.program_id(1) * BLOCK_K
         cols = k0 + tl.arange(0, BLOCK_K)
-        factor = _factor(tl.load(seed_ptr), rows, k0, k, scale, p, BLOCK_M, BLOCK_K)
+        factor = _factor(tl.load(seed_ptr), rows, k0, k, scale, threshold, BLOCK_M, BLOCK_K)
         tl.store(out + rows.to(tl.int64)[:, None] * k + cols[None, :], factor, mask=(rows < m)[:, None] & (cols < k)[None, :])
 
 
@@ -205,7 +218,7 @@ class DropoutLoRAA(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout_p > 0):
             return F.linear(x, self.weight)
-        if not available(x.device) or x.shape[-1] % 4:
+        if not available(x.device) or x.shape[-1] % 8:
             return F.linear(F.dropout(x, self.dropout_p, training=True), self.weight)
         # the dtype F.linear would compute in: autocast's (the Trainer's bf16), else the input's
         device = x.device.type
