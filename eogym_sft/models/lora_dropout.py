@@ -223,7 +223,7 @@ class DropoutLoRAA(torch.nn.Linear):
         # the dtype F.linear would compute in: autocast's (the Trainer's bf16), else the input's
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        seed = torch.randint(0, 2**62, (1,), device=x.device)  # from torch's generator: a seeded run repeats its masks
+        seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)  # from torch's generator: a seeded run repeats its masks
         return dropout_matmul(x.to(dtype), self.weight.to(dtype), seed, self.dropout_p)
 
 
