@@ -224,7 +224,8 @@ class DropoutLoRAA(torch.nn.Linear):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         seed = torch.randint(0, 2**31 - 1, (1,), device=x.device)  # from torch's generator: a seeded run repeats its masks
-        return dropout_matmul(x.to(dtype), self.weight.to(dtype), seed, self.dropout_p)
+        # the registered op itself: registering (the first dropout_matmul call) inside a compiled layer would break its graph
+        return torch.ops.eogym.dropout_matmul(x.to(dtype), self.weight.to(dtype), seed, self.dropout_p)
 
 
 def fuse_lora_dropout(model) -> int:
@@ -233,6 +234,8 @@ def fuse_lora_dropout(model) -> int:
     with DoRA, a LoRA variant or a biased ``lora_A`` are left as they are. Returns how many adapters were fused."""
     from peft.tuners.lora.layer import Linear
 
+    if triton is not None:
+        _ops()  # registered here, outside any compiled region
     fused = 0
     for module in model.modules():
         if type(module) is not Linear:
