@@ -156,3 +156,15 @@ def scripted_trainer(tmp_path, tiny_model_dir, engine: str, scripts, rows: int =
     trainer = build_trainer(model, group["processor"], data, script_args, args, logits_processors=[policy])
     model.train()
     return trainer, policy
+
+
+def decode_side_by_side(got, want, atol: float, steps: int = 80) -> None:
+    """Decode slot decoders ``got`` and ``want`` (the same prefills in slots 0 and 2) step by step: slot 2 every step,
+    slot 0 two steps in three, slot 1 idle, so the slots' lengths part and their spans cross attention buckets. Each
+    step's slot order must be equal and its logits close within ``atol`` (absolute and relative)."""
+    for step in range(steps):
+        feed = {0: 5 + step, 2: 900 + step} if step % 3 else {2: 900 + step}
+        order_got, logits_got = got.decode(feed)
+        order_want, logits_want = want.decode(feed)
+        assert order_got == order_want
+        torch.testing.assert_close(logits_got, logits_want, atol=atol, rtol=atol)

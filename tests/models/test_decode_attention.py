@@ -190,6 +190,8 @@ def test_the_slot_decoder_with_the_kernels_equals_its_masked_sdpa_step(graphs):
     """The tiny model in fp32 on CUDA: two decoders, one switched to masked SDPA, the same prompts and tokens; slots of
     different lengths, one idle, spans crossing 64-token buckets (several graphs when graphed)."""
     device = _cuda()
+    from helpers import decode_side_by_side  # not at the top: this file also runs as a script under the interpreter
+
     from eogym_sft.agent.generation import SlotDecoder
     from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG, build_tiny_model
 
@@ -205,12 +207,7 @@ def test_the_slot_decoder_with_the_kernels_equals_its_masked_sdpa_step(graphs):
     for decoder in (kernel, sdpa):
         for slot, ids in prompts.items():
             decoder.prefill(slot, ids, [])
-    for step in range(80):
-        feed = {0: 5 + step, 2: 900 + step} if step % 3 else {2: 900 + step}
-        order_k, logits_k = kernel.decode(feed)
-        order_s, logits_s = sdpa.decode(feed)
-        assert order_k == order_s
-        torch.testing.assert_close(logits_k, logits_s, atol=1e-4, rtol=1e-4)
+    decode_side_by_side(kernel, sdpa, atol=1e-4)
     if graphs:
         assert len(kernel._step.graphs) >= 2
 
