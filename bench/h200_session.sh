@@ -49,9 +49,6 @@
 #   bash bench/h200_session.sh sft_hostsync_tests  # issue 41: the HostLayout's GPU tests (bit-equal step, fewer host syncs),
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
-#   bash bench/h200_session.sh lora_dropout # issue 41: the fused LoRA dropout's GPU tests, bench/lora_dropout_probe.py
-#                                           # (fused against Inductor's dropout and no dropout, one projection), then arms
-#                                           # B (fused, the recipe) against B-unfused at the recipe's settings (1 H200, ~8 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -412,15 +409,6 @@ sft_hostsync)
     --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms ${SFT_HOSTSYNC_ARMS:-B-syncs,B} --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
     || echo "arms B: exit $?"
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
-  ;;
-lora_dropout)
-  make_bench_data
-  timeout 120 python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_lora_dropout.py 2>&1 | tail -3 || echo "lora_dropout GPU tests failed"
-  timeout 120 python bench/lora_dropout_probe.py --json $OUT/lora_dropout_probe.json 2>&1 | grep -vE "Warning|warn" | tail -4 || echo "probe: exit $?"
-  timeout $((${LORA_DROPOUT_LIMIT:-570} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps ${LORA_DROPOUT_STEPS:-2} \
-    --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms ${LORA_DROPOUT_ARMS:-B,B-unfused} --json $OUT/lora_dropout_arms.json \
-    > $OUT/lora_dropout_arms.log 2>&1 || echo "arms: exit $?"
-  grep -E "^arm|^B" $OUT/lora_dropout_arms.log | tail -4
   ;;
 validate_1gpu)
   # issue 26: validate's forward on the same random rank-16 adapter, 80 generated rows (~96 samples of ~6.3k tokens):

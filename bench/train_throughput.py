@@ -72,7 +72,6 @@ SHIPPED = {
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
-    "fused_dropout": True,  # as the recipe: LoRA's input dropout inside the lora_A matmul (models/lora_dropout.py)
 }
 ARMS = {
     "A": None,
@@ -96,9 +95,6 @@ ARMS = {
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
     "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
-    "B-unfused": {"fused_dropout": False},  # PEFT's dropout module before lora_A, as Inductor compiles it in the layer
-    "B-b1-unfused": {"batch": 1, "fused_dropout": False},  # B-unfused at the 80 GB setting
-    "B-b4": {"batch": 4},  # 4 samples a micro-batch (16 a step of 64): the published recipe's grouping
 }
 
 
@@ -247,7 +243,6 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     from trl import SFTConfig, SFTTrainer
 
     from eogym_sft.models.loading import apply_lora, compile_language_layers
-    from eogym_sft.models.lora_dropout import fuse_lora_dropout
     from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.models.host_layout import VisionGeometry
     from eogym_sft.training.trainer import EOGymSFTTrainer
@@ -271,8 +266,6 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
     torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
     model = apply_lora(base, dropout=s["dropout"])
-    if s["fused_dropout"]:
-        fuse_lora_dropout(model)
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:

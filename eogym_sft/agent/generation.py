@@ -205,12 +205,11 @@ def is_lora_linear(module) -> bool:
 def mergeable(module, adapter: str) -> bool:
     """Whether LoRA ``adapter`` of ``module`` is, in its forward, exactly ``x @ get_delta_weight(adapter).T``."""
     dropout = module.lora_dropout[adapter]
-    fused_dropout = getattr(module.lora_A[adapter], "dropout_p", 0)  # models.lora_dropout's lora_A drops its input itself
     return not (
         module.use_dora.get(adapter, False)
         or module.lora_bias.get(adapter, False)
         or adapter in getattr(module, "lora_variant", {})
-        or (module.training and (fused_dropout or not isinstance(dropout, torch.nn.Identity)))
+        or (module.training and not isinstance(dropout, torch.nn.Identity))
     )
 
 

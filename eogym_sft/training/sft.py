@@ -14,7 +14,6 @@ from ..config import EOGymScriptArguments
 from ..data.datasets import is_held_out, load_or_prepare, read_rows, split_by_trace
 from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
-from ..models.lora_dropout import fuse_lora_dropout
 from ..models.host_layout import VisionGeometry
 from ..models.processor import load_processor
 from ..data.collator import EOGymCollator
@@ -155,8 +154,6 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
     model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    # each adapter's input dropout inside its lora_A matmul (one Triton kernel each way on a GPU; torch's ops on CPU)
-    logger.info("fused the input dropout of %d LoRA adapters", fuse_lora_dropout(model))
     if script_args.compile_layers:
         logger.info("compiled %d decoder layers", compile_language_layers(model))
 
