@@ -49,6 +49,8 @@
 #   bash bench/h200_session.sh sft_hostsync_tests  # issue 41: the HostLayout's GPU tests (bit-equal step, fewer host syncs),
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
+#   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
+#                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
 #                                           # (packed, workers, compiled layers), one arm and both arms; 1 GPU
 set -euo pipefail
@@ -409,6 +411,16 @@ sft_hostsync)
     --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms ${SFT_HOSTSYNC_ARMS:-B-syncs,B} --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
     || echo "arms B: exit $?"
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
+  ;;
+gaps)
+  make_bench_data
+  timeout $((${GAPS_LIMIT:-570} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps 1 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms ${GAPS_ARM:-B} --profile ${GAPS_ARM:-B} --json $OUT/gaps.json > $OUT/gaps.log 2>&1 \
+    || echo "gaps: exit $?"
+  python -c "import json; r = json.load(open('$OUT/gaps.json'))['results'][0]; g = r['profile']['gaps']
+print(r['arm'], round(r['real_tokens_per_s']), 'gaps', g['count'], g['total_s'], 'of', g['kernels_span_s'])
+for side in ('at_start', 'at_end'):
+    print(side); [print(' ', x['s'], x['gaps'], x['op']) for x in g[side]]"
   ;;
 validate_1gpu)
   # issue 26: validate's forward on the same random rank-16 adapter, 80 generated rows (~96 samples of ~6.3k tokens):

@@ -321,6 +321,64 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
         "host_dataloader_wait_s": data_wait,
         "window_s": window_s,
         "gpu_busy_fraction": total / window_s if on_gpu and window_s else None,  # kernels on several streams can overlap
+        "gaps": gpu_gaps(prof.events()) if on_gpu else None,
+    }
+
+
+def _host_label(event) -> str:
+    """An op and where it ran: its name, the nearest ``eogym::`` range above it and its outermost op."""
+    chain = [event.name, *_ancestors(event)]
+    marks = [name for name in chain[1:-1] if name.startswith("eogym::")][:1]
+    return " < ".join(dict.fromkeys([chain[0], *marks, chain[-1]]))
+
+
+def gpu_gaps(events, min_gap_us: float = 20.0, top: int = 12) -> dict:
+    """Where the GPU waited on the host in a profiled window: the idle intervals between kernels (any stream) of at
+    least ``min_gap_us``, summed by the host op running when the GPU went idle (``at_start``: what the host did
+    after its last launch, such as a read-back that drained the queue and what followed it) and when the GPU got
+    work again (``at_end``: the op that launched the next kernel). An op is the innermost one on any thread (the
+    autograd engine runs the backward on its own), labelled by :func:`_host_label`. The profiler slows the host,
+    so gaps run longer than in an unprofiled step; their ranking is what this is for."""
+    import heapq
+
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False))
+    gaps, busy_until = [], None
+    for start, end in kernels:
+        if busy_until is not None and start - busy_until >= min_gap_us:
+            gaps.append((busy_until, start))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
+    moments = sorted({t for gap in gaps for t in gap})
+    running, active, i = {}, [], 0
+    for t in moments:  # a sweep: ops that started by t, less those that ended by t
+        while i < len(ops) and ops[i].time_range.start <= t:
+            heapq.heappush(active, (ops[i].time_range.end, i))
+            i += 1
+        while active and active[0][0] <= t:
+            heapq.heappop(active)
+        inner = max(active, key=lambda item: (ops[item[1]].time_range.start, -item[0]), default=None)
+        running[t] = "(no op)" if inner is None else _host_label(ops[inner[1]])
+    by_start, by_end = {}, {}
+    for start, end in gaps:
+        for table, label in ((by_start, running[start]), (by_end, running[end])):
+            seconds, count = table.get(label, (0.0, 0))
+            table[label] = (seconds + (end - start) / 1e6, count + 1)
+
+    def ranked(table):
+        return [{"op": label, "s": round(sec, 6), "gaps": n} for label, (sec, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
+
+    longest = sorted(gaps, key=lambda gap: gap[0] - gap[1])[:5]
+    return {
+        "min_gap_us": min_gap_us,
+        "count": len(gaps),
+        "total_s": round(sum(end - start for start, end in gaps) / 1e6, 6),
+        "kernels_span_s": round((busy_until - kernels[0][0]) / 1e6, 6) if kernels else 0.0,
+        "at_start": ranked(by_start),
+        "at_end": ranked(by_end),
+        "longest": [{"us": round(end - start, 1), "at_start": running[start], "at_end": running[end]} for start, end in longest],
     }
 
 

@@ -203,6 +203,41 @@ def test_profile_counts_each_kernel_once():
     assert families == {"matmul": 320, "attention": 500, "inductor_fused": 80}
 
 
+def test_gpu_gaps_are_summed_by_the_host_op_running_at_each_end():
+    """The GPU's idle intervals between kernels (overlapping streams merged, a GPU-drawn range ignored, gaps under
+    the threshold dropped), each charged to the innermost host op on any thread at its start and at its end."""
+    from step_probe import gpu_gaps
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def op(id, name, start, end, parent=None, thread=0):
+        event = FunctionEvent(id, name, thread=thread, start_us=start, end_us=end, use_device="cuda")
+        if parent is not None:
+            event.set_cpu_parent(parent)
+        return event
+
+    def kernel(id, start, end, **kw):
+        return FunctionEvent(id, f"k{id}", thread=0, start_us=start, end_us=end, use_device="cuda", device_type=DeviceType.CUDA, **kw)
+
+    step = op(1, "Trainer.step", 0, 1000)
+    vision = op(2, "eogym::vision_tower", 10, 400, step)
+    backward = op(5, "autograd::engine::evaluate_function: MmBackward0", 590, 620, thread=1)
+    events = [
+        step, vision, op(3, "aten::nonzero", 300, 350, vision), op(4, "aten::mm", 360, 380, vision), backward,
+        op(6, "aten::mm", 595, 610, backward, thread=1),
+        kernel(11, 0, 100), kernel(12, 90, 320), kernel(13, 330, 340), kernel(14, 365, 500), kernel(15, 600, 700),
+        kernel(16, 0, 1000, is_user_annotation=True),  # a range drawn on the GPU timeline: no kernel
+    ]
+    gaps = gpu_gaps(events, min_gap_us=20)  # 320-330 is under it; 340-365 and 500-600 are gaps
+    assert (gaps["count"], gaps["total_s"], gaps["kernels_span_s"]) == (2, 125e-6, 700e-6)
+    assert gaps["at_start"] == [{"op": "Trainer.step", "s": 100e-6, "gaps": 1},
+                                {"op": "aten::nonzero < eogym::vision_tower < Trainer.step", "s": 25e-6, "gaps": 1}]
+    assert gaps["at_end"] == [{"op": "aten::mm < autograd::engine::evaluate_function: MmBackward0", "s": 100e-6, "gaps": 1},
+                              {"op": "aten::mm < eogym::vision_tower < Trainer.step", "s": 25e-6, "gaps": 1}]
+    assert [g["us"] for g in gaps["longest"]] == [100.0, 25.0]
+    assert gpu_gaps(events, min_gap_us=5)["count"] == 3
+
+
 def test_compile_phases_reads_dynamos_timers():
     """Where compile time goes, from Dynamo's own timers: a compile on CPU shows its tracing phase."""
     import torch
