@@ -349,6 +349,10 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         # of it, before the Trainer's loop begins (on_train_begin): 0.4 s for a process's first arm on an H200, 21 s
         # for the second (call 4 of 2026-12-01), so the first step of arms after the first is best read from the loop
         "pre_loop_s": probe.train_start - t0,
+        # each timed step's seconds and this rank's real tokens: a step's pace is its tokens over its seconds; a trend
+        # across steps shows what warms up late (cuDNN's plans for new sample lengths: profile.gaps, docs/benchmarks.md)
+        "timed_step_s": [e - b for b, e in zip(probe.begins[warmup:warmup + steps], probe.ends[warmup:warmup + steps])],
+        "timed_step_real_tokens": [sum(counted.real[i * micro:(i + 1) * micro]) for i in range(warmup, warmup + steps)],
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
         "compile_phases_s": compile_phases(),  # the process's so far: this arm's and those before it

@@ -51,6 +51,8 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
                                       grad_accum=2, profile=True)
     elapsed = time.perf_counter() - started
     assert result["timed_steps"] == 1 and result["micro_batches_per_step"] == 2
+    assert result["timed_step_s"] == [pytest.approx(result["timed_wall_s"])]
+    assert result["timed_step_real_tokens"] == [result["real_tokens_per_step"]]
     assert result["real_tokens_per_s"] == pytest.approx(result["real_tokens_per_step"] / result["timed_wall_s"])
     assert result["graphs_compiled_first_step"] == 0 and result["recompiles"] == 0  # nothing compiled in this arm
     assert 0 < result["pre_loop_s"] < result["time_to_first_step_s"]
