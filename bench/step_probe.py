@@ -296,7 +296,8 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
     seconds = dict.fromkeys(COMPONENTS, 0.0)
     families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {"other": 0.0}
     kernels = data_wait = 0.0
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
         if event.name.startswith("enumerate(DataLoader)"):
             data_wait += event.cpu_time_total / 1e6
             continue
@@ -321,7 +322,7 @@ def component_times(prof, lora_rank: int, vocab: int, window_s: float | None = N
         "host_dataloader_wait_s": data_wait,
         "window_s": window_s,
         "gpu_busy_fraction": total / window_s if on_gpu and window_s else None,  # kernels on several streams can overlap
-        "gaps": gpu_gaps(prof.events()) if on_gpu else None,
+        "gaps": gpu_gaps(events) if on_gpu else None,
     }
 
 
@@ -370,7 +371,7 @@ def gpu_gaps(events, min_gap_us: float = 20.0, top: int = 12) -> dict:
     def ranked(table):
         return [{"op": label, "s": round(sec, 6), "gaps": n} for label, (sec, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]]
 
-    longest = sorted(gaps, key=lambda gap: gap[0] - gap[1])[:5]
+    longest = sorted(gaps, key=lambda gap: gap[1] - gap[0], reverse=True)[:5]
     return {
         "min_gap_us": min_gap_us,
         "count": len(gaps),
