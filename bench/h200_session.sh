@@ -405,9 +405,11 @@ sft_hostsync)
   # issue 41: B-syncs (B with the collator's HostLayout off: the forward reads its layout back from the GPU, ~104
   # syncs a micro-batch on the 4B model) against B, in one process, 1 warm-up + 3 timed steps each at the recipe's 32
   # micro-batches, as cudnn_1gpu. ~8.5 min with the data (estimate from cudnn_1gpu's arms). On an 80 GB GPU:
-  # SFT_HOSTSYNC_ARMS=B-b1-syncs,B-b1 (one sample a micro-batch).
+  # SFT_HOSTSYNC_ARMS=B-b1-syncs,B-b1 (one sample a micro-batch). SFT_HOSTSYNC_WARMUP (default 1) warm-up steps: with
+  # B's 64 samples a step the first pass over the 259 samples ends inside step 5, after a short step and the workers'
+  # refill, so WARMUP=5 times steps of the second pass, every length bucket's cuDNN plan built (docs/benchmarks.md).
   make_bench_data; mkdir -p /tmp/logs
-  timeout $((${SFT_HOSTSYNC_LIMIT:-565} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+  timeout $((${SFT_HOSTSYNC_LIMIT:-565} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup ${SFT_HOSTSYNC_WARMUP:-1} \
     --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms ${SFT_HOSTSYNC_ARMS:-B-syncs,B} --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
     || echo "arms B: exit $?"
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
