@@ -72,7 +72,6 @@ SHIPPED = {
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
-    "cpp_wrapper": False,  # Inductor's default: the compiled layers launch their kernels from Python
 }
 ARMS = {
     "A": None,
@@ -96,8 +95,6 @@ ARMS = {
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
     "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
-    "B-cpp": {"cpp_wrapper": True},  # the compiled layers' kernels launched from generated C++ (less host time a launch)
-    "B-b1-cpp": {"batch": 1, "cpp_wrapper": True},  # B-cpp at the 80 GB setting, against B-b1 on an H100
 }
 
 
@@ -272,7 +269,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:
-        compile_language_layers(model, **({"options": {"cpp_wrapper": True}} if s["cpp_wrapper"] else {}))
+        compile_language_layers(model)
     args = SFTConfig(
         per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, activation_checkpointing=s["gc"],
         dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
