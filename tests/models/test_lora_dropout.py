@@ -178,6 +178,46 @@ def test_apply_lora_and_continue_lora_draw_every_lora_dropout_from_packed_bits(t
     assert all(type(d) is torch.nn.Identity for d in dropouts(apply_lora(build_tiny_model(seed=1), dropout=0.0)))
 
 
+def test_under_activation_checkpointing_the_recomputed_forward_draws_the_same_masks(capped_processor):
+    """A checkpointed layer runs its forward again in the backward: the seed comes from torch's generator, which the
+    checkpoint restores, so the loss and LoRA gradients equal a run without checkpointing bit for bit (compiled
+    layers, aot_eager: Dynamo's and AOTAutograd's graphs as on the GPU)."""
+    from helpers import chat_example, perturb_lora_b
+    from PIL import Image
+
+    from eogym_sft.data.collator import EOGymCollator
+    from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
+    from eogym_sft.models.loading import apply_lora, compile_language_layers
+    from eogym_sft.models.tiny import build_tiny_model
+
+    processor = capped_processor(16384, 1024)
+    batch = EOGymCollator(processor, padding_free=True)(
+        [chat_example("Flooded?", "Final Answer: no"), chat_example("Land cover?", "Forest.", [Image.new("RGB", (96, 32), "green")])]
+    )
+    register_varlen_attention()
+
+    def loss_and_grads(checkpointing: bool):
+        torch._dynamo.reset()
+        model = build_tiny_model(seed=3)
+        model.set_attn_implementation({"text_config": "eogym_varlen", "vision_config": "sdpa"})
+        add_sample_boundaries(model)
+        model = perturb_lora_b(apply_lora(model, dropout=0.3), seed=3).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compile_language_layers(model, backend="aot_eager")
+        torch.manual_seed(0)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    try:
+        (plain_loss, plain), (checkpointed_loss, checkpointed) = loss_and_grads(False), loss_and_grads(True)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(checkpointed_loss, plain_loss)
+    assert plain.keys() == checkpointed.keys() and all(torch.equal(checkpointed[n], g) for n, g in plain.items())
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 
