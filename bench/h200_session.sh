@@ -49,6 +49,8 @@
 #   bash bench/h200_session.sh sft_hostsync_tests  # issue 41: the HostLayout's GPU tests (bit-equal step, fewer host syncs),
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
+#   bash bench/h200_session.sh patch_embed     # issue 41: the vision tower's Conv3d patch embedding against the same
+#                                           # weights as one matmul, at a micro-batch's patches (1 GPU, ~1 min with the start)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -413,6 +415,9 @@ sft_hostsync)
     --steps ${SFT_HOSTSYNC_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 --arms ${SFT_HOSTSYNC_ARMS:-B-syncs,B} --json $OUT/hostsync_armsB.json > $OUT/hostsync_armsB.log 2>&1 \
     || echo "arms B: exit $?"
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
+  ;;
+patch_embed)
+  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json
   ;;
 gaps)
   make_bench_data

@@ -325,3 +325,15 @@ def test_sft_loss_bench_times_both_losses_on_the_same_logits(tmp_path):
     assert all(len(arm["seconds"]) == 2 and arm["peak_gib"] is None for arm in report["arms"].values())  # CPU: no peak
     assert set(report["max_abs_diff"]) == {"loss", "entropy", "grad"} and max(report["max_abs_diff"].values()) < 1e-5
     assert report["same_argmax"] and report["speedup"] > 0 and json.loads(out.read_text())["settings"]["positions"] == 16
+
+
+def test_patch_embed_probe_times_the_convolution_and_its_matmul_on_the_same_patches(tmp_path):
+    """``bench/patch_embed_probe.py``: transformers' Conv3d and the same weights as one matmul agree (float32 on a CPU)."""
+    import patch_embed_probe
+
+    out = tmp_path / "patch_embed.json"
+    report = patch_embed_probe.main(["--patches", "64", "--repeats", "2", "--json", str(out)])
+    assert set(report["arms"]) == {"conv3d", "linear"} and all(len(arm["ms"]) == 2 for arm in report["arms"].values())
+    assert report["max_abs_diff"] < 1e-4 and report["conv3d_over_linear"] > 0
+    assert json.loads(out.read_text())["settings"] == {"patches": 64, "kernel": [2, 16, 16], "hidden": 1024,
+                                                      "dtype": "torch.float32", "repeats": 2}
