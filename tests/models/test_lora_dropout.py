@@ -93,9 +93,32 @@ def test_the_mask_keeps_one_minus_p_in_every_bit_position_and_repeats_no_word():
     assert threshold(0.05) == 3277
 
 
-def test_the_op_passes_torchs_op_checks():
-    results = torch.library.opcheck(torch.ops.eogym.keep_bits.default, (_seed(5), 10, threshold(0.1)))
-    assert set(results.values()) == {"SUCCESS"}, results
+def test_the_ops_pass_torchs_op_checks():
+    keep_bits(_seed(5), 10, 0.1)  # registers both
+    for op in (torch.ops.eogym.keep_bits.default, torch.ops.eogym.keep_bits_torch.default):
+        results = torch.library.opcheck(op, (_seed(5), 10, threshold(0.1)))
+        assert set(results.values()) == {"SUCCESS"}, (op, results)
+
+
+def test_a_compiled_graph_off_cuda_calls_the_torch_philox_as_one_op():
+    """Traced into the graph, the Philox's thousands of integer ops tripled a compiled layer's first step on a CPU."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(PackedMaskDropout(0.3), backend=aot_autograd(fw_compiler=capture), fullgraph=True)
+        compiled(torch.randn(4, 64, requires_grad=True))
+    finally:
+        torch._dynamo.reset()
+    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert "eogym.keep_bits_torch.default" in calls and len(calls) < 30, calls
 
 
 def test_keep_bits_refuses_what_it_cannot_draw():
