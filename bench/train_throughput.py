@@ -72,7 +72,6 @@ SHIPPED = {
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
-    "packed_dropout": True,  # as apply_lora: LoRA's dropout mask drawn as packed bits (models/lora_dropout.py)
 }
 ARMS = {
     "A": None,
@@ -96,8 +95,6 @@ ARMS = {
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
     "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
-    "B-peftdropout": {"packed_dropout": False},  # PEFT's nn.Dropout, as Inductor compiles it (one Philox call an element)
-    "B-b1-peftdropout": {"batch": 1, "packed_dropout": False},  # B-peftdropout at the 80 GB setting, against B-b1
 }
 
 
@@ -269,8 +266,6 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
     torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
     model = apply_lora(base, dropout=s["dropout"])
-    if not s["packed_dropout"]:
-        _peft_dropout(model)
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:
@@ -290,17 +285,6 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
-
-
-def _peft_dropout(model) -> None:
-    """PEFT's own ``nn.Dropout`` back in every LoRA layer, where ``apply_lora`` put a ``PackedMaskDropout``."""
-    from eogym_sft.models.lora_dropout import PackedMaskDropout
-
-    for module in model.modules():
-        dropouts = getattr(module, "lora_dropout", None)
-        for name, dropout in (dropouts.items() if isinstance(dropouts, torch.nn.ModuleDict) else ()):
-            if isinstance(dropout, PackedMaskDropout):
-                dropouts[name] = torch.nn.Dropout(dropout.p)
 
 
 def _uncompile(model) -> None:
