@@ -50,7 +50,7 @@
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
 #   bash bench/h200_session.sh patch_embed     # issue 41: the vision tower's Conv3d patch embedding against the same
-#                                           # weights as one matmul, at a micro-batch's patches (1 GPU, ~1 min with the start)
+#                                           # weights as one matmul: the probe, then arms B-conv3d,B (1 GPU, ~5 min)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -417,7 +417,16 @@ sft_hostsync)
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
   ;;
 patch_embed)
-  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json
+  # issue 41: models/patch_embed.py. The probe (Conv3d against the matmul at a micro-batch's patches), then arms
+  # B-conv3d and B in one process, the baseline first, 1 warm-up + 2 timed steps each. ~5 min (estimate). On an 80 GB
+  # GPU: PATCH_EMBED_ARMS=B-b1-conv3d,B-b1.
+  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json | tail -3
+  make_bench_data
+  timeout $((${PATCH_EMBED_LIMIT:-575} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+    --steps ${PATCH_EMBED_STEPS:-2} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 \
+    --arms ${PATCH_EMBED_ARMS:-B-conv3d,B} --json $OUT/patch_embed_arms.json > $OUT/patch_embed_arms.log 2>&1 \
+    || echo "arms: exit $?"
+  grep -vE "Warning|warn" $OUT/patch_embed_arms.log | tail -4
   ;;
 gaps)
   make_bench_data
