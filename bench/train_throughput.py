@@ -73,6 +73,7 @@ SHIPPED = {
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
     "patch_matmul": True,  # as load_base_model: the vision tower's patch embedding as one matmul (models/patch_embed.py)
+    "packed_dropout": True,  # as apply_lora: LoRA's dropout mask drawn as packed bits (models/lora_dropout.py)
 }
 ARMS = {
     "A": None,
@@ -98,6 +99,8 @@ ARMS = {
     "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
     "B-conv3d": {"patch_matmul": False},  # transformers' Conv3d patch embedding, on the same weights
     "B-b1-conv3d": {"batch": 1, "patch_matmul": False},  # B-conv3d at the 80 GB setting, against B-b1 on an H100
+    "B-peftdropout": {"packed_dropout": False},  # PEFT's nn.Dropout, as Inductor compiles it (one Philox call an element)
+    "B-b1-peftdropout": {"batch": 1, "packed_dropout": False},  # B-peftdropout at the 80 GB setting, against B-b1
 }
 
 
@@ -262,6 +265,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         from eogym_sft.models.loading import LORA_TARGETS
 
         base.set_attn_implementation("sdpa")
+        _patch_conv3d(base)  # plain transformers: its Conv3d patch embedding
         args = SFTConfig(per_device_train_batch_size=4, activation_checkpointing=True, dataloader_num_workers=0, **common)
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
@@ -271,6 +275,8 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         _patch_conv3d(base)
     torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
     model = apply_lora(base, dropout=s["dropout"])
+    if not s["packed_dropout"]:
+        _peft_dropout(model)
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:
@@ -299,6 +305,17 @@ def _patch_conv3d(model) -> None:
     for module in model.modules():
         if isinstance(getattr(module, "proj", None), PatchMatmul):
             module.proj = module.proj.as_conv3d()
+
+
+def _peft_dropout(model) -> None:
+    """PEFT's own ``nn.Dropout`` back in every LoRA layer, where ``apply_lora`` put a ``PackedMaskDropout``."""
+    from eogym_sft.models.lora_dropout import PackedMaskDropout
+
+    for module in model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        for name, dropout in (dropouts.items() if isinstance(dropouts, torch.nn.ModuleDict) else ()):
+            if isinstance(dropout, PackedMaskDropout):
+                dropouts[name] = torch.nn.Dropout(dropout.p)
 
 
 def _uncompile(model) -> None:

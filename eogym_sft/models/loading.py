@@ -63,6 +63,8 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     """Freeze everything, then add LoRA adapters on the language model's projections only."""
     from peft import LoraConfig, get_peft_model
 
+    from .lora_dropout import use_packed_mask_dropout
+
     for param in model.parameters():
         param.requires_grad_(False)
     config = LoraConfig(
@@ -70,6 +72,7 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     )
     with peft_quietly():
         peft_model = get_peft_model(model, config)
+    use_packed_mask_dropout(peft_model)
     check_trainable(peft_model)
     return peft_model
 
@@ -78,8 +81,11 @@ def continue_lora(model, adapter_dir: str):
     """Load a LoRA adapter (e.g. the SFT recipe's output) onto ``model`` to train it further."""
     from peft import PeftModel
 
+    from .lora_dropout import use_packed_mask_dropout
+
     with peft_quietly():
         peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    use_packed_mask_dropout(peft_model)
     check_trainable(peft_model)
     return peft_model
 
