@@ -50,7 +50,9 @@
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
 #   bash bench/h200_session.sh patch_embed     # issue 41: the vision tower's Conv3d patch embedding against the same
-#                                           # weights as one matmul, at a micro-batch's patches (1 GPU, ~1 min with the start)
+#                                           # weights as one matmul: the probe, then arms B-conv3d,B (1 GPU, ~5 min)
+#   bash bench/h200_session.sh packed_dropout  # issue 41: LoRA's dropout from packed keep bits against PEFT's nn.Dropout:
+#                                           # GPU test, bench/lora_dropout_probe.py, arms B-peftdropout,B (1 GPU, ~7 min)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -417,7 +419,34 @@ sft_hostsync)
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
   ;;
 patch_embed)
-  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json
+  # issue 41: models/patch_embed.py. The probe (Conv3d against the matmul at a micro-batch's patches), then arms
+  # B-conv3d and B in one process, the baseline first, 1 warm-up + 2 timed steps each. ~5 min (estimate). On an 80 GB
+  # GPU: PATCH_EMBED_ARMS=B-b1-conv3d,B-b1.
+  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json | tail -3
+  make_bench_data
+  timeout $((${PATCH_EMBED_LIMIT:-575} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+    --steps ${PATCH_EMBED_STEPS:-2} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 \
+    --arms ${PATCH_EMBED_ARMS:-B-conv3d,B} --json $OUT/patch_embed_arms.json > $OUT/patch_embed_arms.log 2>&1 \
+    || echo "arms: exit $?"
+  grep -vE "Warning|warn" $OUT/patch_embed_arms.log | tail -4
+  ;;
+packed_dropout)
+  # issue 41: models/lora_dropout.py against PEFT's nn.Dropout as Inductor compiles it: its GPU test (the kernel's
+  # words equal the torch Philox's, a compiled forward and backward drop the same elements), the probe on one
+  # projection a width, then arms B-peftdropout and B in one process, the baseline first, 1 warm-up + 3 timed steps
+  # each. ~7 min (estimate). On an 80 GB GPU: PACKED_DROPOUT_ARMS=B-b1-peftdropout,B-b1.
+  timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/models/test_lora_dropout.py \
+    > $OUT/packed_dropout_tests.log 2>&1 || echo "GPU tests: exit $?"
+  tail -1 $OUT/packed_dropout_tests.log
+  timeout 150 python bench/lora_dropout_probe.py --json $OUT/packed_dropout_probe.json > $OUT/packed_dropout_probe.log 2>&1 \
+    || echo "probe: exit $?"
+  grep -E "^[0-9]+ " $OUT/packed_dropout_probe.log
+  make_bench_data
+  timeout $((${PACKED_DROPOUT_LIMIT:-575} - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 \
+    --steps ${PACKED_DROPOUT_STEPS:-3} --grad-accum 32 --workdir /tmp/bt --parity-samples 0 \
+    --arms ${PACKED_DROPOUT_ARMS:-B-peftdropout,B} --json $OUT/packed_dropout_arms.json > $OUT/packed_dropout_arms.log 2>&1 \
+    || echo "arms: exit $?"
+  grep -vE "Warning|warn" $OUT/packed_dropout_arms.log | tail -4
   ;;
 gaps)
   make_bench_data
