@@ -74,6 +74,7 @@ SHIPPED = {
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
     "patch_matmul": True,  # as load_base_model: the vision tower's patch embedding as one matmul (models/patch_embed.py)
     "packed_dropout": True,  # as apply_lora: LoRA's dropout mask drawn as packed bits (models/lora_dropout.py)
+    "compile_vision": True,  # as sft.py under compile_layers: the vision blocks and mergers compiled (models/vision_blocks.py)
 }
 ARMS = {
     "A": None,
@@ -101,6 +102,8 @@ ARMS = {
     "B-b1-conv3d": {"batch": 1, "patch_matmul": False},  # B-conv3d at the 80 GB setting, against B-b1 on an H100
     "B-peftdropout": {"packed_dropout": False},  # PEFT's nn.Dropout, as Inductor compiles it (one Philox call an element)
     "B-b1-peftdropout": {"batch": 1, "packed_dropout": False},  # B-peftdropout at the 80 GB setting, against B-b1
+    "B-visioneager": {"compile_vision": False},  # the vision tower eager, transformers' per-image SDPA loop
+    "B-b1-visioneager": {"batch": 1, "compile_vision": False},  # B-visioneager at the 80 GB setting, against B-b1
 }
 
 
@@ -251,6 +254,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     from eogym_sft.models.loading import apply_lora, compile_language_layers
     from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.models.host_layout import VisionGeometry
+    from eogym_sft.models.vision_blocks import compile_vision_blocks
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
@@ -281,6 +285,8 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         model.enable_input_require_grads()
     if s["compile"]:
         compile_language_layers(model)
+    if s["compile"] and s["compile_vision"]:
+        compile_vision_blocks(model)  # before the collator reads the tower's settings, as in sft.py
     args = SFTConfig(
         per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, activation_checkpointing=s["gc"],
         dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
