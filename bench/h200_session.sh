@@ -55,6 +55,8 @@
 #                                           # GPU test, bench/lora_dropout_probe.py, arms B-peftdropout,B (1 GPU, ~7 min)
 #   bash bench/h200_session.sh vision_compile  # issue 41: the vision blocks and mergers compiled against the eager tower:
 #                                           # GPU test, arms B-visioneager,B (1 GPU, ~6 min)
+#   bash bench/h200_session.sh levers        # issue 41: B-nolevers (B without those three levers) against B at steady
+#                                           # state: 4 warm-up steps (the first pass over the data), 2 timed (1 GPU, ~9 min)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -94,9 +96,9 @@ from eogym_sft.models.tiny import build_offline_processor
 work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
 (proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > /tmp/bench_data.log 2>&1 || { tail -5 /tmp/bench_data.log; exit 1; }
 }
-lever_arms() {  # a lever's arms against its baseline in one process: STAGE ARMS TIMED_STEPS LIMIT_S (1 warm-up step each)
+lever_arms() {  # a lever's arms against its baseline in one process: STAGE ARMS TIMED_STEPS LIMIT_S [WARM-UP STEPS, 1]
   make_bench_data
-  timeout $(($4 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup 1 --steps $3 --grad-accum 32 \
+  timeout $(($4 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup ${5:-1} --steps $3 --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms $2 --json $OUT/$1_arms.json > $OUT/$1_arms.log 2>&1 || echo "arms: exit $?"
   grep -vE "Warning|warn" $OUT/$1_arms.log | tail -4
 }
@@ -455,6 +457,12 @@ vision_compile)
     > $OUT/vision_compile_tests.log 2>&1 || echo "GPU tests: exit $?"
   tail -1 $OUT/vision_compile_tests.log
   lever_arms vision_compile ${VISION_COMPILE_ARMS:-B-visioneager,B} ${VISION_COMPILE_STEPS:-3} ${VISION_COMPILE_LIMIT:-575}
+  ;;
+levers)
+  # issue 41: the three levers together (patch_embed, packed_dropout, vision_compile: each stage decides its own) against
+  # B without them, both past the first pass over the data (it ends inside step 5 at B's 64 samples a step), for B's MFU
+  # at steady state. ~9 min (estimate): run it on a host that already made the bench data, or raise LEVERS_LIMIT.
+  lever_arms levers ${LEVERS_ARMS:-B-nolevers,B} ${LEVERS_STEPS:-2} ${LEVERS_LIMIT:-580} ${LEVERS_WARMUP:-4}
   ;;
 gaps)
   make_bench_data

@@ -104,6 +104,8 @@ ARMS = {
     "B-b1-peftdropout": {"batch": 1, "packed_dropout": False},  # B-peftdropout at the 80 GB setting, against B-b1
     "B-visioneager": {"compile_vision": False},  # the vision tower eager, transformers' per-image SDPA loop
     "B-b1-visioneager": {"batch": 1, "compile_vision": False},  # B-visioneager at the 80 GB setting, against B-b1
+    # B without the three kernel levers of 2026-12-05 (patch matmul, packed dropout, compiled vision blocks): their sum
+    "B-nolevers": {"patch_matmul": False, "packed_dropout": False, "compile_vision": False},
 }
 
 
