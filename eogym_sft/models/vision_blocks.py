@@ -73,8 +73,15 @@ def use_vision_block_attention(model) -> None:
     collator reads the tower's settings (``VisionGeometry.of``): with it the workers find the longest image too."""
     from transformers import AttentionInterface
 
+    from .host_layout import vision_tower
+
     AttentionInterface.register(VISION_NAME, functools.partial(vision_attention_forward, attend=per_image_sdpa_op()))
     model.set_attn_implementation({"vision_config": VISION_NAME})
+    tower = vision_tower(model)
+    if tower is not None and tower.config._attn_implementation != VISION_NAME:
+        # A bare tower has no vision_config to switch, and set on itself a "flash" name is looked up on the hub.
+        raise ValueError(f"{type(model).__name__}: the vision blocks are compiled on a whole Qwen3-VL model (with its "
+                         "vision_config), not on its vision tower alone")
 
 
 def vision_block_modules(model) -> list[torch.nn.Module]:

@@ -150,11 +150,18 @@ def test_the_vision_attention_refuses_dropout():
         vision_attention_forward(None, q, q, q, None, dropout=0.1, cu_seq_lens_q=torch.tensor([0, 3]), attend=per_image_sdpa_op())
 
 
-def test_compile_vision_blocks_needs_a_vision_tower():
+def test_compile_vision_blocks_needs_a_whole_qwen3_vl():
+    """Without vision blocks, and on a bare vision tower (whose attention it cannot switch: its blocks would break at
+    every image), it refuses instead of compiling blocks that split."""
+    from eogym_sft.models.tiny import build_tiny_model
     from eogym_sft.models.vision_blocks import compile_vision_blocks
 
     with pytest.raises(ValueError, match="no Qwen3-VL vision blocks"):
         compile_vision_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    tower = build_tiny_model(seed=3).model.visual
+    with pytest.raises(ValueError, match="Qwen3VLVisionModel: the vision blocks are compiled on a whole Qwen3-VL model"):
+        compile_vision_blocks(tower)
+    assert all(getattr(block, "_compiled_call_impl", None) is None for block in tower.blocks)
 
 
 def test_a_training_step_with_compiled_blocks_reads_the_boundaries_on_the_host(processor_at_cap, tmp_path, monkeypatch, fresh_dynamo):
@@ -231,24 +238,20 @@ def test_inductor_blocks_on_the_4b_towers_widths_give_the_eager_features(fresh_d
     DeepStack merger after block 1: Inductor's blocks against the eager tower, to bf16 rounding, on three images of the
     recipe's sizes, with no graph break; given the metadata as the host layout hands it over (the boundaries on the
     host), the compiled tower runs without a host sync."""
+    import copy
     import json
     from pathlib import Path
 
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
     from eogym_sft.models.host_layout import VISION_DEVICE_KEYS, VisionGeometry, vision_metadata
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG, build_tiny_model
     from eogym_sft.models.vision_blocks import compile_vision_blocks
 
     spec = json.loads((Path(__file__).resolve().parents[2] / "recipes/configs/qwen3_vl_4b_instruct.json").read_text())["vision_config"]
-    config = Qwen3VLVisionConfig(**{**spec, "depth": 3, "deepstack_visual_indexes": [1]})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        eager = Qwen3VLVisionModel(config).to(torch.bfloat16).eval()
-        compiled = Qwen3VLVisionModel(config).to(torch.bfloat16).eval()
-    compiled.load_state_dict(eager.state_dict())
-    compile_vision_blocks(compiled)
+    config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)  # the tiny text tower (not run here) with the 4B's vision widths
+    config["vision_config"] = {**spec, "depth": 3, "deepstack_visual_indexes": [1]}
+    models = [build_tiny_model(seed=0, config=config, dtype="bfloat16", device="cuda").eval().requires_grad_(False) for _ in range(2)]
+    compile_vision_blocks(models[1])
+    eager, compiled = (m.model.visual for m in models)
     for grid in ([[1, 62, 62]], [[1, 40, 56], [1, 20, 24], [1, 62, 62]]):  # 980 merged tokens: the recipe's cap
         pixels, grid = _vision_inputs(grid, device="cuda", dtype=torch.bfloat16)
         keywords = {k: v.cuda() if k in VISION_DEVICE_KEYS else v for k, v in vision_metadata(grid.cpu(), VisionGeometry.of(compiled)).items()}
