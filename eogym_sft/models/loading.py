@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from ..quiet import old_checkpointing_names_quietly
-from .patch_embed import patch_embed_as_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +23,8 @@ DECODER_LAYER_RE = re.compile(r"(^|\.)language_model\.layers\.\d+$")
 
 
 def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
-    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training, the
-    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions) and the vision tower's
-    patch embedding run as a matmul (:mod:`.patch_embed`)."""
+    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training and the
+    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions)."""
     from transformers import AutoModelForImageTextToText
 
     from .attention import NAMES as VARLEN_NAMES
@@ -40,7 +38,6 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     model = AutoModelForImageTextToText.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
-    patch_embed_as_matmul(model)
     # Packed (padding-free) batches are told apart by their position ids only when no cache is built.
     model.config.use_cache = False
     if varlen:
@@ -63,8 +60,6 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     """Freeze everything, then add LoRA adapters on the language model's projections only."""
     from peft import LoraConfig, get_peft_model
 
-    from .lora_dropout import use_packed_mask_dropout
-
     for param in model.parameters():
         param.requires_grad_(False)
     config = LoraConfig(
@@ -72,7 +67,6 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.05, targe
     )
     with peft_quietly():
         peft_model = get_peft_model(model, config)
-    use_packed_mask_dropout(peft_model)
     check_trainable(peft_model)
     return peft_model
 
@@ -81,11 +75,8 @@ def continue_lora(model, adapter_dir: str):
     """Load a LoRA adapter (e.g. the SFT recipe's output) onto ``model`` to train it further."""
     from peft import PeftModel
 
-    from .lora_dropout import use_packed_mask_dropout
-
     with peft_quietly():
         peft_model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    use_packed_mask_dropout(peft_model)
     check_trainable(peft_model)
     return peft_model
 
@@ -182,7 +173,6 @@ def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype, attn
 
     if attn_implementation is None:
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
-        patch_embed_as_matmul(model)
     else:
         model = load_base_model(name_or_path, dtype, attn_implementation).to(device)
     adapters = [a for a in arms if a.adapter]
