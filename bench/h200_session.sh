@@ -50,7 +50,11 @@
 #                                           # then bench/sync_counter.py on the tiny model and on the 4B architecture
 #   bash bench/h200_session.sh sft_hostsync # issue 41: arm B-syncs (B without the collator's HostLayout) against B, one process
 #   bash bench/h200_session.sh patch_embed     # issue 41: the vision tower's Conv3d patch embedding against the same
-#                                           # weights as one matmul, at a micro-batch's patches (1 GPU, ~1 min with the start)
+#                                           # weights as one matmul: the probe, then arms B-conv3d,B (1 GPU, ~5 min)
+#   bash bench/h200_session.sh vision_compile  # issue 41: the vision blocks and mergers compiled against the eager tower:
+#                                           # GPU test, arms B-visioneager,B (1 GPU, ~6 min)
+#   bash bench/h200_session.sh levers        # issue 41: B-nolevers (B without those two levers) against B at steady
+#                                           # state: 4 warm-up steps (the first pass over the data), 2 timed (1 GPU, ~9 min)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -89,6 +93,12 @@ import train_throughput as t
 from eogym_sft.models.tiny import build_offline_processor
 work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().save_pretrained(proc)
 (proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > /tmp/bench_data.log 2>&1 || { tail -5 /tmp/bench_data.log; exit 1; }
+}
+lever_arms() {  # a lever's arms against its baseline in one process: STAGE ARMS TIMED_STEPS LIMIT_S [WARM-UP STEPS, 1]
+  make_bench_data
+  timeout $(($4 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup ${5:-1} --steps $3 --grad-accum 32 \
+    --workdir /tmp/bt --parity-samples 0 --arms $2 --json $OUT/$1_arms.json > $OUT/$1_arms.log 2>&1 || echo "arms: exit $?"
+  grep -vE "Warning|warn" $OUT/$1_arms.log | tail -4
 }
 make_data() { [ -f $data/train.jsonl ] || python -c "import sys; sys.path.insert(0, 'bench'); from prep_throughput import generate_sample; generate_sample('$data', rows=${1:-240}, seed=0)"; }
 
@@ -417,7 +427,27 @@ sft_hostsync)
   grep -vE "Warning|warn" $OUT/hostsync_armsB.log | tail -4
   ;;
 patch_embed)
-  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json
+  # issue 41: models/patch_embed.py. The probe (Conv3d against the matmul at a micro-batch's patches), then arms
+  # B-conv3d and B in one process, the baseline first, 1 warm-up + 2 timed steps each. ~5 min (estimate). On an 80 GB
+  # GPU: PATCH_EMBED_ARMS=B-b1-conv3d,B-b1.
+  python bench/patch_embed_probe.py --device cuda --json $OUT/patch_embed_probe.json | tail -3
+  lever_arms patch_embed ${PATCH_EMBED_ARMS:-B-conv3d,B} ${PATCH_EMBED_STEPS:-2} ${PATCH_EMBED_LIMIT:-575}
+  ;;
+vision_compile)
+  # issue 41: models/vision_blocks.py against the eager vision tower (transformers' per-image SDPA loop): its GPU test
+  # (Inductor's blocks on the 4B tower's widths give the eager features, one graph a block), then arms B-visioneager
+  # and B in one process, the baseline first, 1 warm-up + 3 timed steps each. ~6 min (estimate). On an 80 GB GPU:
+  # VISION_COMPILE_ARMS=B-b1-visioneager,B-b1.
+  timeout 150 python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/models/test_vision_blocks.py \
+    > $OUT/vision_compile_tests.log 2>&1 || echo "GPU tests: exit $?"
+  tail -1 $OUT/vision_compile_tests.log
+  lever_arms vision_compile ${VISION_COMPILE_ARMS:-B-visioneager,B} ${VISION_COMPILE_STEPS:-3} ${VISION_COMPILE_LIMIT:-575}
+  ;;
+levers)
+  # issue 41: the two vision-tower levers together (patch_embed, vision_compile: each stage decides its own) against
+  # B without them, both past the first pass over the data (it ends inside step 5 at B's 64 samples a step), for B's MFU
+  # at steady state. ~9 min (estimate): run it on a host that already made the bench data, or raise LEVERS_LIMIT.
+  lever_arms levers ${LEVERS_ARMS:-B-nolevers,B} ${LEVERS_STEPS:-2} ${LEVERS_LIMIT:-580} ${LEVERS_WARMUP:-4}
   ;;
 gaps)
   make_bench_data

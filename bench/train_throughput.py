@@ -72,6 +72,8 @@ SHIPPED = {
     "nan_filter": RECIPE["logging_nan_inf_filter"],
     "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
     "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
+    "patch_matmul": True,  # as load_base_model: the vision tower's patch embedding as one matmul (models/patch_embed.py)
+    "compile_vision": True,  # as sft.py under compile_layers: the vision blocks and mergers compiled (models/vision_blocks.py)
 }
 ARMS = {
     "A": None,
@@ -95,6 +97,13 @@ ARMS = {
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
     "B-syncs": {"host_layout": False},  # no HostLayout: the forward reads its layout back from the GPU (about 104 syncs a micro-batch)
     "B-b1-syncs": {"batch": 1, "host_layout": False},  # B-syncs at the 80 GB setting, against B-b1 on an H100
+    "B-conv3d": {"patch_matmul": False},  # transformers' Conv3d patch embedding, on the same weights
+    "B-b1-conv3d": {"batch": 1, "patch_matmul": False},  # B-conv3d at the 80 GB setting, against B-b1 on an H100
+    "B-visioneager": {"compile_vision": False},  # the vision tower eager, transformers' per-image SDPA loop
+    "B-b1-visioneager": {"batch": 1, "compile_vision": False},  # B-visioneager at the 80 GB setting, against B-b1
+    # B without the two vision-tower levers of 2026-12-05 (patch matmul, compiled vision blocks): their sum
+    "B-nolevers": {"patch_matmul": False, "compile_vision": False},
+    "B-b1-nolevers": {"batch": 1, "patch_matmul": False, "compile_vision": False},  # B-nolevers against B-b1 (80 GB)
 }
 
 
@@ -245,6 +254,7 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     from eogym_sft.models.loading import apply_lora, compile_language_layers
     from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.models.host_layout import VisionGeometry
+    from eogym_sft.models.vision_blocks import compile_vision_blocks
     from eogym_sft.training.trainer import EOGymSFTTrainer
 
     FullLogitsTrainer = _full_logits_trainer()
@@ -259,17 +269,22 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         from eogym_sft.models.loading import LORA_TARGETS
 
         base.set_attn_implementation("sdpa")
+        _patch_conv3d(base)  # plain transformers: its Conv3d patch embedding
         args = SFTConfig(per_device_train_batch_size=4, activation_checkpointing=True, dataloader_num_workers=0, **common)
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
+    if not s["patch_matmul"]:
+        _patch_conv3d(base)
     torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
     model = apply_lora(base, dropout=s["dropout"])
     if s["gc"]:
         model.enable_input_require_grads()
     if s["compile"]:
         compile_language_layers(model)
+    if s["compile"] and s["compile_vision"]:
+        compile_vision_blocks(model)  # before the collator reads the tower's settings, as in sft.py
     args = SFTConfig(
         per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, activation_checkpointing=s["gc"],
         dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
@@ -285,6 +300,15 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     )
     cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
     return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
+
+
+def _patch_conv3d(model) -> None:
+    """transformers' ``Conv3d`` back in the patch embedding, on the same parameters (``B-conv3d``; ``_restore`` undoes it)."""
+    from eogym_sft.models.patch_embed import PatchMatmul
+
+    for module in model.modules():
+        if isinstance(getattr(module, "proj", None), PatchMatmul):
+            module.proj = module.proj.as_conv3d()
 
 
 def _uncompile(model) -> None:
@@ -372,10 +396,13 @@ def _restore(base, model) -> None:
     """Arms share the base model: undo what an arm switched on for itself, whether it ran or failed."""
     from peft import PeftModel
 
+    from eogym_sft.models.patch_embed import patch_embed_as_matmul
+
     if isinstance(model, PeftModel):
         model.unload()
     base.activation_checkpointing_disable()
     base.disable_input_require_grads()
+    patch_embed_as_matmul(base)
     _uncompile(base)
     if DEVICE == "cuda":
         import gc
@@ -391,6 +418,7 @@ def build_base(config_path: Path, workdir: Path):
         add_sample_boundaries,
         register_varlen_attention,
     )
+    from eogym_sft.models.patch_embed import patch_embed_as_matmul
     from eogym_sft.models.tiny import build_offline_processor
 
     register_varlen_attention()
@@ -404,6 +432,7 @@ def build_base(config_path: Path, workdir: Path):
     base = base.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
     base.config.use_cache = False
     add_sample_boundaries(base)  # as load_base_model does; acts only while the text tower runs an eogym_varlen kernel
+    patch_embed_as_matmul(base)  # as load_base_model does
     return base, cfg, model_dir
 
 

@@ -100,7 +100,7 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "regional torch.compile of each language-model decoder layer (GPU; compiles during the first steps)"},
+        metadata={"help": "regional torch.compile of each language-model decoder layer and each vision block and patch merger (GPU; compiles during the first steps)"},
     )
 
     def __post_init__(self):

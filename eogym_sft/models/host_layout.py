@@ -112,6 +112,22 @@ class HostLayout:
         vision = vision_metadata(image_grid_thw, geometry) if image_grid_thw is not None and geometry is not None else None
         return cls(supervised_positions(labels, ignore_index), cu, max_length, image_grid_thw, vision)
 
+    def vision_keywords(self, device, attn_implementation: str) -> dict:
+        """:attr:`vision` as the keywords the tower's helpers pop, for a tower on ``device`` running
+        ``attn_implementation``: what its device reads moved there (non-blocking, from pinned memory). The images'
+        boundaries stay on the host, where SDPA's per-image loop reads them (transformers' sdpa branch, or the
+        compiled blocks' :data:`~eogym_sft.models.vision_blocks.VISION_NAME`), and move only for a flash kernel."""
+        from .vision_blocks import VISION_NAME
+
+        keywords = dict(self.vision)
+        for key in VISION_DEVICE_KEYS:
+            keywords[key] = keywords[key].to(device, non_blocking=True)
+        if keywords["max_seqlen"] is None:
+            del keywords["max_seqlen"]  # not flash: the tower asks for none
+        elif attn_implementation != VISION_NAME:
+            keywords["cu_seqlens"] = keywords["cu_seqlens"].to(device, non_blocking=True)
+        return keywords
+
     def pin_memory(self) -> HostLayout:
         """The DataLoader's ``pin_memory`` calls this: the tensors in page-locked memory, so their copies to the GPU
         run asynchronously."""

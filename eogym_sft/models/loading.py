@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..quiet import old_checkpointing_names_quietly
+from .patch_embed import patch_embed_as_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,9 @@ DECODER_LAYER_RE = re.compile(r"(^|\.)language_model\.layers\.\d+$")
 
 
 def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
-    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training and the
-    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions)."""
+    """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training, the
+    text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions) and the vision tower's
+    patch embedding run as a matmul (:mod:`.patch_embed`)."""
     from transformers import AutoModelForImageTextToText
 
     from .attention import NAMES as VARLEN_NAMES
@@ -38,6 +40,7 @@ def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", at
     model = AutoModelForImageTextToText.from_pretrained(
         name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
+    patch_embed_as_matmul(model)
     # Packed (padding-free) batches are told apart by their position ids only when no cache is built.
     model.config.use_cache = False
     if varlen:
@@ -173,6 +176,7 @@ def load_inference_model(name_or_path: str, arms: list[Arm], device, dtype, attn
 
     if attn_implementation is None:
         model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype, device_map={"": str(device)})
+        patch_embed_as_matmul(model)
     else:
         model = load_base_model(name_or_path, dtype, attn_implementation).to(device)
     adapters = [a for a in arms if a.adapter]

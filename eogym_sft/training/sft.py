@@ -16,6 +16,7 @@ from ..data.prepare import DROP_SHARE, PrepConfig
 from ..models.loading import apply_lora, compile_language_layers, load_base_model
 from ..models.host_layout import VisionGeometry
 from ..models.processor import load_processor
+from ..models.vision_blocks import compile_vision_blocks
 from ..data.collator import EOGymCollator
 from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
 from .run_info import save_run
@@ -155,7 +156,8 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
     model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
     if script_args.compile_layers:
-        logger.info("compiled %d decoder layers", compile_language_layers(model))
+        # Before the collator reads the vision tower's settings: compiling switches its attention (models/vision_blocks.py).
+        logger.info("compiled %d decoder layers and %d vision modules", compile_language_layers(model), compile_vision_blocks(model))
 
     ################
     # Training

@@ -51,7 +51,7 @@ from trl import SFTTrainer
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_argmax
 from ..models.attention import packed_arguments
-from ..models.host_layout import VISION_DEVICE_KEYS, HostLayout, supervised_positions, vision_tower
+from ..models.host_layout import HostLayout, supervised_positions, vision_tower
 from .loss import cross_entropy_with_entropy
 from .sampler import TokenBalancedSampler
 
@@ -182,8 +182,8 @@ class EOGymSFTTrainer(SFTTrainer):
     def _fed_vision_tower(self, layout: HostLayout):
         """For one forward, a pre-hook on the vision tower adds the layout's metadata under the keywords that
         transformers' ``vision_utils`` helpers take precomputed (``cu_seqlens``, ``max_seqlen``, ``position_ids``,
-        ``interp_indices``, ``interp_weights``), when the tower is called with the layout's grid. ``cu_seqlens`` stays
-        on the host (SDPA's vision blocks read it there) unless the tower runs flash attention."""
+        ``interp_indices``, ``interp_weights``; :meth:`HostLayout.vision_keywords`), when the tower is called with the
+        layout's grid."""
         if layout.vision is None:
             yield
             return
@@ -193,15 +193,7 @@ class EOGymSFTTrainer(SFTTrainer):
             grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
             if grid is not layout.image_grid_thw:
                 return None
-            device = module.pos_embed.weight.device
-            vision = dict(layout.vision)
-            for key in VISION_DEVICE_KEYS:
-                vision[key] = vision[key].to(device, non_blocking=True)
-            if vision["max_seqlen"] is None:
-                del vision["max_seqlen"]  # not flash: the tower asks for none
-            else:
-                vision["cu_seqlens"] = vision["cu_seqlens"].to(device, non_blocking=True)
-            return args, {**kwargs, **vision}
+            return args, {**kwargs, **layout.vision_keywords(module.pos_embed.weight.device, module.config._attn_implementation)}
 
         handle = tower.register_forward_pre_hook(add, with_kwargs=True) if tower is not None else None
         try:
