@@ -53,8 +53,9 @@
 #                                           # weights as one matmul: the probe, then arms B-conv3d,B (1 GPU, ~5 min)
 #   bash bench/h200_session.sh vision_compile  # issue 41: the vision blocks and mergers compiled against the eager tower:
 #                                           # GPU test, arms B-visioneager,B (1 GPU, ~6 min)
-#   bash bench/h200_session.sh levers        # issue 41: B-nolevers (B without those two levers) against B at steady
-#                                           # state: 4 warm-up steps (the first pass over the data), 2 timed (1 GPU, ~9 min)
+#   bash bench/h200_session.sh levers        # issue 41: B (first: the place effect is against it) and B-nolevers (B without
+#                                           # those two levers) at steady state: 5 warm-up steps (the first pass over the data
+#                                           # ends inside step 5), 3 timed (1 GPU, ~8 min)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
@@ -444,10 +445,10 @@ vision_compile)
   lever_arms vision_compile ${VISION_COMPILE_ARMS:-B-visioneager,B} ${VISION_COMPILE_STEPS:-3} ${VISION_COMPILE_LIMIT:-575}
   ;;
 levers)
-  # issue 41: the two vision-tower levers together (patch_embed, vision_compile: each stage decides its own) against
-  # B without them, both past the first pass over the data (it ends inside step 5 at B's 64 samples a step), for B's MFU
-  # at steady state. ~9 min (estimate): run it on a host that already made the bench data, or raise LEVERS_LIMIT.
-  lever_arms levers ${LEVERS_ARMS:-B-nolevers,B} ${LEVERS_STEPS:-2} ${LEVERS_LIMIT:-580} ${LEVERS_WARMUP:-4}
+  # issue 41: B's MFU at steady state, and the two vision-tower levers together (patch_embed, vision_compile: each stage
+  # decides its own) against B without them. Both arms time steps 6-8, the second pass over the data: it ends inside
+  # step 5 at B's 64 samples a step (a short step, then the 8 workers refill), so 4 warm-up steps would time that wait.
+  lever_arms levers ${LEVERS_ARMS:-B,B-nolevers} ${LEVERS_STEPS:-3} ${LEVERS_LIMIT:-592} ${LEVERS_WARMUP:-5}
   ;;
 gaps)
   make_bench_data
