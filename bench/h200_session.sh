@@ -55,7 +55,7 @@
 #                                           # GPU test, arms B-visioneager,B (1 GPU, ~6 min)
 #   bash bench/h200_session.sh levers        # issue 41: B (first: the place effect is against it) and B-nolevers (B without
 #                                           # those two levers) at steady state: 5 warm-up steps (the first pass over the data
-#                                           # ends inside step 5), 3 timed (1 GPU, ~8 min)
+#                                           # ends inside step 5), 3 timed (1 GPU; B alone with 4 timed took 251 s)
 #   bash bench/h200_session.sh gaps          # issue 41: where the GPU waits on the host in arm B's step (${GAPS_ARM:-B}; B-b1
 #                                           # on an H100): profile.gaps of one profiled step (1 GPU, ~3 min)
 #   bash bench/h200_session.sh validate_1gpu  # validate's tokens/s: its former padded path (old) against its defaults
