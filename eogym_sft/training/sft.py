@@ -1,5 +1,6 @@
 """One LoRA SFT run: processor, data, model, trainer, save. ``recipes/eo_gym_4b.py`` and ``eogym-sft demo``
-call :func:`train` with TrlParser's three configs."""
+call :func:`train` with TrlParser's three configs; its pieces (:func:`build_datasets`, :func:`build_model`,
+:func:`build_collator`, :func:`build_trainer`) are what ``bench/train_throughput.py`` measures."""
 
 from __future__ import annotations
 
@@ -115,6 +116,59 @@ def prep_processes(requested: int) -> int:
     return max(1, min(requested, cpus))
 
 
+def build_datasets(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig, processor):
+    """The run's ``(train_dataset, eval_dataset, data_stats)``: ``dataset_path`` prepared (or reused from
+    ``prepared_dir``), checked for usable samples and split by trace; no eval set turns evaluation off."""
+    sample = script_args.sample_config(training_args.max_length)
+    script_args.prepared_dir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
+    with training_args.main_process_first(desc="data prep"):
+        dataset, data_stats = load_or_prepare(
+            script_args.dataset_path, model_args.model_name_or_path, processor, prep_config(script_args, sample),
+            script_args.prepared_dir, prep_processes(script_args.prep_num_proc), ALLOW_FLAG,
+        )
+    refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path, drop_share(script_args))
+    train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    logger.info("samples: %d train, %d eval", len(train_dataset), 0 if eval_dataset is None else len(eval_dataset))
+    return train_dataset, eval_dataset, data_stats
+
+
+def build_model(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig, base=None):
+    """The model the run trains: ``base`` (loaded from ``model_name_or_path`` when not given) with LoRA adapters,
+    its decoder layers and vision blocks compiled under ``compile_layers``."""
+    # LoRA's A matrices are drawn when the adapters are added, before the Trainer seeds anything.
+    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
+    if base is None:
+        base = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
+    model = apply_lora(base, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    if script_args.compile_layers:
+        # Before the collator reads the vision tower's settings: compiling switches its attention (models/vision_blocks.py).
+        logger.info("compiled %d decoder layers and %d vision modules", compile_language_layers(model), compile_vision_blocks(model))
+    return model
+
+
+def build_collator(script_args: EOGymScriptArguments, training_args: SFTConfig, processor, model) -> EOGymCollator:
+    """The run's collator, built after :func:`build_model` (it reads the vision tower's settings). Which samples
+    form a micro-batch is the trainer's sampler's choice (``train_sampling_strategy``, :mod:`.sampler`)."""
+    # An image that fails after prep (changed on disk) skips its sample, logged and counted by the trainer.
+    # Pixels leave the workers in the model's dtype, which the vision tower casts them to anyway:
+    # half of float32's bytes. The workers also compute what the forward would read back from the GPU (host_layout).
+    return EOGymCollator(
+        processor, max_length=script_args.sample_config(training_args.max_length).max_length,
+        data_root=script_args.data_root, padding_free=training_args.padding_free, skip_bad_images=True,
+        pixel_dtype=model.dtype, host_layout=True, vision=VisionGeometry.of(model),
+    )
+
+
+def build_trainer(training_args: SFTConfig, model, collator, processor, train_dataset, eval_dataset=None, callbacks=()):
+    """The run's :class:`EOGymSFTTrainer` over the pieces above."""
+    return EOGymSFTTrainer(
+        model=model, args=training_args, data_collator=collator, train_dataset=train_dataset,
+        eval_dataset=eval_dataset, processing_class=processor, callbacks=list(callbacks),
+    )
+
+
 def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
     """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder."""
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
@@ -126,63 +180,21 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     claim_output_dir(training_args, script_args.overwrite_output_dir)
     set_samples_per_step(script_args, training_args)
 
-    ################
-    # Processor and data
-    ################
     processor = load_processor(model_args.model_name_or_path, sample.max_pixels, sample.min_pixels)
-    prep = prep_config(script_args, sample)
-    script_args.prepared_dir = script_args.prepared_dir or str(Path(training_args.output_dir) / "prepared")
-    with training_args.main_process_first(desc="data prep"):
-        dataset, data_stats = load_or_prepare(
-            script_args.dataset_path, model_args.model_name_or_path, processor, prep, script_args.prepared_dir,
-            prep_processes(script_args.prep_num_proc), ALLOW_FLAG,
-        )
-    refuse_unusable_data(dataset, script_args.data_root, script_args.dataset_path, drop_share(script_args))
-    train_dataset, eval_dataset = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
-    if eval_dataset is None:
-        training_args.eval_strategy = "no"
-    logger.info("samples: %d train, %d eval", len(train_dataset), 0 if eval_dataset is None else len(eval_dataset))
-
+    train_dataset, eval_dataset, data_stats = build_datasets(script_args, training_args, model_args, processor)
     configs = {"script": script_args, "training": training_args, "model": model_args}
     identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
     if checkpoint is not None and finished(checkpoint):
         return training_args.output_dir
 
-    ################
-    # Model
-    ################
-    # LoRA's A matrices are drawn when the adapters are added, before the Trainer seeds anything.
-    (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
-    model = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
-    model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
-    if script_args.compile_layers:
-        # Before the collator reads the vision tower's settings: compiling switches its attention (models/vision_blocks.py).
-        logger.info("compiled %d decoder layers and %d vision modules", compile_language_layers(model), compile_vision_blocks(model))
-
-    ################
-    # Training
-    ################
-    # An image that fails after prep (changed on disk) skips its sample, logged and counted by the trainer.
-    # Pixels leave the workers in the model's dtype, which the vision tower casts them to anyway:
-    # half of float32's bytes. The workers also compute what the forward would read back from the GPU (host_layout).
-    collator = EOGymCollator(
-        processor, max_length=sample.max_length, data_root=script_args.data_root, padding_free=training_args.padding_free,
-        skip_bad_images=True, pixel_dtype=model.dtype, host_layout=True, vision=VisionGeometry.of(model),
-    )
-    trainer = EOGymSFTTrainer(
-        model=model,
-        args=training_args,
-        data_collator=collator,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=processor,
-        callbacks=[CheckpointIdentity(identity)],
+    model = build_model(script_args, training_args, model_args)
+    collator = build_collator(script_args, training_args, processor, model)
+    trainer = build_trainer(
+        training_args, model, collator, processor, train_dataset, eval_dataset, [CheckpointIdentity(identity)]
     )
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
 
-    ################
-    # Save: adapter, processor (with the pixel cap) and the run's evidence, side by side
-    ################
+    # The adapter, the processor (with the pixel cap) and the run's evidence, side by side.
     output_dir = save_run(trainer, processor, configs, data_stats)
     logger.info("adapter saved to %s", output_dir)
     return output_dir
