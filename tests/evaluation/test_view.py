@@ -1,4 +1,5 @@
-"""``eogym-sft view``: the page of rollouts, evaluations and training runs (eogym_sft/evaluation/view.py)."""
+"""``eogym-sft view``: the page of rollouts, evaluations and training runs (eogym_sft/evaluation/view.py); what it
+gathers from run folders is tested in test_view_data.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from eogym_sft.evaluation.view import (
     ViewError,
     embed_json,
     find_runs,
-    plot_keys,
     render,
     serve,
     write_report,
@@ -222,12 +222,7 @@ def test_training_runs_plot_the_keys_that_exist(tmp_path):
     assert page.count('src="data:image/svg+xml;base64,') == 6
 
 
-def test_plot_keys_order_known_first_then_the_rest():
-    history = [{"grad_norm": 1.0, "zeta": 2, "loss": 3.0, "epoch": 1.0, "flag": True}, {"mean_token_accuracy": 0.5, "eval_runtime": 2}]
-    assert plot_keys(history) == ["loss", "mean_token_accuracy", "grad_norm", "zeta"]
-
-
-def test_a_demo_folder_is_searched_and_a_folder_without_runs_refused(tmp_path, data_root):
+def test_a_demo_folder_shows_each_of_its_runs(tmp_path, data_root):
     demo = tmp_path / "demo"
     write_rollout(demo / "rollout", [episode("q0", "base", 0)], data_root)
     grpo_state(demo / "grpo")
@@ -237,10 +232,9 @@ def test_a_demo_folder_is_searched_and_a_folder_without_runs_refused(tmp_path, d
     assert [(r.kind, r.name) for r in runs] == [
         ("training", "demo/grpo"), ("rollout", "demo/rollout"), ("validation", "demo/validation.json")
     ]
-    assert "<td>base</td><td>0.500</td><td>2.000</td>" in render(runs)
-    assert [(r.kind, r.name) for r in find_runs([demo / "rollout/episodes.jsonl"])] == [("rollout", "rollout")]
-    with pytest.raises(ViewError, match="task: no run found"):
-        find_runs([demo / "task"])
+    page = render(runs)
+    assert "<td>base</td><td>0.500</td><td>2.000</td>" in page  # the validation report
+    assert page.count("<section id=") == 3 and len(page_data(page)["runs"]) == 1  # the rollout's episodes
 
 
 def test_the_report_never_overwrites_a_run_file(tmp_path, data_root):
