@@ -11,38 +11,36 @@ grouped by their tool schemas: the group key is the ``environment`` column, and 
 built :func:`show_row_tools` replaces each group's rendered tools (TRL's private ``_env_tools``, pinned by
 ``tests/training/test_grpo.py``) with the group's JSON schemas. The tool calls themselves run through public
 methods of one environment class built for the dataset's tool names (:func:`environment_class`).
+
+The examples are read by :mod:`.grpo_data`; the episodes come from one of two engines, TRL's own loop
+(:mod:`.grpo_trl`) or the slot decoder (:mod:`.grpo_slots`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import pairwise
 from pathlib import Path
 
 import torch
 from trl import GRPOTrainer
 
 from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, OutputDirConfig
-from ..data.images import ImageError, image_size, load_rgb, resolve_image_path
-from ..data.traces import TraceError
+from ..data.images import ImageError, load_rgb
 from ..environment.env import DEFAULT_BACKENDS
-from ..agent.episodes import canonical_prompt, question_messages
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge
 from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.tiny import qwen3_vl_chat_template
 from ..models.processor import images_processed_once
 from ..agent.rollout_config import SlotRolloutArguments
 from . import grpo_slots
+from .grpo_data import EpisodeData, episode_dataset, load_episodes
+from .grpo_trl import GenerationProgress, TRLEngine, with_logits_processors
 from .packed_logps import pack_rows, packed_logps_and_entropies
 
 logger = logging.getLogger(__name__)
-
-RESERVED_NAMES = ("reset", "get_reward")  # TRL gives these methods their own meaning
 
 
 @dataclass
@@ -114,135 +112,6 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         if self.judge_url:
             return ChatJudge(self.judge_url, self.judge_model, timeout=self.judge_timeout, retries=self.judge_retries)
         return load_judge(self.judge) if self.judge else None
-
-
-################
-# Episodes: one dataset row per question
-################
-
-
-def prompt_trace(row: dict, tool_images=TOOL_IMAGES):
-    """The row normalised up to its first assistant turn (system, question, its images), as a
-    :class:`~eogym_sft.data.traces.Trace`: the prompt ``eogym-sft rollout`` starts an episode from."""
-    return canonical_prompt({**row, "messages": question_messages(row)}, tool_images)
-
-
-def tools_key(tools: list[dict]) -> str:
-    """The ``environment`` name of a tool list: rows with identical schemas share it."""
-    digest = hashlib.sha256(json.dumps(tools, sort_keys=True).encode()).hexdigest()[:12]
-    return f"tools-{digest}"
-
-
-def episode_record(row: dict, data_root: str | Path) -> dict:
-    """One GRPO example from an EO-Gym row; raises ``TraceError``/``ImageError``/``ValueError`` on bad rows."""
-    trace = prompt_trace(row)
-    if not str(trace.meta.get("gt_answer", "")).strip():
-        raise TraceError("missing_field", "gt_answer", "GRPO scores answers against gt_answer, and this row has none")
-    if not trace.tools:
-        raise TraceError("missing_field", "tools", "the row offers no tools")
-    for tool in trace.tools:
-        name = tool["function"]["name"]
-        if name in RESERVED_NAMES or name.startswith("_"):
-            raise TraceError("bad_field_type", "tools", f"tool name {name!r} is reserved by TRL's environment protocol")
-    for path in trace.images:
-        image_size(resolve_image_path(path, data_root))  # missing or unreadable images fail here, not mid-run
-    return {
-        "id": trace.id,
-        "prompt": json.dumps(trace.messages),
-        "images": trace.images,
-        "environment": tools_key(trace.tools),
-        "tools": json.dumps(trace.tools),
-        "row": json.dumps(row),
-        "gt_answer": trace.meta["gt_answer"],
-        "EO_task": trace.meta["EO_task"],
-    }
-
-
-@dataclass
-class EpisodeData:
-    """The examples of a GRPO run, the tool schemas of each ``environment`` group, and what was skipped."""
-
-    records: list[dict]
-    schemas: dict[str, list[dict]]
-    rows_in: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    skipped_rows: list[str] = field(default_factory=list)  # "file:line: reason" (the first 50)
-
-    @property
-    def tool_names(self) -> list[str]:
-        return sorted({t["function"]["name"] for tools in self.schemas.values() for t in tools})
-
-    def stats(self) -> dict:
-        return {
-            "rows_in": self.rows_in,
-            "episodes": len(self.records),
-            "skipped": dict(self.skipped),
-            "skipped_rows": self.skipped_rows,
-        }
-
-
-def load_episodes(path: str | Path, data_root: str | Path, limit: int | None = None) -> EpisodeData:
-    """Read EO-Gym JSONL into GRPO examples. A bad row is skipped, named (file:line) and counted."""
-    from ..data.prepare import _decode_line, read_lines
-
-    data = EpisodeData([], {})
-    for line_no, raw in read_lines(path):  # bytes: a line that is not UTF-8, or hostile JSON, is one skip
-        if not raw.strip():
-            continue
-        if limit is not None and len(data.records) >= limit:
-            break
-        data.rows_in += 1
-        try:
-            record = episode_record(_decode_line(raw), data_root)
-        except (TraceError, ImageError) as err:
-            _skip(data, f"{path}:{line_no}", err.reason, str(err))
-            continue
-        data.records.append(record)
-        data.schemas.setdefault(record["environment"], json.loads(record["tools"]))
-    if not data.records:
-        raise ValueError(f"{path}: no usable rows ({data.rows_in} read, skipped: {dict(data.skipped)})")
-    logger.info(
-        "GRPO episodes: %d of %d rows, %d tool sets, skipped %s",
-        len(data.records), data.rows_in, len(data.schemas), dict(data.skipped),
-    )
-    return data
-
-
-def _skip(data: EpisodeData, where: str, reason: str, detail: str) -> None:
-    data.skipped[reason] += 1
-    if len(data.skipped_rows) < 50:
-        data.skipped_rows.append(f"{where}: {detail}")
-    logger.warning("skipped %s: %s", where, detail)
-
-
-@dataclass
-class DecodeEpisodes:
-    """``Dataset.with_transform`` hook: JSON prompts back to messages, image paths to RGB images (or, with
-    ``images`` false, no ``images`` column at all)."""
-
-    data_root: str
-    images: bool = True
-
-    def __call__(self, batch: dict) -> dict:
-        out = dict(batch)
-        out["prompt"] = [json.loads(p) for p in batch["prompt"]]
-        if self.images:
-            out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
-        else:
-            del out["images"]
-        return out
-
-
-def episode_dataset(data: EpisodeData, data_root: str | Path, images: bool = True):
-    """A ``datasets.Dataset`` TRL can sample from: ``prompt`` (messages), ``images`` (decoded on access),
-    ``environment`` (the tool-set group), ``row`` (the raw EO-Gym row, for the environment) and ``gt_answer``.
-
-    ``images=False`` leaves the images out: the slots engine reads them from the row when it starts an episode
-    and hands TRL the episode's images itself, and TRL would otherwise decode every row image of every
-    episode of the step in the dataloader (``num_generations`` times each), outside the rollout."""
-    from datasets import Dataset
-
-    return Dataset.from_list(data.records).with_transform(DecodeEpisodes(str(data_root), images))
 
 
 ################
@@ -329,159 +198,6 @@ def check_chat_template(processor) -> None:
             "processor.chat_template = eogym_sft.models.tiny.qwen3_vl_chat_template() if yours renders the same turns"
         )
 
-
-################
-# What TRL's generation hands back, settled
-################
-
-
-@dataclass
-class Completions:
-    """The per-episode lists TRL's ``GRPOTrainer._generate`` returns that :func:`settle_completions` edits."""
-
-    completion_ids: list[list[int]]
-    tool_mask: list[list[int]] | None
-    logprobs: list[list[float]] | None
-    completions: list[list[dict]]
-    images: list | None
-    tool_images: list[list]
-
-
-def ends_on_pending_call(messages: list[dict]) -> bool:
-    """True when the episode ends on a turn whose tool calls have no results (a length cut or the turn limit)."""
-    return bool(messages) and messages[-1].get("role") == "assistant" and bool(messages[-1].get("tool_calls"))
-
-
-def cut_for_length(messages: list[dict], max_tool_iterations: int) -> bool:
-    """True when TRL dropped the episode's last tool results because they did not fit ``max_completion_length``:
-    the episode then ends on a turn whose tool calls have no results, before its tool-round limit."""
-    if not ends_on_pending_call(messages):
-        return False
-    answered_rounds = sum(
-        1 for a, b in pairwise(messages) if a.get("role") == "assistant" and b.get("role") == "tool"
-    )
-    return answered_rounds < max_tool_iterations
-
-
-def settle_completions(
-    out: Completions, eos_ids, pad_id: int, image_token_id: int, mask_truncated: bool, max_tool_iterations: int,
-) -> list[int]:
-    """Make TRL's generation output safe to train on; returns the indices of the episodes now truncated.
-
-    * An episode cut because a tool result no longer fit ends on ``<|im_end|>`` (TRL rolls the results back):
-      its end-of-turn tokens are dropped so it counts as truncated (left out of the loss, scored as unanswered).
-    * With ``mask_truncated`` a truncated episode's completion is masked from attention, and Qwen3-VL's
-      ``get_rope_index`` then skips its image tokens but not their grids: its tool images are dropped and its
-      ``<|image_pad|>`` tokens become padding (the masked tokens are never attended to nor trained).
-    * An episode without images is ``[]``, not ``None``: the processor refuses ``None`` in a mixed batch.
-    """
-    stops = set(eos_ids) | {pad_id}
-    for i, messages in enumerate(out.completions):
-        if cut_for_length(messages, max_tool_iterations):
-            while out.completion_ids[i] and out.completion_ids[i][-1] in stops:
-                _drop_last_token(out, i)
-    truncated = [i for i, ids in enumerate(out.completion_ids) if not ids or ids[-1] not in stops]
-    if out.images is not None:
-        out.images = [list(imgs or []) for imgs in out.images]
-    if mask_truncated:
-        for i in truncated:
-            produced = len(out.tool_images[i]) if i < len(out.tool_images) else 0
-            if produced:
-                out.tool_images[i] = []
-                out.images[i] = out.images[i][: len(out.images[i]) - produced]
-                out.completion_ids[i] = [pad_id if t == image_token_id else t for t in out.completion_ids[i]]
-    if out.images is not None and not any(out.images):
-        out.images = None
-    return truncated
-
-
-def _drop_last_token(out: Completions, i: int) -> None:
-    out.completion_ids[i] = out.completion_ids[i][:-1]
-    if out.tool_mask is not None:
-        out.tool_mask[i] = out.tool_mask[i][:-1]
-    if out.logprobs is not None:
-        out.logprobs[i] = out.logprobs[i][:-1]
-
-
-class GenerationProgress:
-    """Logs, while TRL generates a batch of episodes, the batch rows decoded so far and their rate (a forward
-    hook on the LM head: each generation forward yields one token per row), at most every ``seconds``; a 4B
-    step's generation can take minutes, and without this nothing shows that the run is alive."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def start(self, model, episodes: int):
-        import time
-
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.t0 = self.last = time.perf_counter()
-        self.rows = self.forwards = 0
-        logger.info("GRPO: generating %d episodes", episodes)
-        return base.lm_head.register_forward_hook(self._count)
-
-    def _count(self, module, args, output) -> None:
-        import time
-
-        self.rows += output.shape[0]
-        self.forwards += 1
-        now = time.perf_counter()
-        if now - self.last >= self.seconds:
-            self.last = now
-            logger.info(
-                "GRPO: generating: %d forwards, %d tokens (batch rows) in %.0f s, %.1f tokens/s",
-                self.forwards, self.rows, now - self.t0, self.rows / (now - self.t0),
-            )
-
-    def finish(self, episodes: int, tokens: int) -> None:
-        import time
-
-        seconds = time.perf_counter() - self.t0
-        logger.info(
-            "GRPO: generated %d episodes, %d completion tokens in %.1f s (%.1f tokens/s)",
-            episodes, tokens, seconds, tokens / max(seconds, 1e-9),
-        )
-
-
-class TRLEngine:
-    """GRPO's episodes generated by TRL's own loop (``rollout_engine=trl``: ``generate`` and its tool loop),
-    its output settled (:func:`settle_completions`) and its progress logged."""
-
-    packed_loss = False  # TRL's padded loss forward
-
-    def __init__(self, progress: GenerationProgress | None = None):
-        self.progress = progress
-
-    def bind(self, trainer) -> None:
-        pass
-
-    def generate(self, trainer, prompts, inputs):
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        hook = self.progress.start(model, len(prompts)) if self.progress else None
-        try:
-            result = GRPOTrainer._generate(trainer, prompts)
-        finally:
-            if hook is not None:
-                hook.remove()
-        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
-        out = Completions(completion_ids, tool_mask, logprobs, completions, images, list(tool_images))
-        tokenizer = trainer.processing_class.tokenizer
-        truncated = settle_completions(
-            out, trainer.eos_token_ids, tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-            trainer.mask_truncated_completions, trainer.max_tool_calling_iterations,
-        )
-        mode = "train" if trainer.model.training else "eval"
-        clipped = trainer._metrics[mode].get("completions/clipped_ratio")
-        if clipped:  # TRL measured it before the cut episodes were marked
-            flags = torch.tensor([i in truncated for i in range(len(completion_ids))], device=trainer.accelerator.device)
-            clipped[-1] = trainer.accelerator.gather(flags).float().mean().item()
-        if self.progress:
-            lengths = [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
-            self.progress.finish(len(prompts), sum(lengths))
-        return (
-            prompt_ids, out.completion_ids, out.tool_mask, out.completions, out.logprobs, extra_fields, out.images,
-            out.tool_images,
-        )
 
 
 class EOGymGRPOTrainer(GRPOTrainer):
@@ -656,7 +372,7 @@ def build_trainer(
     else:
         engine = TRLEngine(GenerationProgress(script_args.progress_seconds))
         if logits_processors:
-            model.generate = _with_logits_processors(model.generate, LogitsProcessorList(logits_processors))
+            model.generate = with_logits_processors(model.generate, LogitsProcessorList(logits_processors))
     trainer = EOGymGRPOTrainer(
         engine=engine,
         model=model,
@@ -668,13 +384,6 @@ def build_trainer(
     )
     show_row_tools(trainer, data.schemas)
     return trainer
-
-
-def _with_logits_processors(generate, processors):
-    def processed_generate(*args, **kwargs):
-        return generate(*args, logits_processor=processors, **kwargs)
-
-    return processed_generate
 
 
 def check_sft_adapter(adapter_dir: str, model: str) -> None:

@@ -17,62 +17,21 @@ from eogym_sft.models.loading import apply_lora, load_base_model
 from eogym_sft.models.processor import load_processor
 from eogym_sft.data.collator import EOGymCollator
 from eogym_sft.training.grpo import (
-    Completions,
-    EpisodeData,
     GRPOScriptArguments,
     build_trainer,
     check_chat_template,
-    cut_for_length,
     environment_class,
     load_episodes,
-    prompt_trace,
-    settle_completions,
     show_row_tools,
-    tools_key,
 )
 
 MIN_PIXELS, MAX_PIXELS = 1024, 4096  # small images keep the CPU steps short
 PAD = 151643
-IM_PAD = 151655  # <|image_pad|>
 
 
 def write_jsonl(path, rows) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return str(path)
-
-
-def test_prompt_trace_works_on_question_only_rows(row_factory):
-    full = row_factory(n_steps=2)
-    question_only = {**full, "messages": full["messages"][:2]}
-    for row in (full, question_only):
-        trace = prompt_trace(row)
-        assert [m["role"] for m in trace.messages] == ["system", "user"]
-        assert trace.images == ["EO_GYM_DATA/aaaa0000/scene.jpg"]
-        assert [t["function"]["name"] for t in trace.tools] == ["crop_optical_or_sar_image", "compute_index"]
-
-
-def test_load_episodes_skips_names_and_counts_bad_rows(tmp_path, data_root, row_factory):
-    good = row_factory(n_steps=1)
-    other_tools = {**row_factory(n_steps=0, row_id="train_2"), "tools": [good["tools"][0]]}
-    path = write_jsonl(
-        tmp_path / "rows.jsonl",
-        [
-            good,
-            "{not json",
-            {**good, "id": "no_answer", "gt_answer": ""},
-            {**good, "id": "no_image", "images": ["EO_GYM_DATA/missing.jpg"]},
-            other_tools,
-        ],
-    )
-    data = load_episodes(path, data_root)
-    assert [r["id"] for r in data.records] == ["train_0000000_aaaaaaaaaaaa", "train_2"]
-    assert data.stats()["skipped"] == {"malformed_json": 1, "missing_field": 1, "missing_image": 1}
-    assert [s.split(": ")[0] for s in data.skipped_rows] == [f"{path}:2", f"{path}:3", f"{path}:4"]
-    assert data.rows_in == 5
-    keys = [r["environment"] for r in data.records]
-    assert keys == [tools_key(good["tools"]), tools_key([good["tools"][0]])]
-    assert data.schemas == {keys[0]: good["tools"], keys[1]: [good["tools"][0]]}
-    assert data.tool_names == ["compute_index", "crop_optical_or_sar_image"]
 
 
 def test_environment_class_runs_the_rows_tools_and_counts(data_root, row_factory):
@@ -197,12 +156,6 @@ def test_a_foreign_chat_template_is_refused(processor):
         check_chat_template(Other())
 
 
-def test_episode_data_refuses_an_empty_file(tmp_path, data_root):
-    with pytest.raises(ValueError, match="no usable rows"):
-        load_episodes(write_jsonl(tmp_path / "rows.jsonl", ["{bad"]), data_root)
-    assert EpisodeData([], {}).stats()["episodes"] == 0
-
-
 # ---------------------------------------------------------------- generation output settled before the loss
 
 
@@ -270,43 +223,6 @@ def test_an_episode_whose_tool_result_no_longer_fits_counts_as_truncated(tmp_pat
     logs = _step_on_mixed_rows(tmp_path, tiny_model_dir, room_after_tool=-1)
     assert logs["episode/truncated"] == 0.5 and logs["completions/clipped_ratio"] == 0.5
     assert logs["reward/score"] == 0.5
-
-
-def _completions(messages, ids, tool_images, images):
-    return Completions(
-        [list(i) for i in ids], [[1] * len(i) for i in ids], None, messages, images, tool_images,
-    )
-
-
-def test_settle_completions_marks_cut_episodes_and_strips_masked_images():
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "crop", "arguments": {}}}]}
-    tool = {"role": "tool", "content": "ok"}
-    answer = {"role": "assistant", "content": "Final Answer: 3"}
-    messages = [[call], [call, tool, call], [call, tool, answer], [call, tool, {"role": "assistant", "content": "I see"}]]
-    ids = [[5, IM_END], [5, 7, 5, IM_END], [5, 7, 8, IM_END], [5, 7, IM_PAD, IM_PAD, 9]]
-    out = _completions(messages, ids, [[], ["crop"], ["crop"], ["crop1", "crop2"]], [None, ["scene"], None, ["scene", "crop1", "crop2"]])
-    truncated = settle_completions(out, eos_ids=[IM_END], pad_id=PAD, image_token_id=IM_PAD, mask_truncated=True, max_tool_iterations=1)
-    # 0: its only tool result was dropped (cut); 1: the tool-round limit (1 round) ended it, not the length
-    assert truncated == [0, 3]
-    assert out.completion_ids == [[5], [5, 7, 5, IM_END], [5, 7, 8, IM_END], [5, 7, PAD, PAD, 9]]
-    assert out.tool_mask[0] == [1]
-    assert out.images == [[], ["scene"], [], ["scene"]] and out.tool_images[3] == []
-    assert out.tool_images[1] == ["crop"]  # an episode that ended properly keeps its images
-    unmasked = _completions(messages[3:], ids[3:], [["crop1", "crop2"]], [["scene", "crop1", "crop2"]])
-    settle_completions(unmasked, [IM_END], PAD, IM_PAD, mask_truncated=False, max_tool_iterations=2)
-    assert unmasked.images == [["scene", "crop1", "crop2"]] and unmasked.completion_ids == ids[3:]
-    none = _completions([[answer]], [[8, IM_END]], [[]], [None])
-    settle_completions(none, [IM_END], PAD, IM_PAD, mask_truncated=True, max_tool_iterations=2)
-    assert none.images is None  # no image anywhere: TRL's text-only path
-
-
-def test_cut_for_length_needs_a_pending_call_before_the_round_limit():
-    call = {"role": "assistant", "tool_calls": [{"function": {"name": "crop"}}]}
-    tool = {"role": "tool", "content": "ok"}
-    assert cut_for_length([call], max_tool_iterations=1)
-    assert not cut_for_length([call, tool, call], max_tool_iterations=1)
-    assert not cut_for_length([call, tool, {"role": "assistant", "content": "Final Answer: 1"}], max_tool_iterations=3)
-    assert not cut_for_length([], max_tool_iterations=3)
 
 
 # ---------------------------------------------------------------- the reward of a truncated episode, on both engines
