@@ -129,6 +129,7 @@ def _reference(trace: Trace, index: int) -> Reference:
         tool_names=[t["function"]["name"] for t in trace.tools],
         is_final=last and extract_final_answer(msg["content"]) is not None,
         gt_answer=trace.meta.get("gt_answer", ""),
+        is_last=last,
     )
 
 

@@ -181,6 +181,7 @@ class Reference:
     tool_names: list[str]
     is_final: bool = False  # the trace's last assistant turn, and it holds ``Final Answer:``
     gt_answer: str = ""
+    is_last: bool = False  # the trace's last assistant turn, whatever it holds
 
     @property
     def scores_answer(self) -> bool:
