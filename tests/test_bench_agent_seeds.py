@@ -1,7 +1,10 @@
 """bench/agent_seeds.py: the per-seed table's arithmetic and each seed's process environment."""
 
+import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import agent_seeds  # noqa: E402
@@ -18,19 +21,66 @@ def test_by_part_averages_equal_runs_and_keeps_short_curves_whole():
     assert agent_seeds.by_part(values) == [2.0, 7.0, 12.0, 18.0]
 
 
-def test_seed_row_reads_the_paired_pass_at_1_and_the_table_counts_seeds():
-    report = {
-        "arms": {"sft": {"pass@1": 0.25}, "grpo": {"pass@1": 0.5}},
+def _report(sft, grpo, delta, ci, sft4, grpo4, ci4, rewards):
+    return {
+        "arms": {"sft": {"pass@1": sft, "pass@4": sft4}, "grpo": {"pass@1": grpo, "pass@4": grpo4}},
         "paired": [{"a": "sft", "b": "grpo", "metric": "tool_any", "delta": 0.0, "ci95": [0, 0]},
-                   {"a": "sft", "b": "grpo", "metric": "pass@1", "delta": 0.25, "ci95": [0.1, 0.4], "ci_method": "paired t"}],
-        "grpo_reward_per_step": [0.1, 0.2], "grpo_entropy_per_step": [0.05, 0.04], "wall_s": 9.0,
+                   {"a": "sft", "b": "grpo", "metric": "pass@1", "delta": delta, "ci95": ci, "ci_method": "paired t"},
+                   {"a": "sft", "b": "grpo", "metric": "pass@4", "delta": grpo4 - sft4, "ci95": ci4}],
+        "grpo_reward_per_step": rewards, "grpo_entropy_per_step": [0.05, 0.04], "wall_s": 9.0, "settings": {"samples": 4},
     }
-    row = agent_seeds.seed_row(3, report)
-    assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "ci_method": "paired t",
-                   "reward_by_part": [0.1, 0.2], "entropy_by_part": [0.05, 0.04], "wall_s": 9.0}
-    worse = row | {"seed": 4, "delta": -0.1, "ci95": [-0.3, 0.1]}
-    assert agent_seeds.format_table([row, worse]).splitlines()[-1] == (
-        "mean GRPO-SFT +0.075 over 2 seeds; GRPO >= SFT in 1; CI lower bound > 0 in 1")
+
+
+def test_seed_row_reads_pass_at_1_and_pass_at_k_and_keeps_a_failed_seed():
+    row = agent_seeds.seed_row(3, _report(0.25, 0.5, 0.25, [0.1, 0.4], 0.5, 0.625, [-0.05, 0.3], [0.1, 0.2]))
+    assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "k": 4, "sft_pass_k": 0.5,
+                   "grpo_pass_k": 0.625, "pass_k_delta": 0.125, "pass_k_ci95": [-0.05, 0.3], "reward_by_part": [0.1, 0.2],
+                   "entropy_by_part": [0.05, 0.04], "picked": None, "wall_s": 9.0}
+    assert agent_seeds.seed_row(5, {"failed": 1, "wall_s": 2.0}) == {"seed": 5, "failed": 1, "wall_s": 2.0}
+
+
+def test_criteria_count_issue_64s_checks_and_a_failed_seed_fails_them():
+    rising = [0.1] * 5 + [0.2] * 5 + [0.3] * 5 + [0.4] * 5
+    falling = rising[:15] + [0.25] * 5
+    good = agent_seeds.seed_row(0, _report(0.4, 0.6, 0.2, [0.1, 0.3], 0.6, 0.6, [-0.1, 0.1], rising))
+    worse = agent_seeds.seed_row(1, _report(0.4, 0.35, -0.05, [-0.1, 0.0], 0.7, 0.4, [-0.4, -0.2], falling))
+    c = agent_seeds.criteria([good, worse])
+    assert c["mean_delta"] == pytest.approx(0.075, abs=1e-12)
+    assert (c["grpo_ge_sft"], c["ci_above_0"], c["pass_k_held"], c["late_reward_held"], c["sft_range"]) == (1, 1, 1, 1, [0.4, 0.4])
+    assert c["checks"] == {"grpo_ge_sft_every_seed": False, "ci_above_0_in_2": False, "mean_ge_0.10": False,
+                           "pass_k_held_in_2": False, "late_reward_held_every_seed": False}
+    ten = agent_seeds.criteria([good | {"seed": s} for s in range(9)] + [agent_seeds.seed_row(9, {"failed": 1, "wall_s": 1.0})])
+    assert (ten["seeds"], ten["failed"], ten["ci_above_0"], ten["meets_issue_64"]) == (10, 1, 9, False)
+    assert ten["checks"]["ci_above_0_in_8"] and ten["checks"]["pass_k_held_in_8"] and not ten["checks"]["grpo_ge_sft_every_seed"]
+    assert agent_seeds.criteria([good | {"seed": s} for s in range(10)])["meets_issue_64"]
+    table = agent_seeds.format_table([good, worse, agent_seeds.seed_row(2, {"failed": 1, "wall_s": 1.0})]).splitlines()
+    assert table[3] == "   2  failed (exit 1)"
+    assert table[4].startswith("mean GRPO-SFT +0.075 over 2 seeds (1 failed); GRPO >= SFT in 1; CI lower bound > 0 in 1;")
+    assert table[5].endswith("-> not met")
+
+
+def test_a_headline_takes_report_seeds_only_and_the_roles_are_written_before_any_seed_runs(tmp_path, monkeypatch):
+    assert agent_seeds.protocol("colour_grid", list(range(10, 20)), True)["role"] == "report"
+    assert agent_seeds.protocol("colour_grid", [0, 1], False)["role"] == "tuning"
+    assert agent_seeds.protocol("colour_grid", [8, 12], False)["role"] == "mixed"
+    for seeds in (list(range(9, 19)), list(range(10, 19)), [0, 1, 2]):
+        with pytest.raises(ValueError, match="--headline needs at least 10 of colour_grid's report seeds"):
+            agent_seeds.protocol("colour_grid", seeds, True)
+    for roles in agent_seeds.SEED_ROLES.values():
+        assert not set(roles["tuning"]) & set(roles["report"]) and len(roles["report"]) >= 10
+    with pytest.raises(SystemExit):
+        agent_seeds.main(["--seeds", "0", "--headline", "--json", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+    seen = {}
+
+    def fake_run(seeds, settings, workdir, parallel, on_done):
+        seen["before"] = json.loads((tmp_path / "s.json").read_text())
+        return {0: {"failed": 1, "wall_s": 1.0}}
+
+    monkeypatch.setattr(agent_seeds, "run_seeds", fake_run)
+    out = agent_seeds.main(["--seeds", "0", "--json", str(tmp_path / "s.json"), "--set", "task=colour_count"])
+    assert seen["before"]["protocol"]["report_seeds"] == list(range(20, 30)) and seen["before"]["seeds"] == []
+    assert out["protocol"]["role"] == "tuning" and out["seeds"] == [{"seed": 0, "failed": 1, "wall_s": 1.0}]
 
 
 def test_each_seed_gets_its_share_of_the_cores_unless_threads_are_set():
