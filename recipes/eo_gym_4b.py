@@ -23,14 +23,15 @@ from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
 
 
 def parse_args(argv: list[str]):
-    from trl import ModelConfig, SFTConfig, TrlParser
+    from trl import ModelConfig, SFTConfig
 
     from eogym_sft.config import EOGymScriptArguments
+    from eogym_sft.strict_yaml import RecipeParser
 
     if "--config" not in argv:
         argv = ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
     # allow_abbrev=False: a mistyped flag (--max_step) is refused, not taken as the flag it begins (--max_steps)
-    parser = TrlParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False)
+    parser = RecipeParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False)  # the YAML read strictly
     return parser.parse_args_and_config(argv)
 
 

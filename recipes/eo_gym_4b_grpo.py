@@ -17,10 +17,11 @@ from pathlib import Path
 # Set before torch starts CUDA; a value the user exported wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from trl import GRPOConfig, ModelConfig, TrlParser  # noqa: E402
+from trl import GRPOConfig, ModelConfig  # noqa: E402
 
 from eogym_sft.guards import run_recipe  # noqa: E402
 from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
+from eogym_sft.strict_yaml import RecipeParser  # noqa: E402
 from eogym_sft.training.grpo import GRPOScriptArguments, train  # noqa: E402
 
 
@@ -28,7 +29,7 @@ def parse_args(argv: list[str]):
     if "--config" not in argv:
         argv = ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
     # allow_abbrev=False: a mistyped flag is refused, not taken as the flag it begins
-    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig), allow_abbrev=False)
+    parser = RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig), allow_abbrev=False)  # the YAML read strictly
     return parser.parse_args_and_config(argv)
 
 

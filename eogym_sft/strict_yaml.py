@@ -1,0 +1,237 @@
+"""The recipes' YAML, read strictly: :class:`RecipeParser` is TRL's ``TrlParser`` with a stricter ``--config``.
+
+``yaml.safe_load`` (what ``TrlParser`` uses) keeps the last of two equal keys, follows aliases into values of
+any size (``&a [*a, *a]`` nine deep is a billion items once a consumer walks it), accepts ``!!str``-style tags,
+and hands a value of any type to the dataclass field it names: ``learning_rate: [1, 2]`` reached the optimizer
+after data prep and model load. Here, through PyYAML's own hooks (a ``SafeLoader`` subclass):
+
+* a key given twice, an explicit tag, a value whose aliases expand past :data:`MAX_NODES` values, or nesting
+  past :data:`MAX_DEPTH` is refused;
+* every value is checked against the type of the field it sets (a string where a number is meant is taken
+  only if the flag's own conversion takes it, as it would on the command line); no float is NaN or infinite,
+  from the file or from a flag;
+
+each refusal a ``ValueError`` of one line naming the file, the line and the key, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import math
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+
+import yaml
+from trl import TrlParser
+
+MAX_NODES = 10_000  # values of one file with every alias expanded; the shipped recipes have about 150
+MAX_DEPTH = 16  # nesting of one value; the recipes nest 2 deep
+MAX_BYTES = 1 << 20
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses explicit tags and duplicate keys, naming the line (1-based)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            key = index.value if isinstance(index, yaml.ScalarNode) else None
+            raise _Refused(event.start_mark.line + 1, key, f"the tag {tag} is refused (plain values only)")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise _Refused(line, key_node.value, f"given twice (first on line {seen[key_node.value]})")
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Refused(Exception):
+    def __init__(self, line: int, key, why: str):
+        super().__init__(why)
+        self.line, self.key, self.why = line, key, why
+
+
+def _expanded(node, depth: int, sizes: dict, active: set) -> int:
+    """Values ``node`` stands for with every alias expanded; raises ``_Refused`` past the bounds."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if depth > MAX_DEPTH:
+        raise _Refused(node.start_mark.line + 1, None, f"nested more than {MAX_DEPTH} levels deep")
+    if id(node) in active:
+        raise _Refused(node.start_mark.line + 1, None, "an alias refers to a value that holds it (an endless value)")
+    active.add(id(node))
+    children = [] if isinstance(node, yaml.ScalarNode) else [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+    total = 1
+    for child in children:
+        total += _expanded(child, depth + 1, sizes, active)
+        if total > MAX_NODES:
+            raise _Refused(node.start_mark.line + 1, None, f"expands to more than {MAX_NODES} values through aliases (*name)")
+    active.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def load_recipe_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
+    """The settings in the YAML file ``path`` and the line of each key; ``ValueError`` naming file, line
+    and key for anything :class:`StrictLoader` or the bounds refuse."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    if path.stat().st_size > MAX_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a recipe's settings take ({MAX_BYTES}): not a recipe YAML?")
+    loader = StrictLoader(path.read_text(encoding="utf-8", errors="replace"))
+    key = None
+    try:
+        root = loader.get_single_node()
+        if root is None or not isinstance(root, yaml.MappingNode):
+            raise ValueError(f"{path}: must hold a YAML mapping of settings (name: value)")
+        lines = {}
+        for key_node, value_node in root.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            lines[key] = key_node.start_mark.line + 1
+            _expanded(value_node, 1, {}, set())
+        return loader.construct_document(root), lines
+    except _Refused as err:
+        raise ValueError(f"{path}:{err.line}: {err.key or key or 'a key'}: {err.why}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested more than {MAX_DEPTH} levels deep") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f":{mark.line + 1}" if mark else ""
+        raise ValueError(f"{path}{where}: not valid YAML ({err.problem or err.context})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    finally:
+        loader.dispose()
+
+
+# ---------------------------------------------------------------- values against the fields' types
+
+
+def fits(value, hint) -> bool:
+    """Whether ``value`` (parsed YAML) is of the type ``hint`` (a resolved annotation)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, h) for h in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin is list or hint is list:
+        element = args[0] if args else typing.Any
+        return (isinstance(value, list) and all(fits(v, element) for v in value)) or (args and not isinstance(value, (list, dict)) and fits(value, element))
+    if origin is dict or hint is dict:
+        inner = args[1] if len(args) == 2 else typing.Any
+        return isinstance(value, dict) and all(isinstance(k, str) and fits(v, inner) for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return any(value == member.value for member in hint)
+    return False  # another class (a parallelism config): not settable from a file
+
+
+def describe(hint) -> str:
+    """``hint`` in words, for a refusal."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(describe(h) for h in args))
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin is list or hint is list:
+        return f"a list of {describe(args[0]) if args else 'values'}"
+    if origin is dict or hint is dict:
+        return "a mapping"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
+    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
+    return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class RecipeParser(TrlParser):
+    """``TrlParser`` whose ``--config`` is read by :func:`load_recipe_yaml` and typed against the recipe's
+    dataclasses before any value reaches them; NaN and infinite floats are refused from flags too."""
+
+    def parse_args_and_config(self, args=None, return_remaining_strings=False, fail_with_unknown_args=True, separate_remaining_strings=False):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--config" in args:
+            at = args.index("--config")
+            if at + 1 == len(args):
+                raise ValueError("--config needs a YAML file")
+            path = args[at + 1]
+            del args[at : at + 2]
+            config = self.checked_config(path)
+            for name, value in config.pop("env", {}).items():
+                os.environ[name] = str(value)
+            self.set_defaults_with_config(**config)
+        parsed = super().parse_args_and_config(args, return_remaining_strings, fail_with_unknown_args, separate_remaining_strings)
+        for instance in parsed:
+            refuse_nonfinite(instance)
+        return parsed
+
+    def checked_config(self, path: str) -> dict:
+        """The settings of ``path``, each of the type of the field it sets (``ValueError`` naming file, line, key)."""
+        config, lines = load_recipe_yaml(path)
+        fields = {}
+        for config_type in self.dataclass_types:
+            hints = typing.get_type_hints(config_type)
+            fields.update({f.name: hints[f.name] for f in dataclasses.fields(config_type) if f.init})
+        actions = {action.dest: action for action in self._actions}
+        for key, value in config.items():
+            where = f"{path}:{lines.get(key, '?')}: {key}"
+            if key == "env":
+                if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()):
+                    raise ValueError(f"{where}: expected a mapping of environment variables to plain values")
+                continue
+            if not isinstance(key, str) or key not in fields:
+                raise ValueError(f"{where}: not a setting of this recipe (a misspelt name?)")
+            if not (fits(value, fields[key]) or _converts(value, actions.get(key))):
+                raise ValueError(f"{where}: expected {describe(fields[key])}, got {type(value).__name__} {_shown(value)}")
+        return config
+
+
+def _converts(value, action) -> bool:
+    """Whether ``value`` is a string the flag's own conversion takes (``learning_rate: 1e-4`` is a string to
+    YAML 1.1, a float to the flag), to a finite number where it gives one."""
+    if not isinstance(value, str) or action is None or not callable(action.type):
+        return False
+    try:
+        converted = action.type(value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        return False
+    return not (isinstance(converted, float) and not math.isfinite(converted))
+
+
+def refuse_nonfinite(instance) -> None:
+    """``ValueError`` for a float field of the dataclass ``instance`` that is NaN or infinite."""
+    if not dataclasses.is_dataclass(instance):
+        return
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{f.name}: must be a finite number, got {value}")
