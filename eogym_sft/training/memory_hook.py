@@ -1,0 +1,188 @@
+"""The memory plan in a run: which settings it may choose, the micro-batches it plans against, the GPU it
+reads, the one line it prints, the refusal before the model loads, and the message of an OOM that still comes.
+
+The settings of :data:`~eogym_sft.training.memory_plan.PLANNED` are the plan's unless given on the command line
+or in the config file (:func:`settings_given`); given ones are kept, and refused before the model loads when
+they cannot fit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from .memory_plan import GIB, PLANNED, MicroBatch, ModelShape, Plan, Setup, budget_bytes, choose, dealt_batches
+from .memory_plan import plan_line, run_steps, worst_case_batches
+
+logger = logging.getLogger(__name__)
+PLAN_COMMAND = "eogym-sft plan --config CONFIG --gpu-memory SIZE"
+
+
+def settings_given(argv: list[str], config: dict | None = None) -> frozenset[str]:
+    """The planned settings named in ``argv`` (``--name``, ``--name-with-dashes``, either with ``=value``) or in
+    the config file's keys: the user's, which the plan keeps."""
+    given = {name for name in PLANNED if name in (config or {})}
+    for word in argv:
+        flag = word.split("=", 1)[0]
+        for name in PLANNED:
+            if flag in (f"--{name}", f"--{name.replace('_', '-')}"):
+                given.add(name)
+    return frozenset(given)
+
+
+def config_file(argv: list[str]) -> dict:
+    """The YAML that ``--config`` names in ``argv`` (TrlParser's flag), as a dict; ``{}`` without one."""
+    import yaml
+
+    for i, word in enumerate(argv):
+        path = word.split("=", 1)[1] if word.startswith("--config=") else argv[i + 1] if word == "--config" and i + 1 < len(argv) else None
+        if path:
+            return yaml.safe_load(Path(path).read_text()) or {}
+    return {}
+
+
+def model_config(name_or_path: str, override: str | None = None) -> dict:
+    """The architecture's ``config.json`` as a dict: ``override`` (a JSON file) if given, else the model's own."""
+    if override:
+        return json.loads(Path(override).read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(name_or_path).to_dict()
+
+
+def zero_stage(training_args) -> int:
+    """The ZeRO stage this process runs under: accelerate's DeepSpeed launch says it in the environment."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+    ds = getattr(training_args, "deepspeed", None)
+    if isinstance(ds, str) and Path(ds).is_file():
+        ds = json.loads(Path(ds).read_text())
+    return int(ds.get("zero_optimization", {}).get("stage", 0)) if isinstance(ds, dict) else 0
+
+
+def fixed_settings(training_args, samples_per_step: int | None, given: frozenset[str]) -> tuple[int | None, int | None]:
+    """``(per_device_train_batch_size, checkpoint_every)`` the plan must keep (``None``: its to choose). Without
+    ``samples_per_step`` the batch size sets the step's size, so it is never the plan's."""
+    batch = None
+    if "per_device_train_batch_size" in given or samples_per_step is None:
+        batch = training_args.per_device_train_batch_size
+    elif "gradient_accumulation_steps" in given:
+        batch = max(1, samples_per_step // (training_args.gradient_accumulation_steps * training_args.world_size))
+    every = None
+    if "activation_checkpointing" in given:
+        every = checkpoint_every(training_args) if training_args.activation_checkpointing else 0
+    return batch, every
+
+
+def checkpoint_every(training_args) -> int:
+    kwargs = training_args.activation_checkpointing_kwargs or {}
+    return int(kwargs.get("every_n_layers", 1)) if training_args.activation_checkpointing else 0
+
+
+def batches_from(dataset, samples_per_step: int, processes: int, steps: int, seed: int, drop_last: bool):
+    """``b -> micro-batches`` of a prepared dataset, as the sampler deals them (per b, computed once)."""
+    columns = [list(dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
+    cache = {}
+
+    def batches_for(b: int) -> list[MicroBatch]:
+        if b not in cache:
+            cache[b] = dealt_batches(*columns, samples_per_step, samples_per_step // b, steps, seed, drop_last)
+        return cache[b]
+
+    return batches_for
+
+
+def plan_for(script_args, training_args, model_args, dataset, free_bytes: float, processes: int, zero: int,
+             given: frozenset[str], architecture: dict) -> Plan:
+    """The plan for this run on a GPU with ``free_bytes`` free: the settings not ``given`` chosen, the given kept."""
+    shape = ModelShape.of(architecture, model_args.lora_target_modules or (), model_args.lora_r)
+    setup = Setup(processes, zero, model_args.lora_dropout)
+    samples = script_args.samples_per_step or training_args.per_device_train_batch_size * processes * training_args.gradient_accumulation_steps
+    if dataset is None:
+        batches_for = lambda b: worst_case_batches(b, training_args.max_length or 8192)  # noqa: E731
+    else:
+        steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs, training_args.dataloader_drop_last)
+        batches_for = batches_from(dataset, samples, processes, steps, training_args.seed, training_args.dataloader_drop_last)
+    batch, every = fixed_settings(training_args, script_args.samples_per_step, given)
+    return choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch, checkpoint_every=every)
+
+
+def refusal(plan: Plan, auto: Plan, given: frozenset[str], device: str) -> str | None:
+    """The one line that refuses a plan that cannot fit, naming the given settings and what would fit; ``None``
+    when it fits."""
+    if plan.fits:
+        return None
+    need = f"its largest micro-batch ({plan.micro_batch_tokens:,} tokens) is predicted to need {plan.predicted_reserved_gib:.1f} GiB"
+    budget = f"a budget of {plan.budget_gib:.1f} GiB on {device}"
+    if not given or not auto.fits:
+        return (f"no setting fits: even at one sample a micro-batch with every layer checkpointed {need} against {budget}; "
+                f"lower max_length, use a larger GPU, or see `{PLAN_COMMAND}`")
+    named = ", ".join(f"{name} {value}" for name, value in settings_of(plan).items() if name in given)
+    would = ", ".join(f"{name} {value}" for name, value in settings_of(auto).items())
+    return f"{named} does not fit: {need} against {budget}; {would} fits ({auto.predicted_reserved_gib:.1f} GiB); see `{PLAN_COMMAND}`"
+
+
+def settings_of(plan: Plan) -> dict:
+    return {
+        "per_device_train_batch_size": plan.per_device_train_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "activation_checkpointing": str(plan.activation_checkpointing).lower(),
+    }
+
+
+def apply(plan: Plan, training_args, given: frozenset[str]) -> None:
+    """Set the settings the plan chose (those not given) on ``training_args``."""
+    if "per_device_train_batch_size" not in given:
+        training_args.per_device_train_batch_size = plan.per_device_train_batch_size
+    if "activation_checkpointing" not in given:
+        training_args.activation_checkpointing = plan.activation_checkpointing
+        if plan.checkpoint_every > 1:
+            training_args.activation_checkpointing_kwargs = {**(training_args.activation_checkpointing_kwargs or {}),
+                                                             "every_n_layers": plan.checkpoint_every}
+
+
+def read_gpu() -> tuple[str, float] | None:
+    """This process's GPU name and free bytes, the least over all processes (every rank must plan alike);
+    ``None`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        least = torch.tensor([free], dtype=torch.float64, device="cuda")
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        free = int(least.item())
+    return torch.cuda.get_device_name(), float(free)
+
+
+def plan_run(script_args, training_args, model_args, dataset, given: frozenset[str]) -> Plan | None:
+    """At start, before the model loads: plan for this GPU's free memory, set the chosen settings, print the
+    plan's line; refuse (``ValueError``, one line) what cannot fit. Without CUDA, nothing is planned."""
+    gpu = read_gpu()
+    if gpu is None:
+        logger.info("memory plan: no CUDA device, settings as given")
+        return None
+    device, free = gpu
+    architecture = model_config(model_args.model_name_or_path)
+    args = (script_args, training_args, model_args, dataset, free, training_args.world_size, zero_stage(training_args))
+    plan = plan_for(*args, given, architecture)
+    message = refusal(plan, plan if plan.fits else plan_for(*args, frozenset(), architecture), given, device)
+    if message:
+        raise ValueError(message)
+    apply(plan, training_args, given)
+    logger.info(plan_line(plan, device, free, training_args.world_size))
+    return plan
+
+
+def out_of_memory_message(training_args, step: int) -> str:
+    """One line for a CUDA OOM that came mid-run despite the plan: which setting to lower, and the plan command."""
+    lower = (f"per_device_train_batch_size {training_args.per_device_train_batch_size}" if training_args.per_device_train_batch_size > 1
+             else "max_length" if training_args.activation_checkpointing else "activation_checkpointing false")
+    fix = f"lower {lower}" if not lower.startswith("activation") else "set activation_checkpointing true"
+    return (f"CUDA out of memory at step {step} (the GPU held less than planned, or another process took memory): {fix}; "
+            f"`{PLAN_COMMAND}` shows what fits")
+
+
+__all__ = ["GIB", "plan_run", "settings_given", "out_of_memory_message"]
