@@ -4,7 +4,8 @@
     python bench/memory_plan.py --fit bench/results/h100_memory_plan.json     # the fitted Calibration, to paste
 
 Model: the Qwen3-VL-4B architecture with random bf16 weights; data: the bench's EO-Gym-shaped rows
-(``train_throughput.prepare_data``); LoRA, compiled layers, collator and trainer as the recipe sets them.
+(``train_throughput.prepare_data``); configs parsed by the SFT recipe's own parser from its YAML, the model, collator
+and trainer from ``eogym_sft.training.sft``'s builders.
 Each micro-batch's peak allocated and reserved memory is measured (the allocator's peak reset before it) with its
 tokens, supervised tokens and image tokens, next to the plan's prediction for it:
 
@@ -95,41 +96,37 @@ class Meter:
         return loss
 
 
+def recipe_configs(out: Path, **flags):
+    """The SFT recipe's three configs, parsed by its own parser from its YAML and ``flags`` (as on its command line)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eo_gym_4b_recipe", REPO / "recipes/eo_gym_4b.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cpu = {"use_cpu": True, "bf16": False, "optim": "adamw_torch", "compile_layers": False, "dataloader_num_workers": 0,
+           "dataloader_persistent_workers": False, "dataloader_pin_memory": False} if DEVICE == "cpu" else {}
+    given = {"output_dir": out, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1000, **cpu, **flags}
+    return recipe.parse_args([word for key, value in given.items() for word in (f"--{key}", str(value))])
+
+
 def build(base, dataset, root, processor, out: Path, *, batch: int, accumulation: int, steps: int, every: int,
           dropout: float, groups: list[list[int]] | None = None):
-    """The recipe's trainer over ``base`` with these settings (``groups``: fixed micro-batches, one a step)."""
-    from trl import SFTConfig
+    """The recipe's trainer over ``base`` through its own builders (``groups``: fixed micro-batches, one a step)."""
+    from eogym_sft.training.sft import build_collator, build_model, build_trainer, set_samples_per_step
 
-    from eogym_sft.data.collator import EOGymCollator
-    from eogym_sft.models.host_layout import VisionGeometry
-    from eogym_sft.models.loading import apply_lora, compile_language_layers
-    from eogym_sft.models.vision_blocks import compile_vision_blocks
-    from eogym_sft.training.trainer import EOGymSFTTrainer
-
-    torch.manual_seed(RECIPE["seed"])
-    model = apply_lora(base, RECIPE["lora_r"], RECIPE["lora_alpha"], dropout, RECIPE["lora_target_modules"])
-    if every:
-        model.enable_input_require_grads()
-    if DEVICE == "cuda":
-        compile_language_layers(model)
-        compile_vision_blocks(model)
-    kwargs = {"use_reentrant": False, **({"every_n_layers": every} if every > 1 else {})}
-    args = SFTConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-        activation_checkpointing=every > 0, activation_checkpointing_kwargs=kwargs, learning_rate=1e-4,
-        bf16=DEVICE == "cuda", use_cpu=DEVICE == "cpu", optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
-        train_sampling_strategy="batch_rebalance", length_column_name="n_tokens", padding_free=True, max_length=None,
-        dataloader_num_workers=0, save_strategy="no", report_to="none", seed=RECIPE["seed"], logging_steps=1000,
-        remove_unused_columns=False, dataset_kwargs={"skip_prepare_dataset": True}, logging_nan_inf_filter=False,
+    script, training, model_args = recipe_configs(
+        out, data_root=root, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+        samples_per_step=None if groups is not None else 64, activation_checkpointing=every > 0, lora_dropout=dropout,
     )
-    collator = EOGymCollator(processor, data_root=str(root), padding_free=True, pixel_dtype=base.dtype, host_layout=True,
-                             vision=VisionGeometry.of(base))
-
-    class Trainer(EOGymSFTTrainer):
-        def _get_train_sampler(self, train_dataset=None):
-            return FixedBatches(groups) if groups is not None else super()._get_train_sampler(train_dataset)
-
-    return Trainer(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
+    if every > 1:
+        training.activation_checkpointing_kwargs = {**(training.activation_checkpointing_kwargs or {}), "every_n_layers": every}
+    set_samples_per_step(script, training)
+    base.set_attn_implementation({"text_config": model_args.attn_implementation, "vision_config": "sdpa"})  # as load_base_model
+    model = build_model(script, training, model_args, base=base)
+    trainer = build_trainer(training, model, build_collator(script, training, processor, model), processor, dataset)
+    if groups is not None:
+        trainer._get_train_sampler = lambda *args: FixedBatches(groups)
+    return trainer
 
 
 def restore(base, model) -> None:
