@@ -392,7 +392,7 @@ def attention_arms(decoder, layer: int, length: int, span: int, seed: int, devic
 def masked_sdpa_step(decoder, inputs, span: int, graphs: bool, device, repeats: int, warmup: int) -> dict:
     """The decode step with the decoder's masked SDPA attention in place of the split-KV kernels it runs on CUDA:
     ``step/masked_sdpa``, a graph of its own replayed (with ``graphs``), and ``step_eager/masked_sdpa``."""
-    from eogym_sft.agent.generation import GraphedStep
+    from eogym_sft.agent.cuda_graphs import GraphedStep
 
     parts = {}
     decoder.attention = "masked_sdpa"
@@ -525,7 +525,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from eogym_sft.agent.generation import Sampling, SlotDecoder, vision_token_ids
+    from eogym_sft.agent.decoder import SlotDecoder
+    from eogym_sft.agent.sampling import Sampling, vision_token_ids
     from eogym_sft.metrics.scoring import END_MARKERS
     from eogym_sft.models.loading import load_inference_model, resolve_device
     from eogym_sft.models.processor import load_processor

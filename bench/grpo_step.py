@@ -318,8 +318,9 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4, decoder_class=None) 
     episode as the engine samples it: a prefill at the start of each turn over what the conversation holds then
     (images included), then one token at a time while the turn is the policy's, one slot, replayed from CUDA graphs
     on a GPU as the engine's are (a step at a time: ``rows`` keeps the check to seconds). ``decoder_class``: the
-    decoder to walk with (default :class:`~eogym_sft.agent.generation.SlotDecoder`)."""
-    from eogym_sft.agent.generation import ImageInput, SlotDecoder
+    decoder to walk with (default :class:`~eogym_sft.agent.decoder.SlotDecoder`)."""
+    from eogym_sft.agent.decoder import SlotDecoder
+    from eogym_sft.agent.image_inputs import ImageInput
 
     decoder_class = decoder_class or SlotDecoder
     model = trainer.model
@@ -361,9 +362,9 @@ def decoder_agreement(trainer, inputs: dict, rows: int = 4, decoder_class=None) 
 
 
 def unmerged_decoder_class():
-    """A :class:`~eogym_sft.agent.generation.SlotDecoder` whose LoRA projections run PEFT's own forward (the numerics
+    """A :class:`~eogym_sft.agent.decoder.SlotDecoder` whose LoRA projections run PEFT's own forward (the numerics
     the merged weights are compared with), or None where the decoder merges no adapter weights."""
-    from eogym_sft.agent import generation
+    from eogym_sft.agent import decoder as generation
 
     if not hasattr(generation, "merge_plan"):
         return None

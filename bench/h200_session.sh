@@ -108,7 +108,7 @@ setup)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, trl, peft, accelerate, deepspeed, datasets; print({m.__name__: m.__version__ for m in (torch, transformers, trl, peft, accelerate, deepspeed, datasets)}, torch.version.cuda)"
-  python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/data/test_collator.py tests/agent/test_generation.py 2>&1 | tail -5 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_attention.py tests/data/test_collator.py tests/agent/test_decoder.py tests/agent/test_cuda_graphs.py tests/agent/test_merged_lora.py tests/agent/test_image_inputs.py tests/agent/test_text_norms.py tests/agent/test_sampling.py 2>&1 | tail -5 || echo "GPU tests failed"
   ;;
 train_bench_1)
   CUDA_VISIBLE_DEVICES=0 python bench/train_throughput.py $bench --arms A,B,B-b1,B-b1-GC,B-GC --json $OUT/train_1gpu_part1.json
@@ -287,7 +287,7 @@ grpo)
   ;;
 closed_loop_1gpu)
   make_model; make_data 48
-  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_decoder.py tests/agent/test_cuda_graphs.py tests/agent/test_merged_lora.py tests/agent/test_image_inputs.py tests/agent/test_text_norms.py tests/agent/test_sampling.py 2>&1 | tail -3 || echo "closed_loop GPU tests failed"
   make_adapters
   for graphs in --cuda-graphs --no-cuda-graphs; do
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m eogym_sft.cli rollout --model $model --adapter a=/tmp/cl_adapters/a b=/tmp/cl_adapters/b \
@@ -357,7 +357,7 @@ split_kv_probe)
   # decode_probe run (the model's load ~1 min, one shared 6,000-token prefill of 32 slots)
   make_model
   CUDA_VISIBLE_DEVICES=0 timeout 200 python -m pytest -q -p no:cacheprovider -o addopts="" tests/models/test_decode_attention.py \
-    tests/agent/test_generation.py 2>&1 | tail -8 || echo "split_kv GPU tests failed"
+    tests/agent/test_decoder.py tests/agent/test_cuda_graphs.py tests/agent/test_merged_lora.py tests/agent/test_image_inputs.py tests/agent/test_text_norms.py tests/agent/test_sampling.py 2>&1 | tail -8 || echo "split_kv GPU tests failed"
   CUDA_VISIBLE_DEVICES=0 timeout 240 python bench/decode_probe.py --model $model --device cuda --cuda-graphs \
     --json $OUT/split_kv_probe.json > $OUT/split_kv_probe.log 2>&1 || echo "decode_probe --cuda-graphs: exit $?"
   grep -vE "Warning|warn|Loading weights" $OUT/split_kv_probe.log | tail -50
@@ -385,7 +385,7 @@ decoder_candidates)
   # DECODER_CANDIDATES_ARMS="before tree_X after" adds a rollout arm on .tree_X/ (git-ignored, carried like .before/),
   # e.g. one candidate of several alone
   [ -d /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_generation.py 2>&1 | tail -3 || echo "GPU tests failed"
+  python -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/agent/test_decoder.py tests/agent/test_cuda_graphs.py tests/agent/test_merged_lora.py tests/agent/test_image_inputs.py tests/agent/test_text_norms.py tests/agent/test_sampling.py 2>&1 | tail -3 || echo "GPU tests failed"
   OUT=$OUT/rollout ROLLOUT_PHASES_ARMS="${DECODER_CANDIDATES_ARMS:-before after}" bash "$0" rollout_phases
   if [ $SECONDS -lt 330 ]; then OUT=$OUT/grpo timeout $((570 - SECONDS)) bash "$0" grpo_phases; else echo "decoder_candidates: no time left for grpo_phases"; fi
   ;;

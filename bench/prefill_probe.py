@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from eogym_sft.agent.episodes import picture_cache
-    from eogym_sft.agent.generation import SlotDecoder, image_starts
+    from eogym_sft.agent.decoder import SlotDecoder
+    from eogym_sft.agent.image_inputs import image_starts
     from eogym_sft.models.layout import mrope_position_ids
     from eogym_sft.models.loading import load_inference_model, resolve_device
     from eogym_sft.models.processor import load_processor

@@ -25,7 +25,7 @@ Arms:
   conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
 * ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
   for its last episode before the next batch starts), left-padded;
-* ``slots``: :class:`eogym_sft.agent.generation.SlotDecoder` with ``--concurrency`` slots, its decode step
+* ``slots``: :class:`eogym_sft.agent.decoder.SlotDecoder` with ``--concurrency`` slots, its decode step
   run eagerly (``eogym-sft rollout --no-cuda-graphs``): each episode keeps its KV cache across turns (a
   turn computes only its new tokens), images are preprocessed once, a finished episode's slot takes the
   next at once;
@@ -222,7 +222,7 @@ class VisionTimer:
 
 def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
     from eogym_sft.agent.episodes import LoopConfig, run_episodes
-    from eogym_sft.agent.generation import Sampling
+    from eogym_sft.agent.sampling import Sampling
 
     for slot in range(decoder.slots):
         decoder.release(slot)
@@ -241,7 +241,7 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
 
 def slot_decoder(model, slots: int, max_context: int, mode):
     """The decoder of a slot arm; compiled, it attends over the whole cache (one graph) and compiles now."""
-    from eogym_sft.agent.generation import SlotDecoder
+    from eogym_sft.agent.decoder import SlotDecoder
 
     if not mode:
         return SlotDecoder(model, slots, max_context)

@@ -3,7 +3,7 @@ back, until ``Final Answer:`` or a limit.
 
 An episode keeps its conversation as an EO-Gym row (the form ``eogym-sft prepare`` reads) and renders
 its next prompt from that row through :func:`eogym_sft.data.traces.normalize_row` and the chat template,
-exactly as data prep renders a training sample; :class:`~eogym_sft.agent.generation.SlotDecoder` then
+exactly as data prep renders a training sample; :class:`~eogym_sft.agent.decoder.SlotDecoder` then
 recomputes only what the cache does not hold yet. :func:`run_episodes` keeps every slot busy: an
 episode that ends frees its slot for the next one at once.
 
@@ -34,13 +34,9 @@ from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import normalize_row
 from ..metrics.scoring import END_MARKERS, parse_output, strip_end_markers
 from ..models.layout import expand_image_pads
-from .generation import (
-    ImageInput,
-    Sampling,
-    SlotDecoder,
-    image_input,
-    vision_token_ids,
-)
+from .decoder import SlotDecoder
+from .image_inputs import ImageInput, image_input
+from .sampling import Sampling, vision_token_ids
 
 STOPS = ("final_answer", "no_call", "invalid_call", "max_new_tokens", "max_turns", "context_full", "error")
 ROW_FIELDS = ("gt_answer", "EO_task", "question_type", "data_source")
@@ -61,7 +57,7 @@ PICTURE_CACHE_BYTES = 4 * 2**30
 
 
 def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
-    """An :class:`~eogym_sft.data.images.ImageCache` of :class:`~eogym_sft.agent.generation.ImageInput` by resolved path."""
+    """An :class:`~eogym_sft.data.images.ImageCache` of :class:`~eogym_sft.agent.image_inputs.ImageInput` by resolved path."""
     return ImageCache(
         budget,
         load=lambda path: image_input(processor, load_rgb(path)),

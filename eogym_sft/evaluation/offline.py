@@ -285,9 +285,9 @@ def greedy(cfg: EvalConfig) -> bool:
 
 
 def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
-    """A :class:`~eogym_sft.agent.generation.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
+    """A :class:`~eogym_sft.agent.decoder.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
     long enough for the longest prompt and its turn; its decode step replayed from CUDA graphs on a GPU."""
-    from ..agent.generation import SlotDecoder
+    from ..agent.decoder import SlotDecoder
 
     longest = max((p.prompt_tokens for p in prompts), default=1)
     device = next(model.parameters()).device
@@ -299,7 +299,7 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
     :func:`generate_turns` gives; the test pins it): ``decoder.slots`` prompts at a time, a finished
     turn's slot refilled at once, and the next turn of the same trace reusing the slot's cached prefix.
     Returns what :func:`generate_turns` returns."""
-    from ..agent.generation import Sampling
+    from ..agent.sampling import Sampling
     from ..agent.episodes import picture_cache
 
     decoder.check_weights()  # the decoder runs the weights of the arm active when it last looked: this one's

@@ -4,7 +4,7 @@ scored as the paper scores them (Pass@k of final answers against ``gt_answer``).
 For every arm (the base, then each adapter, then each policy server) and every row, ``samples`` episodes
 start from the row's system prompt, tools and question (any gold trajectory after it is ignored, so
 question-only rows work). Local arms run in :mod:`eogym_sft.agent.episodes` on one
-:class:`~eogym_sft.agent.generation.SlotDecoder`; policy arms against an OpenAI-compatible server
+:class:`~eogym_sft.agent.decoder.SlotDecoder`; policy arms against an OpenAI-compatible server
 (:mod:`eogym_sft.agent.policy_server`). Outputs in ``--output``: ``episodes.jsonl`` (one EO-Gym row
 per episode, readable by ``eogym-sft prepare`` with the same ``--data-root``; an append-only log a rerun
 continues, :mod:`eogym_sft.evaluation.resume`), ``run.json``, ``skipped.jsonl``, ``summary.json`` and
@@ -25,7 +25,8 @@ from ..data.images import ImageError, image_size, resolve_image_path
 from ..data.traces import TraceError
 from ..metrics.judge import ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
-from ..agent.generation import Sampling, SlotDecoder
+from ..agent.decoder import SlotDecoder
+from ..agent.sampling import Sampling
 from . import ranks
 from ..agent.episodes import (
     LoopConfig,

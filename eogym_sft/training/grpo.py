@@ -337,7 +337,7 @@ def build_trainer(
     from transformers import LogitsProcessorList
 
     from ..models.attention import NAMES as VARLEN_NAMES
-    from ..agent.generation import vision_token_ids
+    from ..agent.sampling import vision_token_ids
     from .grpo_slots import SlotEngine, text_attention_of
     from .rewards import EpisodeReward
 

@@ -37,7 +37,8 @@ from ..agent.episodes import LoopConfig, canonical_prompt, new_episode, picture_
 from ..metrics.scoring import END_MARKERS
 from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.layout import expand_image_pads_and_mask
-from ..agent.generation import Sampling, SlotDecoder
+from ..agent.decoder import SlotDecoder
+from ..agent.sampling import Sampling
 from ..agent.rollout_config import kv_bytes_per_token, slots_for
 
 logger = logging.getLogger(__name__)

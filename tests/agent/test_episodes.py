@@ -11,7 +11,8 @@ from eogym_sft.data.prepare import PrepConfig, prepare_line
 from eogym_sft.data.traces import TraceError, normalize_row
 from eogym_sft.environment.env import EOGymEnvironment
 from eogym_sft.agent.episodes import LoopConfig, PieceTokenizer, cut_tokens, new_episode, run_episodes
-from eogym_sft.agent.generation import Sampling, SlotDecoder
+from eogym_sft.agent.decoder import SlotDecoder
+from eogym_sft.agent.sampling import Sampling
 from eogym_sft.models.tiny import build_tiny_model
 
 # Compact JSON, as a model may write it: the chat template would render it with ", " and ": ".
@@ -221,7 +222,7 @@ class _Loads:
     def __call__(self, path):
         import threading
 
-        from eogym_sft.agent.generation import image_input
+        from eogym_sft.agent.image_inputs import image_input
         from eogym_sft.data.images import load_rgb
 
         self.threads.append(threading.current_thread() is threading.main_thread())

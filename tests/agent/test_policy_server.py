@@ -51,7 +51,7 @@ def _rows(tmp_path, row_factory, wrong: bool = True):
 
 
 def test_images_go_at_the_processor_size(processor, data_root):
-    from eogym_sft.agent.generation import image_input
+    from eogym_sft.agent.image_inputs import image_input
 
     for rel in ("EO_GYM_DATA/aaaa0000/scene.jpg", "image_cache/crops/c1.png", "image_cache/crops/c2.png"):
         path = data_root / rel

@@ -21,7 +21,8 @@ from eogym_sft.agent.episodes import (
     run_episodes,
 )
 from eogym_sft.metrics.judge import ChatJudge, JudgeError, judge_all, parse_verdict
-from eogym_sft.agent.generation import Sampling, SlotDecoder
+from eogym_sft.agent.decoder import SlotDecoder
+from eogym_sft.agent.sampling import Sampling
 from eogym_sft.models.tiny import IMAGE_TOKEN_ID, build_tiny_model
 
 CROP_CALL = {"name": "crop_optical_or_sar_image", "arguments": {"image_url": "EO_GYM_DATA/aaaa0000/scene.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]}}

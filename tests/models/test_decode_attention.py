@@ -192,7 +192,7 @@ def test_the_slot_decoder_with_the_kernels_equals_its_masked_sdpa_step(graphs):
     device = _cuda()
     from helpers import decode_side_by_side  # not at the top: this file also runs as a script under the interpreter
 
-    from eogym_sft.agent.generation import SlotDecoder
+    from eogym_sft.agent.decoder import SlotDecoder
     from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG, build_tiny_model
 
     config = copy.deepcopy(TINY_QWEN3_VL_CONFIG)

@@ -12,7 +12,7 @@ from conftest import make_row, save_image
 from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, scripted_trainer, trained_spans
 
 from eogym_sft.data.traces import normalize_row
-from eogym_sft.agent.generation import vision_token_ids
+from eogym_sft.agent.sampling import vision_token_ids
 from eogym_sft.models.loading import apply_lora, load_base_model
 from eogym_sft.models.processor import load_processor
 from eogym_sft.data.collator import EOGymCollator

@@ -14,7 +14,7 @@ from conftest import make_row, save_image
 from helpers import IM_END, ScriptedPolicy, gold_and_wrong_group, perturb_lora_b, trained_spans
 
 from eogym_sft.data.traces import normalize_row
-from eogym_sft.agent.generation import SlotDecoder
+from eogym_sft.agent.decoder import SlotDecoder
 from eogym_sft.models.loading import apply_lora, load_base_model
 from eogym_sft.models.processor import load_processor
 from eogym_sft.data.collator import EOGymCollator
@@ -157,7 +157,7 @@ def test_sampled_logprobs_equal_the_loss_forward(batches):
             model, ids, mask, batch["completion_ids"].size(1), batch_size=2, pixel_values=batch["pixel_values"],
             image_grid_thw=batch["image_grid_thw"], num_images=batch["num_images"], mm_token_type_ids=batch["mm_token_type_ids"],
         )
-    from eogym_sft.agent.generation import ImageInput
+    from eogym_sft.agent.image_inputs import ImageInput
 
     grids = [tuple(int(v) for v in g) for g in batch["image_grid_thw"]]
     patches = [g[0] * g[1] * g[2] for g in grids]
