@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args
-from .guards import check_model_source, check_torch_stack, refuse_nonempty_output, refuse_output_over_input, user_errors
+from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args, number
+from .guards import check_model_source, check_torch_stack, file_name, refuse_nonempty_output, refuse_output_over_input, user_errors
 from .quiet import quiet_deepspeed_probe
 
 
@@ -24,7 +24,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
     add_dataclass_args(parser, ImageConfig)  # the processor carries the pixel settings, PrepConfig the rest
     add_dataclass_args(parser, PrepConfig)
-    parser.add_argument("--num-proc", type=int, default=1, help="worker processes")
+    parser.add_argument("--num-proc", type=number(int, 1), default=1, help="worker processes")
     parser.add_argument(
         "--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
     )
@@ -53,7 +53,7 @@ def run_prepare(args: argparse.Namespace) -> dict:
 
 def add_tiny_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="folder to write the tiny random Qwen3-VL and its processor to")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=number(int), default=0)
     parser.add_argument("--config", help="architecture config JSON (default: the tiny one), e.g. recipes/configs/qwen3_vl_4b_instruct.json")
     parser.add_argument("--dtype", default="float32", help="weight dtype, e.g. bfloat16 for the 4B architecture")
     parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for 4B)")
@@ -148,10 +148,10 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
 
     agent = AgentDemoConfig()
     parser.add_argument(
-        "--steps", type=int, default=argparse.SUPPRESS, help=f"SFT optimizer steps (of 2 samples); default {STEPS}, with --agent {agent.sft_steps}"
+        "--steps", type=number(int, 1), default=argparse.SUPPRESS, help=f"SFT optimizer steps (of 2 samples); default {STEPS}, with --agent {agent.sft_steps}"
     )
     parser.add_argument(
-        "--learning-rate", type=float, default=argparse.SUPPRESS,
+        "--learning-rate", type=number(float), default=argparse.SUPPRESS,
         help=f"SFT learning rate, high so that a few steps move a small random model; default {LEARNING_RATE}, with --agent {agent.sft_learning_rate}",
     )
     parser.add_argument(
@@ -159,7 +159,7 @@ def add_demo_args(parser: argparse.ArgumentParser) -> None:
         help="the agent demo instead: SFT -> closed-loop rollouts -> GRPO -> rejection sampling on a task only the crop tool solves (docs/agent.md)",
     )
     parser.add_argument(
-        "--seed", type=int, default=argparse.SUPPRESS,
+        "--seed", type=number(int), default=argparse.SUPPRESS,
         help=f"with --agent: the questions, the model's weights and every sampled episode (default {agent.seed}); the same seed, the same report",
     )
     parser.add_argument("--task", choices=sorted(TASKS), default=argparse.SUPPRESS, help=f"with --agent: the task (default {agent.task})")
@@ -199,10 +199,10 @@ def add_make_task_args(parser: argparse.ArgumentParser) -> None:
         "--task", choices=list(TASKS), default="colour_grid",
         help="colour_grid: one quadrant's colour (one crop); colour_count: how many quadrants show a colour (four crops) (docs/agent.md)",
     )
-    parser.add_argument("--rows", type=int, required=True, help="questions to write")
-    parser.add_argument("--seed", type=int, default=0, help="which questions: the same seed writes the same bytes")
-    parser.add_argument("--start", type=int, default=0, help="index of the first question (disjoint ranges give disjoint splits)")
-    parser.add_argument("--name", default="tasks.jsonl", help="file name of the JSONL under --output")
+    parser.add_argument("--rows", type=number(int, 1), required=True, help="questions to write")
+    parser.add_argument("--seed", type=number(int), default=0, help="which questions: the same seed writes the same bytes")
+    parser.add_argument("--start", type=number(int), default=0, help="index of the first question (disjoint ranges give disjoint splits)")
+    parser.add_argument("--name", type=file_name, default="tasks.jsonl", help="file name (not a path) of the JSONL under --output")
     parser.add_argument(
         "--overwrite", action="store_true",
         help="replace --output/--name if it exists (refused otherwise); other files under --output stay, the scenes of these rows are rewritten",
@@ -298,12 +298,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if isinstance(action, argparse._StoreFalseAction) else super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """A flag that cannot be parsed (unknown, out of range, not a number) is one line, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Every subcommand is listed, but only the chosen one's flags are built: some ``add_*_args`` import
     torch, and ``eogym-sft --help`` or a refused command should not wait for it."""
     formatter = HelpFormatter
     # allow_abbrev=False: a mistyped flag (--max-turn) is refused, not taken as the flag it begins
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter, allow_abbrev=False
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: EOGYM_DEBUG=1)")

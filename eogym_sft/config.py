@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 
 # Which tool-result images the model sees unless told otherwise (a ToolImageRule spec, docs/data.md):
@@ -115,6 +119,67 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
         return SampleConfig(max_pixels=self.max_pixels, min_pixels=self.min_pixels, max_length=max_length or SampleConfig.max_length)
 
 
+# ---------------------------------------------------------------- values against their fields' types
+
+
+def fits(value, hint) -> bool:
+    """Whether ``value`` (parsed YAML or JSON) is of the type ``hint`` (a resolved annotation)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, h) for h in args)
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin is list or hint is list:
+        element = args[0] if args else typing.Any
+        one = bool(args) and not isinstance(value, (list, dict)) and fits(value, element)  # one value, as a flag gives it
+        return (isinstance(value, list) and all(fits(v, element) for v in value)) or one
+    if origin is dict or hint is dict:
+        inner = args[1] if len(args) == 2 else typing.Any
+        return isinstance(value, dict) and all(isinstance(k, str) and fits(v, inner) for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return any(value == member.value for member in hint)
+    return False  # another class (a parallelism config): not settable from a file
+
+
+def describe(hint) -> str:
+    """``hint`` in words, for a refusal."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(describe(h) for h in args))
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if origin is list or hint is list:
+        return f"a list of {describe(args[0]) if args else 'values'}"
+    if origin is dict or hint is dict:
+        return "a mapping"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
+    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
+    return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_types(instance, what: str) -> None:
+    """``ValueError`` naming the first field of the dataclass ``instance`` whose value is not of its annotated type
+    (settings read from JSON or YAML, where ``"8"``, ``true`` or ``NaN`` can stand where a number is meant)."""
+    hints = typing.get_type_hints(type(instance))
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        if not fits(value, hints[f.name]):
+            raise ValueError(f"{what} {f.name} must be {describe(hints[f.name])}, got {value!r}"[:300])
+
+
 # ---------------------------------------------------------------- flags from fields
 
 SCALARS = {"int": int, "float": float, "str": str, "bool": bool}
@@ -129,6 +194,26 @@ def field_type(f: dataclasses.Field) -> tuple[type, bool]:
     return SCALARS[one], False
 
 
+def number(kind: type, low: float = 0, high: float | None = None):
+    """An argparse ``type`` for a count, budget, port or seconds: a ``kind`` (int or float) that is finite and in
+    ``[low, high]``, or a one-line refusal at parse time (``--port 99999``, ``--image-budget-mb inf``, ``-1``)."""
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {'whole number' if kind is int else 'number'}: {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (high is not None and value > high):
+            span = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> None:
     """One flag per field of the dataclass ``config_type``, the one place a CLI setting is declared.
 
@@ -136,10 +221,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> No
     False`` leaves the field off the command line); its default is the field's (none: required); its type comes
     from the annotation (``list[T]``: one or more values); ``help``, ``choices``, ``metavar``, ``nargs``, ``type``,
     ``action`` and ``required`` in the metadata go to ``add_argument`` as they are. A ``bool`` that defaults to
-    false is a switch; one that defaults to true or None has a ``--no-`` form."""
+    false is a switch; one that defaults to true or None has a ``--no-`` form. An ``int`` or ``float`` is checked
+    by :func:`number`: finite and at least ``metadata["min"]`` (default 0), at most ``metadata["max"]`` if given."""
     for f in dataclasses.fields(config_type):
         meta = dict(f.metadata)
         flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        low, high = meta.pop("min", 0), meta.pop("max", None)
         if flag is False:
             continue
         names = [flag, *meta.pop("aliases", [])]
@@ -156,7 +243,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> No
                 kwargs["action"] = "store_true" if kwargs.get("default") is False else argparse.BooleanOptionalAction
             else:
                 if scalar is not str:
-                    kwargs["type"] = scalar
+                    kwargs["type"] = number(scalar, low, high)
                 if is_list:
                     kwargs.setdefault("nargs", "+")
         parser.add_argument(*names, **kwargs)

@@ -44,6 +44,24 @@ def refuse_output_over_input(output: str | Path, inputs, command: str) -> None:
             )
 
 
+def check_file_name(name: str) -> str:
+    """``name`` if it names a file inside a folder (``make-task --name``), else ``ValueError``: a flag that
+    names a file in a folder is a name, never a path (``../x``, ``/abs``, ``a/b`` would write elsewhere)."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{name!r} is a path, not a file name: give a name without / or \\, not . or ..")
+    return name
+
+
+def file_name(text: str) -> str:
+    """:func:`check_file_name` as an argparse ``type``: refused as the flag is parsed, in one line."""
+    import argparse
+
+    try:
+        return check_file_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 # OS faults a user fixes (space, permissions, a read-only mount): one line naming the file, no traceback.
 USER_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENAMETOOLONG})
 

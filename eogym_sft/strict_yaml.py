@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import math
 import os
 import sys
-import types
 import typing
 from pathlib import Path
 
 import yaml
 from trl import TrlParser
+
+from .config import describe, fits
 
 MAX_NODES = 10_000  # values of one file with every alias expanded; the shipped recipes have about 150
 MAX_DEPTH = 16  # nesting of one value; the recipes nest 2 deep
@@ -116,56 +116,6 @@ def load_recipe_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
         raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     finally:
         loader.dispose()
-
-
-# ---------------------------------------------------------------- values against the fields' types
-
-
-def fits(value, hint) -> bool:
-    """Whether ``value`` (parsed YAML) is of the type ``hint`` (a resolved annotation)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is typing.Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(fits(value, h) for h in args)
-    if origin is typing.Literal:
-        return any(value == a and type(value) is type(a) for a in args)
-    if origin is list or hint is list:
-        element = args[0] if args else typing.Any
-        return (isinstance(value, list) and all(fits(v, element) for v in value)) or (args and not isinstance(value, (list, dict)) and fits(value, element))
-    if origin is dict or hint is dict:
-        inner = args[1] if len(args) == 2 else typing.Any
-        return isinstance(value, dict) and all(isinstance(k, str) and fits(v, inner) for k, v in value.items())
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is str:
-        return isinstance(value, str)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return any(value == member.value for member in hint)
-    return False  # another class (a parallelism config): not settable from a file
-
-
-def describe(hint) -> str:
-    """``hint`` in words, for a refusal."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(dict.fromkeys(describe(h) for h in args))
-    if origin is typing.Literal:
-        return " or ".join(repr(a) for a in args)
-    if origin is list or hint is list:
-        return f"a list of {describe(args[0]) if args else 'values'}"
-    if origin is dict or hint is dict:
-        return "a mapping"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return "one of " + ", ".join(repr(m.value) for m in hint)
-    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
-    return words.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def _shown(value) -> str:

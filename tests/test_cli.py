@@ -122,9 +122,7 @@ def test_a_config_error_is_one_line_and_debug_shows_its_traceback(tmp_path, comm
 
 @pytest.mark.parametrize("flags, message", [
     (["--limit", "0"], "--limit must be at least 1 (leave it out to read every row), got 0"),
-    (["--limit", "-1"], "--limit must be at least 1 (leave it out to read every row), got -1"),
     (["--judge-url", "ftp://judge.example/v1"], "'ftp://judge.example/v1' is not an http:// or https:// URL with a host"),
-    (["--judge-url", "http://127.0.0.1:9/v1", "--judge-retries", "-1"], "the judge's retries must be a whole number >= 0, got -1"),
     (["--judge-url", "http://127.0.0.1:9/v1", "--judge-timeout", "0"], "the judge's timeout must be a positive number of seconds, got 0.0"),
     (["--tools", "crop,http", "--tool-url", "file:///etc/passwd"], "'file:///etc/passwd' is not an http:// or https:// URL with a host"),
 ])
@@ -197,3 +195,74 @@ def test_a_broken_torchvision_is_one_line_naming_the_versions_and_the_fix(tmp_pa
         "then `pip install -e .` (--debug or EOGYM_DEBUG=1 shows the traceback)"
     )
     assert not (tmp_path / "tiny").exists()
+
+
+NUMBER_FLAGS_OF = {  # every command with number flags, and what it needs besides to parse
+    "prepare": ["--input", "i.jsonl", "--model", "m", "--output", "o"],
+    "tiny-model": ["--output", "o"],
+    "validate": ["--model", "m", "--data", "d", "--output", "o"],
+    "evaluate": ["--model", "m", "--data", "d", "--output", "o"],
+    "rollout": ["--model", "m", "--data", "d", "--output", "o"],
+    "demo": [],
+    "make-task": ["--output", "o", "--rows", "1"],
+    "view": ["run"],
+}
+
+
+def number_actions(command: str) -> list[argparse.Action]:
+    return [a for a in command_parser(command)._actions if a.option_strings and getattr(a.type, "__name__", None) in ("int", "float")]
+
+
+def test_every_number_flag_of_every_command_is_checked_at_parse_time():
+    """No flag takes a bare ``int``/``float`` (which let ``inf``, ``nan`` and ``-1`` through to a traceback later):
+    each is :func:`eogym_sft.config.number`, refusing them as it parses."""
+    assert set(NUMBER_FLAGS_OF) == {c for c in COMMANDS if number_actions(c)}
+    for command in NUMBER_FLAGS_OF:
+        for action in number_actions(command):
+            assert action.type.__qualname__ == "number.<locals>.convert", (command, action.dest)
+            for bad in ("nan", "inf", "-inf", "-1", "1e400", "x"):
+                with pytest.raises(argparse.ArgumentTypeError):
+                    action.type(bad)
+            if action.default not in (None, argparse.SUPPRESS):
+                assert action.type(str(action.default)) == action.default, (command, action.dest)
+
+
+@pytest.mark.parametrize("command, flag, value, message", [
+    ("view", "--port", "99999", "argument --port: must be from 0 to 65535, got 99999"),
+    ("view", "--image-budget-mb", "inf", "argument --image-budget-mb: must be a finite number, got inf"),
+    ("view", "--serve-seconds", "nan", "argument --serve-seconds: must be a finite number, got nan"),
+    ("rollout", "--slots", "-1", "argument --slots: must be at least 0, got -1"),
+    ("rollout", "--limit", "-1", "argument --limit: must be at least 0, got -1"),
+    ("rollout", "--judge-retries", "-1", "argument --judge-retries: must be at least 0, got -1"),
+    ("rollout", "--judge-timeout", "inf", "argument --judge-timeout: must be a finite number, got inf"),
+    ("rollout", "--top-p", "1.5", "argument --top-p: must be from 0 to 1.0, got 1.5"),
+    ("evaluate", "--temperature", "nan", "argument --temperature: must be a finite number, got nan"),
+    ("validate", "--held-out-fraction", "2", "argument --held-out-fraction: must be from 0 to 1.0, got 2"),
+    ("prepare", "--num-proc", "0", "argument --num-proc: must be at least 1, got 0"),
+    ("prepare", "--max-pixels", "-5", "argument --max-pixels: must be at least 0, got -5"),
+    ("make-task", "--rows", "-3", "argument --rows: must be at least 1, got -3"),
+    ("demo", "--steps", "1e9", "argument --steps: not a whole number: '1e9'"),
+    ("demo", "--learning-rate", "inf", "argument --learning-rate: must be a finite number, got inf"),
+])
+def test_an_out_of_range_flag_is_one_line_at_parse_time(capsys, command, flag, value, message):
+    with pytest.raises(SystemExit) as stop:
+        main([command, *NUMBER_FLAGS_OF[command], f"{flag}={value}"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == f"eogym-sft {command}: {message} (--help lists the flags)\n"
+
+
+def test_a_policy_config_value_of_the_wrong_type_is_one_line(tmp_path):
+    from eogym_sft.agent.policy_server import policy_servers
+
+    url = "http://127.0.0.1:9/v1/chat/completions"
+    for config, message in [
+        ('{"deadline_s": Infinity}', "policy setting deadline_s must be a finite number, got inf"),
+        ('{"deadline_s": NaN}', "policy setting deadline_s must be a finite number, got nan"),
+        ('{"concurrency": "8"}', "policy setting concurrency must be a whole number, got '8'"),
+        ('{"retries": true}', "policy setting retries must be a whole number, got True"),
+        ('{"body": [1]}', "policy setting body must be a mapping, got [1]"),
+        ('{"backoff_s": -1}', "policy concurrency and max_response_bytes must be >= 1, retries and backoff_s >= 0, deadline_s > 0"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            policy_servers([url], ["p"], [config])
+        assert str(caught.value) == message

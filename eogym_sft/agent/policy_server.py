@@ -34,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import net
+from ..config import check_types
 from ..safe_json import UntrustedJSONError, loads
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import parse_tool_call_text
@@ -96,11 +97,12 @@ class PolicyServer:
 
     def __post_init__(self):
         self.name = self.name or self.model
+        check_types(self, "policy setting")  # from --policy-config JSON: "8", true or Infinity where a number is meant
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--policy-url must be an http(s) URL with a host, got {self.url!r}")
-        if self.concurrency < 1 or self.retries < 0 or self.deadline_s <= 0 or self.max_response_bytes < 1:
-            raise ValueError("policy concurrency and max_response_bytes must be >= 1, retries >= 0, deadline_s > 0")
+        if self.concurrency < 1 or self.retries < 0 or self.deadline_s <= 0 or self.backoff_s < 0 or self.max_response_bytes < 1:
+            raise ValueError("policy concurrency and max_response_bytes must be >= 1, retries and backoff_s >= 0, deadline_s > 0")
         if self.tool_images_as not in TOOL_IMAGE_MODES:
             raise ValueError(f"tool_images_as must be one of {TOOL_IMAGE_MODES}, got {self.tool_images_as!r}")
         if not isinstance(self.body, dict) or {"messages", "tools", "model"} & set(self.body):

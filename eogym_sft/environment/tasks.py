@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 
 from ..atomic import write_lines_atomic
+from ..guards import check_file_name
 from .backends.crop import CROP_TOOL
 
 SCENE_PX = 256  # the scene's side; a quadrant is 128 px, the crop shows it at native resolution
@@ -237,6 +238,7 @@ def write_task(
         raise ValueError(f"no task {task!r}: choose one of {', '.join(TASKS)}")
     if rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}")
+    check_file_name(name)  # a name inside output, never a path out of it
     family, output = TASKS[task], Path(output)
     first = family.spec(seed, start)
     check_disk(output, rows, len(_png_bytes(scene_pixels(first["colours"]))), len(first["aois"]))

@@ -59,7 +59,7 @@ class ArmsConfig(ImageConfig):
         default=1, metadata={"help": "outputs per turn (evaluate) or episodes per question (rollout): the n of pass@k; > 1 needs --temperature"}
     )
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy decoding"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling when --temperature > 0"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling when --temperature > 0", "max": 1.0})
     top_k: int = field(default=0, metadata={"help": "top-k sampling when --temperature > 0 (0 = off)"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per generated message"})
     judge: str | None = field(
@@ -193,7 +193,7 @@ class ValidateConfig(SampleConfig):
     )
     allow_other_base: bool = field(default=False, metadata={"help": "use an adapter trained on a base of another name (the same weights renamed)"})
     held_out_fraction: float | None = field(
-        default=None, metadata={"help": "score only the traces a training run held out: its eval_fraction (with --seed, its seed)"}
+        default=None, metadata={"help": "score only the traces a training run held out: its eval_fraction (with --seed, its seed)", "max": 1.0}
     )
     seed: int = field(default=42, metadata={"help": "the training run's seed, for --held-out-fraction"})
     overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --output (refused otherwise)"})

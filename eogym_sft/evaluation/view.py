@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import number
 from .report import EPISODE_METRICS, TURN_METRICS
 from .view_data import (
     EPISODE_FIELDS,
@@ -323,10 +324,10 @@ def add_view_args(parser) -> None:
     add("runs", nargs="+", metavar="RUN", help="rollout, evaluation or training output folder(s), or a demo's output folder")
     add("--output", default="report.html", help="the HTML file to write")
     add("--data-root", default=None, help="folder the episodes' image paths are relative to (None: each rollout's run.json data_root)")
-    add("--image-budget-mb", type=float, default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it, images are links to files")
+    add("--image-budget-mb", type=number(float), default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it, images are links to files")
     add("--serve", action="store_true", help="also serve the page on http://127.0.0.1 (this machine only)")
-    add("--port", type=int, default=0, help="port for --serve (0: any free one)")
-    add("--serve-seconds", type=float, default=3600.0, help="stop serving after this many seconds")
+    add("--port", type=number(int, 0, 65535), default=0, help="port for --serve (0: any free one)")
+    add("--serve-seconds", type=number(float, 0, 366 * 86400), default=3600.0, help="stop serving after this many seconds")
 
 
 def run_view(args) -> Path:

@@ -105,8 +105,27 @@ def test_make_task_command(tmp_path, capsys):
     assert [r["id"] for r in rows] == ["cg1_0010", "cg1_0011", "cg1_0012"]
     with pytest.raises(SystemExit, match="exists"):
         main(["make-task", "--output", str(tmp_path), "--rows", "3", "--name", "held.jsonl"])
-    with pytest.raises(SystemExit, match="rows must be at least 1"):
+    with pytest.raises(SystemExit) as stop:  # refused as it parses (eogym_sft.config.number)
         main(["make-task", "--output", str(tmp_path), "--rows", "0", "--name", "other.jsonl"])
+    assert stop.value.code == 2 and capsys.readouterr().err == "eogym-sft make-task: argument --rows: must be at least 1, got 0 (--help lists the flags)\n"
+    with pytest.raises(ValueError, match="rows must be at least 1"):
+        write_task(tmp_path, 0)
+
+
+@pytest.mark.parametrize("name", ["../x.jsonl", "/tmp/x.jsonl", "sub/x.jsonl", "..", ".", "", "a\\b.jsonl", "x\x00.jsonl"])
+def test_make_task_name_is_a_file_name_never_a_path(tmp_path, capsys, name):
+    """``--name`` names a file inside ``--output``: ``../``, an absolute path or a separator would write outside it."""
+    out = tmp_path / "root"
+    with pytest.raises(SystemExit) as stop:
+        main(["make-task", "--output", str(out), "--rows", "1", "--name", name])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (
+        f"eogym-sft make-task: argument --name: {name!r} is a path, not a file name: give a name without / or \\, "
+        "not . or .. (--help lists the flags)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="is a path, not a file name"):
+        write_task(out, 1, name=name)
 
 
 def _files(root):
