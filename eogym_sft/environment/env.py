@@ -36,6 +36,8 @@ MAX_TOOL_TEXT_CHARS = 32768  # a tool text longer than this is cut, with a note 
 # Calls run from one model turn; the rest are not run and the model is told. EO-Gym's traces make one to three
 # calls a turn; a 2.9 MB reply once asked for 20,000 crops.
 MAX_CALLS_PER_TURN = 8
+# The one result of a turn's calls past the cap; evaluation reads it back to tell run calls from skipped ones.
+SKIPPED_CALLS_NOTICE = "Error: {calls} tool calls in one turn; only the first {cap} were run, the other {skipped} were not."
 DEFAULT_BACKENDS = ("crop", "replay")  # offline: computed crops, the rest answered from the row's own trace
 JSON_TYPES = {
     "string": str,
@@ -143,7 +145,7 @@ class EOGymEnvironment:
         skipped = len(calls) - cap
         if skipped > 0:
             self.counts["skipped_calls"] += skipped
-            text = f"Error: {len(calls)} tool calls in one turn; only the first {cap} were run, the other {skipped} were not."
+            text = SKIPPED_CALLS_NOTICE.format(calls=len(calls), cap=cap, skipped=skipped)
             results.append(ToolResult("", {}, text, [], False, None, "too_many_calls"))
         return results
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from ..guards import refuse_nonempty_output, refuse_output_over_input
 from ..models.layout import expand_image_pads, image_factor, image_token_count
 from ..safe_json import record_line
 from ..metrics.judge import judge_all, load_judge
+from ..metrics.gold_history import combine_step_counts, step_counts
 from ..metrics.scoring import (
     END_MARKERS,
     Reference,
@@ -398,6 +399,7 @@ def score_turns(
             "parsed": [p.to_json() for p in parsed],
             "sample_scores": sample_scores,
             "scores": combine_samples(sample_scores, cfg.samples),
+            "steps": combine_step_counts([step_counts(p, prompt.reference) for p in parsed]),
         }
         if any(err for _, err in verdicts):
             record["judge_errors"] = [err for _, err in verdicts]
@@ -503,7 +505,4 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
 
 
 def _count(problems: list[dict]) -> dict:
-    counts = defaultdict(int)
-    for p in problems:
-        counts[p["reason"]] += 1
-    return dict(sorted(counts.items()))
+    return dict(sorted(Counter(p["reason"] for p in problems).items()))

@@ -11,7 +11,10 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from math import comb
 
+from ..metrics.gold_history import GOLD_HISTORY_METRICS
 from ..metrics.scoring import CI_METHOD, POSITIVE_METRICS, mean_scores, paired_stats
+from ..metrics.free_running import FREE_RUNNING_METRICS
+from .tool_report import paired_f1, paired_steps, question_tool_scores, step_figures, tool_figures
 
 GROUP_FIELDS = ("EO_task", "question_type")
 # The evaluate report's columns, in this order, where any arm has them; its paired table shows these
@@ -28,6 +31,9 @@ TURN_METRICS = (
     "no_answer",
 )
 TURN_PAIRED_METRICS = ("turn_correct", "call_match", "answer_normalized", "answer_judge")
+# The free-running tool metrics' columns: Earth-Agent's (and our box-tolerant one), then OpenEarthAgent's.
+EARTH_AGENT_COLUMNS = ("tool_any_order", "tool_in_order", "tool_exact_match", "param_prefix", "param_prefix_aoi@0.5", "efficiency")
+OEA_COLUMNS = ("all_tools_called_any_order", "all_tools_called_same_order", "all_tools_called_unique")
 # The rollout report's columns after Pass@k.
 EPISODE_METRICS = ("mean_score", "answered", "tool_any", "tool_error_rate", "calls_per_episode", "turns_per_episode")
 
@@ -100,19 +106,20 @@ def paired_table(
     ``cluster`` (what units cluster in, e.g. ``"trace"``) a column of the clustered SE; ``notes`` go
     under the legend."""
     wlt = f"W/L/T = {unit} where B is better/worse/equal"
+    wide = max([22] + [len(p["metric"]) for p in paired])
     clustered_head = f" {f'SE ({cluster}-cl.)':>14}" if cluster else ""
     lines = [
         f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, {CI_METHOD} = delta +/- t(0.975, n - 1) SE;",
         f"SE ({cluster}-clustered) allows for correlated {unit} of one {cluster}; {wlt};" if cluster else wlt,
         *notes,
-        f"{'A':<12} {'B':<12} {'metric':<22} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
+        f"{'A':<12} {'B':<12} {'metric':<{wide}} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
         f"{f'95% CI, {CI_METHOD}':>22}{clustered_head} {'W/L/T':>13}",
     ]
     for p in paired:
         ci = "-" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
         se = "-" if p["se"] is None else f"{p['se']:.4f}"
         sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
-        names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric'][:22]:<22} {p['n']:>5}"
+        names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric']:<{wide}} {p['n']:>5}"
         means = f"{p['mean_a']:>7.3f} {p['mean_b']:>7.3f} {p['delta']:>+8.3f}"
         clustered = f" {sec:>14}" if cluster else ""
         lines.append(f"{names} {means} {se:>7} {ci:>22}{clustered} {p['wins']:>4}/{p['losses']}/{p['ties']}")
@@ -136,6 +143,7 @@ def paired_turns(records: list[dict], arms: list[str]) -> list[dict]:
         scores_a = {k: r["scores"] for k, r in by_arm[a].items()}
         scores_b = {k: r["scores"] for k, r in by_arm[b].items()}
         out += paired_units(a, b, scores_a, scores_b, metrics, cluster=lambda key: key[0])
+        out += paired_steps(a, b, by_arm[a], by_arm[b])
     return out
 
 
@@ -153,6 +161,10 @@ def summarize_turns(records: list[dict], arms: list, settings: dict, counts: dic
                 for field in GROUP_FIELDS
             },
             "timing": timing.get(arm.name, {}),
+            "gold_history": {
+                "overall": step_figures(mine),
+                **{f"by_{f}": {g: step_figures(rs) for g, rs in by_group(mine, f).items()} for f in GROUP_FIELDS},
+            },
         }
     paired = paired_turns(records, [a.name for a in arms])
     return {"settings": settings, "counts": counts, "arms": per_arm, "paired": paired}
@@ -161,6 +173,12 @@ def summarize_turns(records: list[dict], arms: list, settings: dict, counts: dic
 def _turn_row(name: str, scores: dict | None) -> tuple[str, list[int], dict]:
     scores = scores or {}  # an arm without this group: a row of 0 turns
     return name, [max((v["n"] for v in scores.values()), default=0)], {m: v["mean"] for m, v in scores.items()}
+
+
+def _step_row(name: str, figures: dict | None) -> tuple[str, list[int], dict]:
+    figures = figures or {}
+    counts = [figures.get(m, {}).get("n", 0) for m in ("tool_acc", "summ_acc")]
+    return name, counts, {m: v["mean"] for m, v in figures.items()}
 
 
 def format_turn_report(summary: dict) -> str:
@@ -177,7 +195,11 @@ def format_turn_report(summary: dict) -> str:
         "",
         *arm_tables(arms, [("turns", 6)], metrics, _turn_row),
     ]
-    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in TURN_PAIRED_METRICS]
+    steps = {name: a["gold_history"] for name, a in arms.items() if "gold_history" in a}
+    if any(a["overall"] for a in steps.values()):
+        lines += ["", "EO benchmark metrics, gold history: micro over call steps (docs/evaluation.md, section 17)"]
+        lines += arm_tables(steps, [("calls", 6), ("answers", 7)], list(GOLD_HISTORY_METRICS), _step_row)
+    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in TURN_PAIRED_METRICS or p["metric"] in GOLD_HISTORY_METRICS]
     if headline:
         notes = ("headline metrics only: summary.json has every positive metric",)
         lines += ["", *paired_table(headline, "turns", cluster="trace", notes=notes)]
@@ -215,8 +237,9 @@ def episode_score(record: dict) -> bool | None:
     return None if policy_error_code(record) else record.get("correct")
 
 
-def questions(records: list[dict], ks: list[int]) -> dict:
-    """Per ``(arm, question)``: the episodes' outcomes and the question's Pass@k.
+def questions(records: list[dict], ks: list[int], gold: dict | None = None) -> dict:
+    """Per ``(arm, question)``: the episodes' outcomes, the question's Pass@k and, where ``gold`` (question id ->
+    the row's gold call list) has its calls, the free-running tool metrics (:mod:`eogym_sft.evaluation.tool_report`).
 
     A sample whose score is ``None`` (no ``gt_answer``, a failed judge request, a failed policy-server call) is
     left out of ``n``; Pass@k needs ``n >= k`` scored samples and is ``None`` otherwise."""
@@ -234,6 +257,7 @@ def questions(records: list[dict], ks: list[int]) -> dict:
             **{f"pass@{k}": pass_at_k(n, c, k) if n >= k else None for k in ks},
             "tool_any": sum(e["tool_calls"] > 0 for e in ran) / len(ran) if ran else None,
             **{f: eps[0].get(f) or "" for f in GROUP_FIELDS},
+            **question_tool_scores(ran, (gold or {}).get(key[1])),
         }
     return out
 
@@ -266,22 +290,27 @@ def episode_metrics(eps: list[dict], per_question: list[dict], ks: list[int]) ->
             "tool_error_codes": dict(sorted(sum((Counter(e["tool_error_codes"]) for e in eps), Counter()).items())),
             "judge_failed": sum(1 for e in eps if e.get("judge_error")),
             "policy_errors": dict(sorted(Counter(c for c in map(policy_error_code, eps) if c).items())),
+            **tool_figures(per_question),
         }
     )
     return out
 
 
 def paired_arms(per_q: dict, arms: list[str], ks: list[int]) -> list[dict]:
-    """Every later arm against every earlier one on the questions both scored: Pass@k and tool-any deltas,
-    with the SE and 95% CI of :func:`eogym_sft.metrics.scoring.paired_stats` (questions are the units)."""
+    """Every later arm against every earlier one on the questions both scored: Pass@k, tool-any and the
+    free-running tool metrics, with the SE and 95% CI of :func:`eogym_sft.metrics.scoring.paired_stats`
+    (questions are the units), and the category F1s (:func:`eogym_sft.evaluation.tool_report.paired_f1`)."""
     mine = {arm: {q: v for (a, q), v in per_q.items() if a == arm} for arm in arms}
-    metrics = [f"pass@{k}" for k in ks] + ["tool_any"]
-    return [p for a, b in combinations(arms, 2) for p in paired_units(a, b, mine[a], mine[b], metrics)]
+    metrics = [f"pass@{k}" for k in ks] + ["tool_any", *FREE_RUNNING_METRICS]
+    pairs = list(combinations(arms, 2))
+    return [p for a, b in pairs for p in paired_units(a, b, mine[a], mine[b], metrics) + paired_f1(a, b, mine[a], mine[b])]
 
 
-def summarize_rollouts(records: list[dict], arms: list[str], ks: list[int], settings: dict, counts: dict, timing: dict) -> dict:
-    """``summary.json`` of a closed-loop run."""
-    per_q = questions(records, ks)
+def summarize_rollouts(
+    records: list[dict], arms: list[str], ks: list[int], settings: dict, counts: dict, timing: dict, gold: dict | None = None
+) -> dict:
+    """``summary.json`` of a closed-loop run; ``gold`` maps a question id to its row's gold calls (``None``: none)."""
+    per_q = questions(records, ks, gold)
     per_arm = {}
     for arm in arms:
         eps = [r for r in records if r["arm"] == arm]
@@ -327,6 +356,30 @@ def format_rollout_report(summary: dict) -> str:
         t = a.get("timing") or {}
         if t:
             lines.append(f"  {name}: {t['episodes_per_min']:.1f} episodes/min, {t['new_tokens_per_s']:.1f} generated tokens/s")
+    lines += _tool_lines(arms)
     if summary["paired"]:
-        lines += ["", *paired_table(summary["paired"])]
+        f1 = ("cat_f1 rows: F1 of the pooled calls; SE and CI by the jackknife over questions",)
+        notes = f1 if any(p["metric"].startswith("cat_f1") for p in summary["paired"]) else ()
+        lines += ["", *paired_table(summary["paired"], notes=notes)]
     return "\n".join(lines)
+
+
+def _tool_row(name: str, figures: dict | None) -> tuple[str, list[int], dict] | None:
+    if figures is None or not figures.get("questions_with_gold"):
+        return None
+    return name, [figures["questions_with_gold"], figures["efficiency_infinite"]], figures
+
+
+def _tool_lines(arms: dict) -> list[str]:
+    """The free-running tool metrics' tables, when some question had gold calls."""
+    if not any(a["overall"].get("questions_with_gold") for a in arms.values()):
+        return []
+    lines = ["", "EO benchmark metrics, free running: mean over questions with gold calls (docs/evaluation.md, section 17)"]
+    rows = [r for r in (_tool_row(name, a["overall"]) for name, a in arms.items()) if r is not None]
+    lines += table("overall", [("quest.", 6), ("eff=inf", 7)], list(EARTH_AGENT_COLUMNS), rows)
+    lines += ["", *table("overall", [("quest.", 6)], list(OEA_COLUMNS), [(n, c[:1], f) for n, c, f in rows])]
+    for key in ("cat_f1", "cat_f1_gta"):
+        for name, a in arms.items():
+            cells = ", ".join(f"{c} {'-' if v is None else f'{v:.3f}'}" for c, v in a["overall"][key].items())
+            lines.append(f"  {key} {name}: {cells}")
+    return lines

@@ -1,5 +1,5 @@
 """Tool calls and their arguments compared as the EO tool-agent benchmarks compare them, plus this library's
-box-tolerant comparison. Pure, no model; ``docs/evaluation.md`` (section 16) maps each rule to its source.
+box-tolerant comparison. Pure, no model; ``docs/evaluation.md``, section 17, maps each rule to its source.
 
 The benchmarks (ThinkGeo/GTA, Earth-Agent, OpenEarthAgent) compare arguments with Python ``==`` on the parsed
 JSON: exact strings, ``5 == 5.0`` and ``True == 1`` true, no tolerance. ``@0.5`` is ours, never theirs: a box
