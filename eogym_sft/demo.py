@@ -25,6 +25,7 @@ STEPS = 16  # optimizer steps of 2 samples: held-out accuracy clearly above the 
 LEARNING_RATE = 1e-2  # high, so that a few steps move a small random model
 SCENE_CAP = 128 * 128  # the agent demo's pixel cap: a quarter of the colour_grid scene's pixels
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards values
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL 1.16's loss_type values
 
 
 def demo_configs(
@@ -179,9 +180,15 @@ class AgentDemoConfig:
     grpo_num_iterations: int = 1  # TRL's num_iterations: steps trained on each generated batch; above 1 its clipped ratio binds
     grpo_epsilon_high: float | None = None  # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
     grpo_disable_dropout: bool = False  # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
+    grpo_loss_type: str = "dapo"  # TRL's loss_type; "cispo" clips the importance weight at grpo_epsilon_high (ScaleRL: 5.0)
+    grpo_entropy_coef: float = 0.0  # TRL's entropy_coef: an entropy bonus in the loss (adaptive control's starting value)
+    # TRL's adaptive entropy control (Skywork-OR1) when set: the bonus applies while the policy's entropy (nats a
+    # trained token) is at or below this, its coefficient growing by TRL's entropy_coef_delta a step there, else shrinking
+    grpo_entropy_target: float | None = None
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
+    held_out_base: bool = True  # roll the base model out on the held-out questions too (it scores 0: a study can skip it)
     temperature: float = 0.7  # the held-out and rejection-sampling rollouts' temperature (GRPO's: grpo_temperature)
     max_new_tokens: int | None = None  # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
     max_turns: int = 3
@@ -209,6 +216,17 @@ class AgentDemoConfig:
             raise ValueError(f"grpo_num_iterations must be at least 1, got {self.grpo_num_iterations}")
         if self.grpo_epsilon_high is not None and self.grpo_epsilon_high <= 0:
             raise ValueError(f"grpo_epsilon_high must be > 0 (or None: TRL's epsilon), got {self.grpo_epsilon_high}")
+        self._check_loss_levers()
+
+    def _check_loss_levers(self):
+        if self.grpo_loss_type not in LOSS_TYPES:
+            raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.grpo_loss_type!r}")
+        if self.grpo_loss_type == "cispo" and (self.grpo_epsilon_high or 0) <= 1:
+            raise ValueError("grpo_loss_type cispo caps the importance weight itself at grpo_epsilon_high: set it above 1 "
+                             f"(ScaleRL: 5.0), got {self.grpo_epsilon_high}")
+        if self.grpo_entropy_coef < 0 or (self.grpo_entropy_target is not None and self.grpo_entropy_target <= 0):
+            raise ValueError(f"grpo_entropy_coef must be >= 0 and grpo_entropy_target > 0 (or None), got "
+                             f"{self.grpo_entropy_coef} and {self.grpo_entropy_target}")
 
 
 def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False):
@@ -243,6 +261,8 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
         beta=cfg.grpo_beta, scale_rewards=cfg.grpo_scale_rewards, temperature=cfg.grpo_temperature, num_iterations=cfg.grpo_num_iterations,
         epsilon_high=cfg.grpo_epsilon_high, disable_dropout=cfg.grpo_disable_dropout, max_completion_length=cfg.completion_tokens,
+        loss_type=cfg.grpo_loss_type, entropy_coef=cfg.grpo_entropy_coef, use_adaptive_entropy=cfg.grpo_entropy_target is not None,
+        **({} if cfg.grpo_entropy_target is None else {"entropy_target": cfg.grpo_entropy_target}),
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
         save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
@@ -377,7 +397,7 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     else:
         rft_info = None
 
-    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, True, overwrite)
+    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, cfg.held_out_base, overwrite)
     lap("held-out rollouts")
     report = agent_report(summary, rewards, rft_info, seconds, cfg)
     (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -251,6 +251,27 @@ def test_agent_grpo_levers_are_checked_and_reach_grpo_config(tmp_path):
         AgentDemoConfig(grpo_epsilon_high=0.0)
 
 
+def test_agent_loss_and_entropy_levers_reach_grpo_config(tmp_path):
+    """The loss, the entropy bonus (static, or TRL's adaptive control when a target is set) and CISPO's weight cap
+    arrive in TRL's GRPOConfig; a CISPO cap that would cut every weight is refused when the config is made."""
+    from eogym_sft.demo import AgentDemoConfig, _grpo_configs
+
+    def grpo(**levers):
+        return _grpo_configs(AgentDemoConfig(**levers), tmp_path / "m", tmp_path / "d.jsonl", tmp_path, str(tmp_path / "s"), tmp_path / "g")[1]
+
+    default = grpo()
+    assert (default.loss_type, default.entropy_coef, default.use_adaptive_entropy) == ("dapo", 0.0, False)
+    adaptive = grpo(grpo_entropy_target=0.05, grpo_loss_type="cispo", grpo_epsilon_high=5.0)
+    assert (adaptive.loss_type, adaptive.epsilon_high, adaptive.use_adaptive_entropy, adaptive.entropy_target) == ("cispo", 5.0, True, 0.05)
+    assert (grpo(grpo_entropy_coef=0.01).entropy_coef, grpo(grpo_entropy_coef=0.01).use_adaptive_entropy) == (0.01, False)
+    with pytest.raises(ValueError, match="cispo caps the importance weight itself at grpo_epsilon_high: set it above 1"):
+        AgentDemoConfig(grpo_loss_type="cispo", grpo_epsilon_high=0.28)
+    with pytest.raises(ValueError, match="grpo_loss_type must be one of grpo, dr_grpo, dapo"):
+        AgentDemoConfig(grpo_loss_type="ppo")
+    with pytest.raises(ValueError, match="grpo_entropy_coef must be >= 0 and grpo_entropy_target > 0"):
+        AgentDemoConfig(grpo_entropy_target=0.0)
+
+
 def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):
     from eogym_sft.cli import agent_demo_config, build_parser
     from eogym_sft.demo import AgentDemoConfig
