@@ -188,6 +188,11 @@ class AgentDemoConfig:
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
+    # validation questions, the last val_rows of the train_rows (trained on by no stage, never the held-out ones): with
+    # sft_pick_every/grpo_pick_every N the stage saves every N steps and its checkpoint of best validation Pass@1 goes on
+    val_rows: int = 0
+    sft_pick_every: int = 0
+    grpo_pick_every: int = 0
     held_out_base: bool = True  # roll the base model out on the held-out questions too (it scores 0: a study can skip it)
     temperature: float = 0.7  # the held-out and rejection-sampling rollouts' temperature (GRPO's: grpo_temperature)
     max_new_tokens: int | None = None  # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
@@ -217,6 +222,10 @@ class AgentDemoConfig:
         if self.grpo_epsilon_high is not None and self.grpo_epsilon_high <= 0:
             raise ValueError(f"grpo_epsilon_high must be > 0 (or None: TRL's epsilon), got {self.grpo_epsilon_high}")
         self._check_loss_levers()
+        for stage, every, steps in (("sft", self.sft_pick_every, self.sft_steps), ("grpo", self.grpo_pick_every, self.grpo_steps)):
+            if every and (not 0 < self.val_rows < self.train_rows or every < 0 or steps % every):
+                raise ValueError(f"{stage}_pick_every {every} needs 0 < val_rows < train_rows (got {self.val_rows}, "
+                                 f"{self.train_rows}) and to divide {stage}_steps ({steps}), so that the last step is a candidate")
 
     def _check_loss_levers(self):
         if self.grpo_loss_type not in LOSS_TYPES:
@@ -229,15 +238,19 @@ class AgentDemoConfig:
                              f"{self.grpo_entropy_coef} and {self.grpo_entropy_target}")
 
 
-def _sft_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False):
+def _sft_configs(
+    cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False, pick_every: int = 0
+):
     """The SFT demo's configs pointed at the task's JSONL: every row trained on (the held-out questions
-    are a separate file), no evaluation pass, one save at the end."""
+    are a separate file), no evaluation pass, one save at the end (and a checkpoint every ``pick_every`` steps)."""
     script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, overwrite, cfg.max_pixels, cfg.min_pixels)
     script.dataset_path, script.data_root, script.eval_fraction = str(dataset), str(data_root), 0.0
     script.prepared_dir = str(output / "prepared")
     training.output_dir, training.eval_strategy, training.save_strategy = str(output / "adapter"), "no", "no"
     training.logging_steps = max(1, steps // 6)
     training.use_cpu = cfg.device == "cpu"
+    if pick_every:
+        training.save_strategy, training.save_steps, training.save_only_model = "steps", pick_every, True
     return script, training, model
 
 
@@ -265,7 +278,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         **({} if cfg.grpo_entropy_target is None else {"entropy_target": cfg.grpo_entropy_target}),
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
         use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
-        save_steps=cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
+        save_steps=cfg.grpo_pick_every or cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
     )
     model = ModelConfig(
         model_name_or_path=str(model_dir), dtype="float32", use_peft=True,
@@ -308,11 +321,7 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     import torch
 
     from .models.processor import save_processor
-    from .models.tiny import (
-        DEMO_QWEN3_VL_CONFIG,
-        build_offline_processor,
-        build_tiny_model,
-    )
+    from .models.tiny import DEMO_QWEN3_VL_CONFIG, build_offline_processor, build_tiny_model
 
     model = build_tiny_model(cfg.seed, cfg.model_config or DEMO_QWEN3_VL_CONFIG)
     embeddings = model.get_input_embeddings().weight
@@ -350,6 +359,8 @@ def reward_by_part(rewards: list[float], parts: int = 4, min_steps: int = MIN_ST
 
 def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
     """The agent loop on ``cfg.task`` (``colour_grid`` by default); prints the table and writes ``agent_report.json``."""
+    from .atomic import write_text_atomic
+    from .demo_pick import pick_checkpoint
     from .environment.tasks import write_task
     from .guards import refuse_nonempty_output
     from .training import grpo
@@ -368,13 +379,17 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         clock = now
         print(f"[agent demo] {stage} done in {seconds[stage]:.1f} s", flush=True)
 
-    root = output / "task"
-    train_rows = write_task(root, cfg.train_rows, cfg.seed, start=0, name="train.jsonl", task=cfg.task)
+    root, fit = output / "task", cfg.train_rows - cfg.val_rows
+    train_rows = write_task(root, fit, cfg.seed, start=0, name="train.jsonl", task=cfg.task)
+    val = write_task(root, cfg.val_rows, cfg.seed, start=fit, name="validation.jsonl", task=cfg.task) if cfg.val_rows else None
     held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl", task=cfg.task)
     model_dir = save_agent_model(output / "small-qwen3-vl", cfg)
     lap("task and model")
 
-    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite))
+    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite, cfg.sft_pick_every))
+    picked, on_val = {}, lambda arms, name: _rollout(cfg, model_dir, val, root, arms, output / name, cfg.samples, False, overwrite)
+    if cfg.sft_pick_every:
+        sft, picked["sft"] = pick_checkpoint(sft, on_val)
     lap("sft")
 
     arms = [f"sft={sft}"]
@@ -382,6 +397,8 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     if cfg.grpo_steps:
         grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo", overwrite))
         rewards = grpo_per_step(grpo_dir)
+        if cfg.grpo_pick_every:
+            grpo_dir, picked["grpo"] = pick_checkpoint(grpo_dir, on_val)
         arms.append(f"grpo={grpo_dir}")
         lap("grpo")
 
@@ -399,8 +416,8 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
 
     summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, cfg.held_out_base, overwrite)
     lap("held-out rollouts")
-    report = agent_report(summary, rewards, rft_info, seconds, cfg)
-    (output / "agent_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = agent_report(summary, rewards, rft_info, seconds, cfg) | {"picked": picked or None}
+    write_text_atomic(output / "agent_report.json", json.dumps(report, indent=2) + "\n")
     print(format_agent_report(report, output))
     from .evaluation.view import write_report
 
