@@ -19,6 +19,7 @@ def write_lines_atomic(path: str | os.PathLike, pieces) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; an output gets the mode any new file of the user's gets
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             for piece in pieces:
                 fh.write(piece)
@@ -30,6 +31,20 @@ def write_lines_atomic(path: str | os.PathLike, pieces) -> None:
             os.unlink(tmp)
         raise
     _fsync_folder(path.parent)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .config import TOOL_IMAGES, ImageConfig, add_dataclass_args, config_from_args, number
-from .guards import check_model_source, check_torch_stack, file_name, refuse_nonempty_output, refuse_output_over_input, user_errors
+from .guards import check_model_source, check_output, check_torch_stack, file_name, user_errors
 from .quiet import quiet_deepspeed_probe
 
 
@@ -39,7 +39,7 @@ def run_prepare(args: argparse.Namespace) -> dict:
     for path in args.input:  # refused before the heavy imports below
         if not Path(path).is_file():
             raise SystemExit(f"eogym-sft prepare: no such input file: {path}")
-    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft prepare")
+    check_output(args.output, "eogym-sft prepare", args.overwrite, "prepared dataset", inputs=args.input)
     check_model_source(args.model)
     check_torch_stack()
     from .data.datasets import prepare_dataset
@@ -61,7 +61,7 @@ def add_tiny_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_tiny(args: argparse.Namespace) -> None:
-    refuse_nonempty_output(args.output, args.overwrite, "eogym-sft tiny-model")
+    check_output(args.output, "eogym-sft tiny-model", args.overwrite, "model")
     check_torch_stack()
     from .models.tiny import save_tiny_model
 
@@ -77,14 +77,13 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .evaluation.run_args import ValidateConfig, refuse_foreign_adapters, refuse_missing_inputs
+    from .evaluation.run_args import ValidateConfig, check_validate_output, refuse_foreign_adapters, refuse_missing_inputs
 
     cfg = config_from_args(ValidateConfig, args)
     refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
     if not Path(cfg.data).is_dir():
         refuse_missing_inputs([p for p in cfg.data.split(",") if p], "eogym-sft validate")
-    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
-    refuse_output_over_input(cfg.output, [p for p in cfg.data.split(",") if p], "eogym-sft validate")
+    check_validate_output(cfg)
     check_model_source(cfg.model)
     check_torch_stack()
     from .evaluation.validate import validate
@@ -99,13 +98,12 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_evaluate(args: argparse.Namespace) -> dict:
-    from .evaluation.run_args import EvalConfig, refuse_foreign_adapters, refuse_missing_inputs
+    from .evaluation.run_args import EvalConfig, arm_inputs, refuse_foreign_adapters, refuse_missing_inputs
 
     cfg = config_from_args(EvalConfig, args)
     refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
     refuse_missing_inputs(cfg.data, "eogym-sft evaluate")
-    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft evaluate")
-    refuse_output_over_input(cfg.output, cfg.data, "eogym-sft evaluate")
+    check_output(cfg.output, "eogym-sft evaluate", cfg.overwrite, "evaluation", inputs=arm_inputs(cfg.data, cfg.adapters))
     check_model_source(cfg.model)
     check_torch_stack()
     from .evaluation.offline import evaluate
@@ -212,8 +210,7 @@ def add_make_task_args(parser: argparse.ArgumentParser) -> None:
 def run_make_task(args: argparse.Namespace) -> None:
     from .environment.tasks import write_task
 
-    if (Path(args.output) / args.name).exists() and not args.overwrite:
-        raise SystemExit(f"eogym-sft make-task: {Path(args.output) / args.name} exists: pick another --name or pass --overwrite")
+    check_output(Path(args.output) / args.name, "eogym-sft make-task", args.overwrite, "task rows")
     try:
         path = write_task(args.output, args.rows, args.seed, args.start, args.name, args.task)
     except ValueError as err:

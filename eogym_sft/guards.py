@@ -1,9 +1,12 @@
 """What every command checks before it writes or loads: one policy for outputs, one for adapters.
 
-* Outputs: a command refuses to write into a non-empty output (folder, or an existing file) unless the
-  user passes ``--overwrite``; nothing is replaced silently. An output that is one of the command's inputs,
-  resolves to one (a symlink, a hard link), or is a folder holding one, is refused even with ``--overwrite``
-  (:func:`refuse_output_over_input`): writing it would destroy what is being read.
+* Outputs (:func:`check_output`, the one rule of every command): a command refuses to write into a non-empty
+  output (folder, or an existing file) unless the user passes ``--overwrite``; nothing is replaced silently. An
+  output that is one of the command's inputs, resolves to one (a symlink, a hard link), or is a folder holding
+  one, is refused even with ``--overwrite`` (:func:`refuse_output_over_input`): writing it would destroy what is
+  being read. So is an output over a file or folder that belongs to a run of another kind (a rollout's log or
+  rank log, a checkpoint, an adapter's config: :data:`RUN_RECORDS` says how a folder is known as a run's), or
+  over an existing file inside an input folder, unless the command recognises it as its own earlier output.
 * Adapters: an adapter is used only on the base model it was trained on. ``adapter_config.json``
   records that base (``base_model_name_or_path``) as the trainer was given it: a hub id, or a local
   folder (absolute, or relative to where training ran). See :func:`same_base`.
@@ -60,6 +63,54 @@ def file_name(text: str) -> str:
         return check_file_name(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# The file by which each kind of run folder is known (written by the command or trainer that makes it). A file
+# belongs to the run of the nearest folder above it (two levels up: a checkpoint-N/, a prepared/dataset/) holding one.
+RUN_RECORDS = {
+    "run.json": "rollout",
+    "results.jsonl": "evaluation",
+    "eogym_run.json": "training run",
+    "trainer_state.json": "training run",
+    "adapter_config.json": "adapter",
+    "manifest.jsonl": "prepared dataset",
+}
+
+
+def run_owning(path: str | Path) -> tuple[str, Path, str] | None:
+    """``(kind, run folder, its record's name)`` of the run ``path`` belongs to (itself, for a run's folder), or None."""
+    path = Path(path)
+    folders = ([path] if path.is_dir() and not path.is_symlink() else []) + [path.parent, path.parent.parent]
+    for folder in folders:
+        for record, kind in RUN_RECORDS.items():
+            if (folder / record).is_file():
+                return kind, folder, record
+    return None
+
+
+def check_output(output: str | Path, command: str, overwrite: bool, kind: str, inputs=(), own=None) -> None:
+    """The one output rule (``FileExistsError`` naming why): ``output`` (a file or folder that ``command`` writes,
+    a ``kind`` of output) is never one of ``inputs``, a link, or a folder holding an input; if it exists and is not
+    an empty folder it needs ``overwrite``, and even then it may not belong to a run of another kind, nor be an
+    existing file inside an input folder, unless ``own(output)`` recognises it as this command's earlier output."""
+    path = Path(output)
+    refuse_output_over_input(path, inputs, command)
+    if path.is_symlink():
+        raise FileExistsError(f"{command}: {path} is a symbolic link: an output is never written through one; pick another output")
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    refuse_nonempty_output(path, overwrite, command)
+    if own is not None and path.is_file() and own(path):
+        return
+    owner = run_owning(path)
+    if owner and owner[0] != kind:
+        raise FileExistsError(
+            f"{command}: {path} belongs to the {owner[0]} in {owner[1]} (it holds {owner[2]}): an output never replaces "
+            "a run's files, even with --overwrite; pick another output"
+        )
+    folders = [Path(p).resolve() for p in inputs if Path(p).is_dir()]
+    if path.is_file() and any(folder in path.resolve().parents for folder in folders):
+        raise FileExistsError(f"{command}: {path} is a file of an input folder this command reads: pick another output")
 
 
 # OS faults a user fixes (space, permissions, a read-only mount): one line naming the file, no traceback.

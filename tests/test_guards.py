@@ -210,3 +210,75 @@ def test_prepare_never_writes_over_its_input(tmp_path):
     with pytest.raises(FileExistsError, match=f"^eogym-sft prepare: the output {tmp_path} holds the input {data}"):
         write_prepared(tmp_path, [], {"inputs": [str(data)]})
     assert data.read_text() == "{}\n"
+
+
+def run_folders(root):
+    """A rollout (with a rank log), a training run (with a checkpoint), an adapter, an evaluation: each known by its record."""
+    rollout, training, adapter, evaluation = (root / n for n in ("rollout", "training", "adapter", "evaluation"))
+    for folder in (rollout, training / "checkpoint-2", adapter, evaluation):
+        folder.mkdir(parents=True)
+    files = {
+        rollout / "run.json": "{}", rollout / "episodes.rank0.jsonl": "{}\n", training / "eogym_run.json": "{}",
+        training / "checkpoint-2" / "trainer_state.json": "{}", training / "checkpoint-2" / "optimizer.pt": "w",
+        adapter / "adapter_config.json": "{}", evaluation / "results.jsonl": "{}\n", evaluation / "summary.json": "{}",
+    }
+    for path, text in files.items():
+        path.write_text(text)
+    return files
+
+
+def test_check_output_refuses_a_runs_files_of_every_kind(tmp_path):
+    from eogym_sft.guards import check_output
+
+    files = run_folders(tmp_path)
+    owners = {"rollout": ("rollout", "run.json"), "training": ("training run", "eogym_run.json"),
+              "checkpoint-2": ("training run", "trainer_state.json"), "adapter": ("adapter", "adapter_config.json"),
+              "evaluation": ("evaluation", "results.jsonl")}
+    for path in files:
+        kind, record = owners[path.parent.name]
+        with pytest.raises(FileExistsError, match=f"^eogym-sft x: {path} belongs to the {kind} in {path.parent} \\(it holds {record}\\): "
+                           "an output never replaces a run's files, even with --overwrite; pick another output$"):
+            check_output(path, "eogym-sft x", True, "page")
+        with pytest.raises(FileExistsError, match="exists and is not empty: pick another output or pass --overwrite"):
+            check_output(path, "eogym-sft x", False, "page")
+    check_output(tmp_path / "rollout", "eogym-sft x", True, "rollout")  # its own kind: --overwrite may start it over
+    check_output(tmp_path / "evaluation", "eogym-sft x", True, "evaluation")
+    with pytest.raises(FileExistsError, match="belongs to the evaluation in"):
+        check_output(tmp_path / "evaluation", "eogym-sft x", True, "rollout")
+    check_output(tmp_path / "rollout" / "new.html", "eogym-sft x", False, "page")  # a new file beside a run's: nothing lost
+    check_output(files[tmp_path / "rollout" / "run.json"], "eogym-sft x", True, "page", own=lambda p: True)  # its own earlier output
+    (tmp_path / "link.html").symlink_to(tmp_path / "elsewhere.html")
+    with pytest.raises(FileExistsError, match="link.html is a symbolic link: an output is never written through one"):
+        check_output(tmp_path / "link.html", "eogym-sft x", True, "page")
+    assert all(path.read_text() == text for path, text in files.items())
+
+
+def test_every_writing_command_refuses_a_runs_files_even_with_overwrite(tmp_path):
+    """One rule for every command: no --output lands on a rollout's rank log, a checkpoint's file or an adapter's config."""
+    from eogym_sft.cli import main
+
+    files = run_folders(tmp_path / "runs")
+    rollout, training, adapter = (tmp_path / "runs" / n for n in ("rollout", "training", "adapter"))
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    targets = [rollout / "episodes.rank0.jsonl", training / "checkpoint-2" / "optimizer.pt", adapter / "adapter_config.json"]
+    file_commands = {
+        "validate": lambda out: ["validate", "--model", "m", "--data", str(data), "--output", str(out)],
+        "episodes": lambda out: ["episodes", "--input", str(data), "--output", str(out)],
+        "view": lambda out: ["view", str(rollout), "--output", str(out)],
+        "make-task": lambda out: ["make-task", "--output", str(out.parent), "--name", out.name, "--rows", "1"],
+    }
+    folder_commands = {
+        "prepare": lambda out: ["prepare", "--input", str(data), "--model", "m", "--output", str(out)],
+        "tiny-model": lambda out: ["tiny-model", "--output", str(out)],
+        "evaluate": lambda out: ["evaluate", "--model", "m", "--data", str(data), "--output", str(out)],
+        "rollout": lambda out: ["rollout", "--model", "m", "--data", str(data), "--output", str(out)],
+    }
+    cases = [(c, argv, t) for c, argv in file_commands.items() for t in targets]
+    cases += [(c, argv, t) for c, argv in folder_commands.items() for t in (rollout, training, adapter) if not (c == "rollout" and t == rollout)]
+    for command, argv, target in cases:
+        with pytest.raises(SystemExit) as stop:
+            main([*argv(target), "--overwrite"])
+        assert f"belongs to the " in str(stop.value.code) and "even with --overwrite" in str(stop.value.code), (command, target, stop.value.code)
+        assert str(stop.value.code).startswith(f"eogym-sft {command}: "), stop.value.code
+    assert all(path.read_text() == text for path, text in files.items())

@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..atomic import write_lines_atomic
+from ..atomic import umask, write_lines_atomic
 from ..guards import check_file_name
 from .backends.crop import CROP_TOOL
 
@@ -198,6 +198,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Write then rename: a run killed mid-write leaves a dot-file, never half a scene under its name."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600: a scene gets the user's umask as any output
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

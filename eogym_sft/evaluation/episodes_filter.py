@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..atomic import write_lines_atomic
-from ..guards import refuse_output_over_input
+from ..guards import check_output, refuse_output_over_input
 from ..safe_json import UntrustedJSONError, jsonl_lines, loads, record_line
 
 KEEP = ("correct", "incorrect", "all")
@@ -75,8 +75,7 @@ def add_episodes_args(parser) -> None:
 def run_episodes_filter(args) -> dict:
     if not Path(args.input).is_file():
         raise SystemExit(f"eogym-sft episodes: no such input file: {args.input}")
-    if Path(args.output).exists() and not args.overwrite:
-        raise SystemExit(f"eogym-sft episodes: {args.output} exists: pick another output or pass --overwrite")
+    check_output(args.output, "eogym-sft episodes", args.overwrite, "episode rows", inputs=[args.input])
     stats = filter_episodes(args.input, args.output, args.filter, args.arm)
     for where in stats["skipped_lines"][:20]:
         print(f"skipped {where}")

@@ -27,7 +27,7 @@ from ..data.images import ImageCache, ImageError, image_size, resolve_image_path
 from ..data.prepare import resized_hw
 from ..data.traces import Trace, TraceError, count_images, normalize_row
 from ..atomic import write_lines_atomic, write_text_atomic
-from ..guards import refuse_nonempty_output, refuse_output_over_input
+from ..guards import check_output
 from ..models.layout import expand_image_pads, image_factor, image_token_count
 from ..safe_json import record_line
 from ..metrics.judge import judge_all, load_judge
@@ -43,7 +43,7 @@ from ..metrics.scoring import (
 from ..models import loading
 from ..models.loading import Arm, use_arm
 from .report import format_turn_report, summarize_turns
-from .run_args import EvalConfig, recorded_settings
+from .run_args import EvalConfig, arm_inputs, recorded_settings
 
 
 @dataclass
@@ -465,8 +465,7 @@ def evaluate(cfg: EvalConfig, progress: bool = True) -> dict:
     from ..models.processor import load_processor
 
     out = Path(cfg.output)
-    refuse_nonempty_output(out, cfg.overwrite, "eogym-sft evaluate")
-    refuse_output_over_input(out, cfg.data, "eogym-sft evaluate")
+    check_output(out, "eogym-sft evaluate", cfg.overwrite, "evaluation", inputs=arm_inputs(cfg.data, cfg.adapters))
     judge = load_judge(cfg.judge) if cfg.judge else None
     arms = parse_arms(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)

@@ -6,7 +6,10 @@ episodes, the data's SHA-256, and fingerprints of the model's and each adapter's
 or retrained in place under the same path are another run). A rerun into the same output with the same
 identity skips the ``(arm, question, sample)`` triples the log already holds; one with another identity
 is refused with what differs, and a log record of no arm, question or sample of this run is refused by
-file, line and field. One run at a time: the output folder is locked (``flock``) while a run uses it.
+file, line and field. Every record carries its run's identity (:func:`run_identity`: digests of the model, the
+adapters, the policies and the other settings), so a log copied in from another run with the same questions and
+arm names is refused naming which of them differ; a log reached through a symbolic link is never resumed, cut or
+written through. One run at a time: the output folder is locked (``flock``) while a run uses it.
 A write cut short (killed, disk full) is cut off (at once when the write fails, else on resume) and its
 episode runs again. Records are ASCII JSON lines (:func:`eogym_sft.safe_json.record_line`) read back split
 on ``b"\n"`` alone. Under several ranks each rank appends to its own ``episodes.rank{R}.jsonl`` and rank 0
@@ -26,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..atomic import write_lines_atomic, write_text_atomic
-from ..guards import read_json_object, refuse_nonempty_output, refuse_output_over_input
+from ..guards import check_output, read_json_object, refuse_nonempty_output, refuse_output_over_input
 from ..net import redact
 from ..safe_json import UntrustedJSONError, jsonl_lines, loads, record_line
 
@@ -86,6 +89,19 @@ def resume_key(cfg) -> dict:
     return redacted(json.loads(json.dumps(key, default=str)))  # what run.json holds reads back equal
 
 
+IDENTITY = "run_identity"  # the field of an episode record that says which run wrote it
+IDENTITY_PARTS = {"model": ("model", "model_fingerprint"), "adapter": ("adapters", "adapter_fingerprints"), "policy": ("policies",)}
+
+
+def run_identity(key: dict) -> dict:
+    """What each episode record carries of the run that wrote it: a short digest of its model, adapters, policies
+    and every other setting of :func:`resume_key` (data hashes included)."""
+    taken = {field for fields in IDENTITY_PARTS.values() for field in fields}
+    parts = {name: {f: key.get(f) for f in fields} for name, fields in IDENTITY_PARTS.items()}
+    parts["settings"] = {k: v for k, v in key.items() if k not in taken}
+    return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16] for name, value in parts.items()}
+
+
 def redacted(value):
     """``value`` (parsed JSON) with credentials redacted from every string (:func:`eogym_sft.net.redact`)."""
     if isinstance(value, str):
@@ -140,6 +156,7 @@ def open_run(out: Path, key: dict, overwrite: bool, command: str, inputs=()) -> 
 def _prepare(out: Path, key: dict, overwrite: bool, command: str) -> None:
     record = out / RUN_FILE
     if overwrite:
+        check_output(out, command, True, "rollout")  # never over another kind of run's files
         for path in [record, *episode_logs(out), *(out / name for name in OUTPUTS)]:
             path.unlink(missing_ok=True)
     elif record.exists():
@@ -174,11 +191,23 @@ def episode_file(group) -> str:
     return EPISODES if group.world == 1 else f"episodes.rank{group.rank}.jsonl"
 
 
-def read_log(path: Path, repair: bool = False, expected: set | None = None) -> list[dict]:
+def refuse_link(path: Path) -> None:
+    """A log reached through a symbolic link is another file's: never resumed, cut or appended to."""
+    if path.is_symlink():
+        raise FileExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}): a run's log is never resumed or written through a link; "
+            "replace it with the file itself, pick another output, or pass --overwrite"
+        )
+
+
+def read_log(path: Path, repair: bool = False, expected: set | None = None, identity: dict | None = None) -> list[dict]:
     """The episodes of one log. A last line with no newline is a write cut short: cut off when
     ``repair``, else left out. Any other line that is not a JSON episode, or (given ``expected``, the run's
-    ``(arm, question id, sample)`` triples) an episode of no arm, question or sample of this run, is an
-    error naming file, line and field: the log holds records of another run."""
+    ``(arm, question id, sample)`` triples) an episode of no arm, question or sample of this run, or (given
+    ``identity``) one another run wrote, is an error naming file, line and field: the log holds records of
+    another run."""
+    if repair or identity is not None:
+        refuse_link(path)
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     if repair and len(complete) < len(data):
@@ -194,6 +223,8 @@ def read_log(path: Path, repair: bool = False, expected: set | None = None) -> l
             raise ValueError(f"{path}:{n}: not an episode record (arm, source_id, sample)")
         if expected is not None:
             _check_belongs(path, n, record, expected)
+        if identity is not None:
+            _check_identity(path, n, record, identity)
         records.append(record)
     return records
 
@@ -211,11 +242,26 @@ def _check_belongs(path: Path, n: int, record: dict, expected: set) -> None:
     )
 
 
-def read_episodes(out: Path, expected: set | None = None) -> dict[tuple, dict]:
-    """Every finished episode in ``out`` by ``(arm, question id, sample)`` (each one of ``expected``, if given)."""
+def _check_identity(path: Path, n: int, record: dict, identity: dict) -> None:
+    carried = record.get(IDENTITY)
+    if carried == identity:
+        return
+    if not isinstance(carried, dict):
+        which = "it carries no run identity (written by another tool or an older version)"
+    else:
+        which = f"its {', '.join(p for p in identity if carried.get(p) != identity[p])} differ from this run's"
+    raise ValueError(
+        f"{path}:{n}: an episode another run wrote ({which}): not resumed as this run's; remove the log, pick another "
+        "output, or pass --overwrite"
+    )
+
+
+def read_episodes(out: Path, expected: set | None = None, identity: dict | None = None) -> dict[tuple, dict]:
+    """Every finished episode in ``out`` by ``(arm, question id, sample)`` (each one of ``expected`` and written by
+    the run of ``identity``, if given)."""
     done = {}
     for path in episode_logs(out):
-        for record in read_log(path, expected=expected):
+        for record in read_log(path, expected=expected, identity=identity):
             done.setdefault((record["arm"], str(record["source_id"]), record["sample"]), record)
     return done
 
@@ -243,8 +289,10 @@ class EpisodeLog:
     threads. A half-written last line left by a killed run is cut off first; a write that fails (disk full,
     interrupted) is cut off at once, so the log always ends on a whole record."""
 
-    def __init__(self, path: Path, secrets=()):
+    def __init__(self, path: Path, secrets=(), identity: dict | None = None):
         self.path = Path(path)
+        self.identity = identity  # stamped on every record (run_identity): a resumed run takes only its own
+        refuse_link(self.path)
         # the run's keys (a server may quote one back in a reply); only token-shaped ones: JSON-safe to replace
         self.secrets = [s for s in secrets if s and len(s) >= 8 and re.fullmatch(r"[A-Za-z0-9._~+/=:-]+", s)]
         if self.path.is_file():
@@ -253,11 +301,11 @@ class EpisodeLog:
         self._fd = None
 
     def __enter__(self):
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
         return self
 
     def write(self, record: dict) -> None:
-        line = record_line(record)
+        line = record_line(record if self.identity is None else {**record, IDENTITY: self.identity})
         for secret in self.secrets:
             line = line.replace(secret, "***")
         data = memoryview(line.encode("ascii"))

@@ -49,6 +49,7 @@ from .resume import (
     read_episodes,
     redacted,
     resume_key,
+    run_identity,
 )
 from .run_args import RolloutConfig, recorded_settings
 
@@ -148,7 +149,7 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
     locks = []  # rank 0 holds the output's lock until the run ends (or the process does)
     ranks.agree(group, lambda: locks.append(open_run(out, key, cfg.overwrite, "eogym-sft rollout", inputs=cfg.data)))
     try:
-        return _run(cfg, out, group, local_arms, names, rows, failures, progress, env_factory)
+        return _run(cfg, out, group, local_arms, names, rows, failures, progress, env_factory, run_identity(key))
     finally:
         for lock in locks:
             lock.release()
@@ -160,7 +161,7 @@ def run_secrets(cfg: RolloutConfig) -> list[str]:
     return [os.environ[e] for e in envs if os.environ.get(e)]
 
 
-def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory) -> dict | None:
+def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory, identity) -> dict | None:
     import torch
     from tqdm.auto import tqdm
 
@@ -168,7 +169,7 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     from ..models.processor import load_processor
 
     expected = {(name, str(r.get("id")), k) for name in names for _, r in rows for k in range(cfg.samples)}
-    earlier = read_episodes(out, expected)
+    earlier = read_episodes(out, expected, identity)  # only this run's own records (model, adapters, policies, settings)
     judge = make_judge(cfg)
     device, dtype = resolve_device(ranks.local_device(cfg.device, group), cfg.dtype)
     env_factory = env_factory or default_env_factory(cfg)
@@ -181,7 +182,7 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     local = _LocalArms(cfg, local_arms, device, dtype, graphs, max(len(v) for v in todo.values()) if todo else 1)
     timing = {}
     bar = tqdm(total=sum(map(len, todo.values())), unit="episode", desc="rollout", disable=not progress)
-    with EpisodeLog(out / episode_file(group), run_secrets(cfg)) as log, Scorer(judge, log) as scorer:
+    with EpisodeLog(out / episode_file(group), run_secrets(cfg), identity) as log, Scorer(judge, log) as scorer:
         for name in names:
             if not todo[name]:
                 continue

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, SampleConfig, add_dataclass_args
 from ..data.tool_images import ToolImageRule
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
-from ..guards import check_adapter_base, refuse_nonempty_output
+from ..guards import check_adapter_base, check_output
 from ..metrics.judge import DEFAULT_JUDGE_MODEL, ChatJudge
 from ..net import check_url
 
@@ -260,8 +260,33 @@ def refuse_taken_run_folder(out: str, overwrite: bool, command: str) -> None:
     whether a run that is there has the same settings is :func:`eogym_sft.evaluation.resume.open_run`'s to say."""
     from .resume import RUN_FILE
 
-    if not overwrite and not (Path(out) / RUN_FILE).is_file():
-        refuse_nonempty_output(out, False, command)
+    if overwrite or not (Path(out) / RUN_FILE).is_file():
+        check_output(out, command, overwrite, "rollout")
+
+
+def arm_inputs(data, adapters: list[str]) -> list[str]:
+    """What a run reads and its output may not land on: the data files and each ``[NAME=]DIR`` adapter folder."""
+    return [*data, *(spec.partition("=")[2] or spec for spec in adapters)]
+
+
+def is_validation_report(path: Path) -> bool:
+    """Whether ``path`` is a report an earlier ``validate`` wrote (a JSON object with ``models``), which
+    ``--overwrite`` may replace wherever it is."""
+    from ..safe_json import UntrustedJSONError, loads
+
+    try:
+        if path.stat().st_size > 64 * 2**20:
+            return False
+        value = loads(path.read_bytes())
+    except (OSError, UntrustedJSONError):
+        return False
+    return isinstance(value, dict) and isinstance(value.get("models"), dict)
+
+
+def check_validate_output(cfg: ValidateConfig) -> None:
+    """:func:`eogym_sft.guards.check_output` for ``validate``'s report."""
+    data = [p for p in cfg.data.split(",") if p]
+    check_output(cfg.output, "eogym-sft validate", cfg.overwrite, "validation report", arm_inputs(data, cfg.adapters), is_validation_report)
 
 
 def recorded_settings(cfg: ArmsConfig, arms: list, device, dtype) -> dict:

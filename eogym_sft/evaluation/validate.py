@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_predictions, token_classes
-from .run_args import ValidateConfig
+from .run_args import ValidateConfig, check_validate_output
 
 GROUP_FIELDS = ("EO_task", "question_type")
 
@@ -289,7 +289,6 @@ def validate(cfg: ValidateConfig) -> dict:
     from ..data.datasets import load_or_prepare, split_by_trace
     from ..data.prepare import PrepConfig
     from ..atomic import write_text_atomic
-    from ..guards import refuse_nonempty_output, refuse_output_over_input
     from ..models.loading import (
         compile_language_layers,
         load_inference_model,
@@ -299,8 +298,7 @@ def validate(cfg: ValidateConfig) -> dict:
     from ..models.processor import load_processor
     from ..data.collator import EOGymCollator
 
-    refuse_nonempty_output(cfg.output, cfg.overwrite, "eogym-sft validate")
-    refuse_output_over_input(cfg.output, [p for p in cfg.data.split(",") if p], "eogym-sft validate")
+    check_validate_output(cfg)
     arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
     device, dtype = resolve_device(cfg.device, cfg.dtype)
     attention = cfg.attn_implementation or default_attention(device)

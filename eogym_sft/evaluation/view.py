@@ -28,7 +28,6 @@ from .view_data import (
     EPISODE_FIELDS,
     IMAGE_BUDGET,
     PLOTS,
-    READ_FILES,
     ImageStore,
     Run,
     Texts,
@@ -48,6 +47,7 @@ from .view_data import (
 __all__ = ["ViewError", "add_view_args", "embed_json", "find_runs", "plot_keys", "render", "run_view", "serve", "write_report"]
 
 TEMPLATE = Path(__file__).with_name("view.html")
+GENERATOR = b'<meta name="generator" content="eogym-sft view">'  # in the template's head: marks a page as view's
 
 
 # ---------------------------------------------------------------- the summary tables (server-side HTML, escaped)
@@ -265,15 +265,24 @@ def render(runs: list[Run], data_root: str | None = None, image_budget: int = IM
     return re.sub("__(NONCE|TITLE|NAV|PROBLEMS|SECTIONS|DATA)__", lambda m: replacements[m.group(0)], TEMPLATE.read_text())
 
 
-def write_report(paths: list[str | Path], output: str | Path, data_root: str | None = None, image_budget: int = IMAGE_BUDGET) -> Path:
-    """Find the runs under ``paths``, render them and write ``output`` atomically; return its path."""
+def is_page(path: Path) -> bool:
+    """Whether ``path`` is a page this command wrote (its generator tag in the first bytes): what ``--overwrite`` may replace."""
+    with open(path, "rb") as fh:
+        return GENERATOR in fh.read(512)
+
+
+def write_report(
+    paths: list[str | Path], output: str | Path, data_root: str | None = None, image_budget: int = IMAGE_BUDGET, overwrite: bool = True
+) -> Path:
+    """Find the runs under ``paths``, render them and write ``output`` atomically; return its path. ``output`` follows
+    every command's rule (:func:`eogym_sft.guards.check_output`): an existing file needs ``overwrite`` and, inside a
+    run or over one of its files, must be a page."""
     from ..atomic import write_text_atomic
+    from ..guards import check_output
 
     output = Path(output)
     runs = find_runs(paths)
-    for run in runs:
-        if output.resolve() == run.path.resolve() or (output.parent.resolve() == run.path.resolve() and output.name in READ_FILES):
-            raise ViewError(f"--output {output} would overwrite what {run.path} holds: pick another file")
+    check_output(output, "eogym-sft view", overwrite, "page", inputs=[run.path for run in runs], own=is_page)
     text = render(runs, data_root, image_budget)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(output, text)
@@ -323,6 +332,7 @@ def add_view_args(parser) -> None:
     add = parser.add_argument
     add("runs", nargs="+", metavar="RUN", help="rollout, evaluation or training output folder(s), or a demo's output folder")
     add("--output", default="report.html", help="the HTML file to write")
+    add("--overwrite", action="store_true", help="replace an existing page at --output (any other file is refused)")
     add("--data-root", default=None, help="folder the episodes' image paths are relative to (None: each rollout's run.json data_root)")
     add("--image-budget-mb", type=number(float), default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it, images are links to files")
     add("--serve", action="store_true", help="also serve the page on http://127.0.0.1 (this machine only)")
@@ -334,7 +344,7 @@ def run_view(args) -> Path:
     """``eogym-sft view``: write the page, print its path, serve it if asked."""
     start = time.perf_counter()
     try:
-        path = write_report(args.runs, args.output, args.data_root, int(args.image_budget_mb * 2**20))
+        path = write_report(args.runs, args.output, args.data_root, int(args.image_budget_mb * 2**20), args.overwrite)
     except ViewError as err:
         raise SystemExit(f"eogym-sft view: {err}") from None
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s): open it in a browser")

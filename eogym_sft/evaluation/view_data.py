@@ -55,7 +55,6 @@ PLOTS = {
 }
 # What the summary of an unfinished rollout needs of each episode (the fields agent.episodes.Episode.record() writes).
 EPISODE_FIELDS = ("arm", "source_id", "stop_reason", "turns", "tool_calls", "tool_errors", "tool_error_codes", "new_tokens", "final_answer")
-READ_FILES = ("episodes.jsonl", "results.jsonl", "summary.json", "skipped.jsonl", "run.json", "trainer_state.json")
 NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
 
 

@@ -259,3 +259,73 @@ def test_a_full_disk_leaves_the_log_on_a_whole_record(tmp_path):
         assert read_log(path) == [_record("q0")] and path.read_bytes().endswith(b"\n")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+IDENTITY_CHANGES = {  # each part of a run's identity, and a change of it that keeps questions and arm names
+    "model": {"model_fingerprint": {"model.safetensors": "9:other"}},
+    "adapter": {"adapter_fingerprints": {"sft=runs/a": {"adapter_model.safetensors": "9:other"}}},
+    "policy": {"policies": [{"url": "http://127.0.0.1:9/v1", "model": "another-model", "name": "scripted"}]},
+    "settings": {"temperature": 0.7},
+}
+
+
+@pytest.mark.parametrize("part", list(IDENTITY_CHANGES))
+def test_a_log_of_another_run_with_the_same_questions_and_arms_is_refused_naming_what_differs(tmp_path, part):
+    from eogym_sft.evaluation.resume import read_episodes, run_identity
+
+    key = {"model": "m", "model_fingerprint": {"model.safetensors": "9:abc"}, "adapters": ["sft=runs/a"],
+           "adapter_fingerprints": {"sft=runs/a": {"adapter_model.safetensors": "9:def"}},
+           "policies": [{"url": "http://127.0.0.1:9/v1", "model": "scripted", "name": "scripted"}], "temperature": 0.0}
+    expected = {("scripted", "q0", 0), ("scripted", "q1", 0)}
+    with EpisodeLog(tmp_path / "episodes.jsonl", identity=run_identity(key)) as log:
+        log.write(_record("q0"))
+    assert list(read_episodes(tmp_path, expected, run_identity(key))) == [("scripted", "q0", 0)]  # its own: resumed
+    with EpisodeLog(tmp_path / "episodes.jsonl", identity=run_identity({**key, **IDENTITY_CHANGES[part]})) as log:
+        log.write(_record("q1"))
+    refused = (rf"episodes.jsonl:2: an episode another run wrote \(its {part} differ from this run's\): not resumed as this "
+               "run's; remove the log, pick another output, or pass --overwrite$")
+    with pytest.raises(ValueError, match=refused):
+        read_episodes(tmp_path, expected, run_identity(key))
+    (tmp_path / "episodes.jsonl").write_text(json.dumps(_record("q0")) + "\n")  # no identity at all
+    with pytest.raises(ValueError, match=r"episodes.jsonl:1: an episode another run wrote \(it carries no run identity"):
+        read_episodes(tmp_path, expected, run_identity(key))
+
+
+def test_a_log_reached_through_a_link_is_never_resumed_cut_or_written(tmp_path):
+    from eogym_sft.evaluation.resume import read_episodes, run_identity
+
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text(json.dumps(_record("q0")) + '\n{"arm": "scri')
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("episodes.jsonl", "episodes.rank1.jsonl"):
+        (out / name).symlink_to(elsewhere)
+        refused = rf"{out / name} is a symbolic link \(to {elsewhere}\): a run's log is never resumed or written through a link"
+        with pytest.raises(FileExistsError, match=refused):
+            EpisodeLog(out / name, identity={})
+        with pytest.raises(FileExistsError, match=refused):
+            read_episodes(out, {("scripted", "q0", 0)}, run_identity({}))
+        (out / name).unlink()
+    assert elsewhere.read_text() == json.dumps(_record("q0")) + '\n{"arm": "scri'  # not cut, not appended to
+
+
+@pytest.mark.slow(20)
+def test_a_rollout_refuses_to_resume_a_log_copied_in_from_another_policy(tmp_path, data_root, row_factory, tiny_model_dir):
+    """The probe's case: same questions, same arm name, another policy; resumed, it changed Pass@1."""
+    import shutil
+
+    from eogym_sft.cli import main
+
+    data = _data(tmp_path, row_factory, 2)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    with serve(lambda body, handler: scripted_policy(body)) as (url, _):
+        other = _command(tiny_model_dir, data, data_root, theirs, url, "--no-base")
+        other[other.index("scripted")] = "scripted=other-model"  # the same arm name, another served model
+        main(other[2:])
+        main(_command(tiny_model_dir, data, data_root, mine, url, "--no-base")[2:])
+        (mine / "summary.json").unlink()
+        shutil.copy(theirs / "episodes.jsonl", mine / "episodes.jsonl")
+        with pytest.raises(SystemExit) as stop:
+            main(_command(tiny_model_dir, data, data_root, mine, url, "--no-base")[2:])
+    assert str(stop.value.code).startswith(
+        f"eogym-sft rollout: {mine / 'episodes.jsonl'}:1: an episode another run wrote (its policy differ from this run's)")

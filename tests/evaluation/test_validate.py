@@ -10,6 +10,7 @@ import torch
 from helpers import chat_example, lean_towards_im_end, sharpen
 from PIL import Image
 
+from eogym_sft.evaluation.run_args import ValidateConfig
 from eogym_sft.evaluation.validate import dataloader_workers, sample_spans, score_dataset
 from eogym_sft.data.collator import EOGymCollator
 
@@ -109,8 +110,11 @@ def test_validate_arms_by_flags_on_either_path(arms_dir, data_root, row_factory,
     assert "token accuracy (one)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="nothing to score"):
         main(["validate", *common, "--no-base", "--output", str(tmp_path / "none.json")])
-    with pytest.raises(SystemExit, match="dataloader_workers must be 0 or more"):
+    with pytest.raises(SystemExit) as stop:  # refused as the flag is parsed (eogym_sft.config.number)
         main(["validate", *common, "--dataloader-workers", "-1", "--output", str(tmp_path / "none.json")])
+    assert stop.value.code == 2 and "argument --dataloader-workers: must be at least 0, got -1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dataloader_workers must be 0 or more"):
+        ValidateConfig(model="m", data="d", output="o", dataloader_workers=-1)
 
 
 def test_dataloader_workers_leave_a_cpu_to_the_model(monkeypatch):

@@ -238,9 +238,23 @@ def test_a_demo_folder_shows_each_of_its_runs(tmp_path, data_root):
 
 
 def test_the_report_never_overwrites_a_run_file(tmp_path, data_root):
+    """The page follows every command's output rule (eogym_sft.guards.check_output, tested there for every
+    command): not over a run's file, even with overwrite; an existing page needs overwrite."""
     run = write_rollout(tmp_path / "roll", [episode("q0", "base", 0)], data_root)
-    with pytest.raises(ViewError, match="would overwrite"):
-        write_report([run], run / "summary.json")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for name in ("summary.json", "episodes.jsonl", "run.json"):
+        with pytest.raises(FileExistsError, match=f"{run / name} belongs to the rollout in {run} \\(it holds run.json\\)"):
+            write_report([run], run / name, overwrite=True)
+    bare = write_rollout(tmp_path / "bare", [episode("q0", "base", 0)], data_root)
+    (bare / "run.json").unlink()  # no record: still the folder view reads
+    (bare / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt is a file of an input folder this command reads"):
+        write_report([bare], bare / "notes.txt", overwrite=True)
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before and (bare / "notes.txt").read_text() == "mine"
+    page = write_report([run], run / "report.html", overwrite=False)  # a new file in the run's folder: fine
+    with pytest.raises(FileExistsError, match="exists and is not empty: pick another output or pass --overwrite"):
+        write_report([run], page, overwrite=False)
+    write_report([run], page, overwrite=True)  # its own earlier page
 
 
 def test_evaluation_turns_are_shown_per_arm(tmp_path):

@@ -24,6 +24,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ...atomic import umask
 from ...data.images import ImageError, load_rgb, resolve_image_path
 from ...net import quoted, short
 from ..results import CannotAnswer, ToolCallError
@@ -104,6 +105,7 @@ def crop_image(source: Path, aoi: list[float], cache_dir: Path, data_root: Path)
         cache_dir.mkdir(parents=True, exist_ok=True)
         # write then rename: parallel episodes asking for the same crop never see half a file
         fd, tmp = tempfile.mkstemp(suffix=".png", dir=cache_dir)
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600: a crop gets the user's umask as any output
         os.close(fd)
         try:
             # level 1: a quarter of the default level's time on a noisy 1000x1000 crop, and no larger
