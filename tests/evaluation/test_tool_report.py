@@ -171,3 +171,153 @@ def test_evaluate_summary_and_report_carry_the_gold_history_metrics():
         "lora         2       1    1.000        1.000    1.000        1.000   0.500           0.500    1.000",
     ]
     assert any(line.startswith("base         lora         arg_acc_aoi@0.5") for line in text)
+
+
+# ---------------------------------------------------------------- end to end on the bundled sample
+
+# Two rows of the bundled sample: line 3 (detect airplanes, crop; gt 7) and line 4 (two crops in one turn; gt 7).
+COUNT_ID, DAMAGE_ID = "train_0000002_ea4be2f690ee", "train_0000003_6e2dc157f748"
+
+
+def _sample_rows(sample_dir) -> dict:
+    rows = [json.loads(line) for line in (sample_dir / "eogym_sample.jsonl").read_text().splitlines()[2:4]]
+    return {row["id"]: row for row in rows}
+
+
+def _gold_turns(row) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """The row's assistant turns: ``(content, [(name, arguments), ...])``."""
+    from eogym_sft.data.traces import normalize_row
+
+    turns = [m for m in normalize_row(row).messages if m["role"] == "assistant"]
+    return [(m["content"], [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls", [])]) for m in turns]
+
+
+def _question(row) -> str:
+    from eogym_sft.data.traces import normalize_row
+
+    user = next(m for m in normalize_row(row).messages if m["role"] == "user")
+    return "".join(p.get("text", "") for p in user["content"]).strip()
+
+
+def _sloppy_turns(rows) -> dict:
+    """On the counting row: a crop 8% short of the gold box first, then the detection, then a wrong count. On the
+    damage row: the first crop only, then the right answer."""
+    (_, [detect]), (_, [crop]), _ = _gold_turns(rows[COUNT_ID])
+    near = (crop[0], {**crop[1], "aoi": [0.02, 0.05, 0.62, 0.60]})  # IoU with the gold box 0.917
+    (_, [first, _]), _ = _gold_turns(rows[DAMAGE_ID])
+    return {
+        COUNT_ID: [("I crop first.", [near]), ("Now I detect.", [detect]), ("Final Answer: 6", [])],
+        DAMAGE_ID: [("One crop.", [first]), ("Final Answer: 7", [])],
+    }
+
+
+def _as_text(content, calls) -> str:
+    blocks = "".join(f"\n<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+    return content + blocks + "<|im_end|>"
+
+
+@pytest.mark.slow(30)
+def test_scripted_policies_on_the_bundled_sample_through_rollout_and_evaluate(tmp_path, sample_dir, processor, monkeypatch):
+    """Hand-counted. Free running, the gold arm replays each row's trace; the sloppy arm, on the counting row
+    (G = detect, crop; P = near crop, detect) scores any-order 1, in-order 1/2, exact 0, param 0, efficiency 1,
+    OEA T/F/T; on the damage row (G = crop, crop; P = crop) 1, 1/2, 1/2, 1/2, 1/2, F/F/T. Teacher-forced on the
+    damage row (call steps: crop, crop; then the answer), the base arm's box is near on the first crop (arg 1/2,
+    within IoU 2/2) and it calls where the reference answers (inst 2/3, summ 0/1)."""
+    import shutil
+
+    from policy_servers import reply, serve
+
+    from eogym_sft.cli import main
+
+    root = tmp_path / "sample"
+    shutil.copytree(sample_dir, root)  # crops are written under the data root
+    rows = _sample_rows(sample_dir)
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps(rows[i]) + "\n" for i in (COUNT_ID, DAMAGE_ID)))
+    scripts = {"gold": {i: _gold_turns(r) for i, r in rows.items()}, "sloppy": _sloppy_turns(rows)}
+    questions = {i: _question(r) for i, r in rows.items()}
+
+    def policy(body, handler):
+        asked = "".join(p.get("text", "") for p in body["messages"][1]["content"])
+        row = next(i for i, q in questions.items() if q in asked)
+        content, calls = scripts[body["model"]][row][sum(m["role"] == "assistant" for m in body["messages"])]
+        tool_calls = [{"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for k, (n, a) in enumerate(calls)]
+        return reply({"content": content, **({"tool_calls": tool_calls} if calls else {})}, "tool_calls" if calls else "stop")
+
+    out = tmp_path / "rollout"
+    with serve(policy) as (url, _):
+        main(["rollout", "--model", str(_tiny_with_adapter(tmp_path, processor)[0]), "--no-base", "--data", str(data),
+              "--data-root", str(root), "--output", str(out), "--max-turns", "4", "--no-progress", "--policy-url", url,
+              "--policy-model", "gold", "--policy-url", url, "--policy-model", "sloppy"])
+    summary = json.loads((out / "summary.json").read_text())
+    gold, sloppy = summary["arms"]["gold"]["overall"], summary["arms"]["sloppy"]["overall"]
+    assert (gold["pass@1"], sloppy["pass@1"], summary["counts"]["questions_with_gold"]) == (1.0, 0.5, 2)
+    ea = ("tool_any_order", "tool_in_order", "tool_exact_match", "param_prefix", "param_prefix_aoi@0.5", "efficiency")
+    assert [gold[m] for m in ea] == [1.0] * 6
+    assert [sloppy[m] for m in ea] == [1.0, 0.5, 0.25, 0.25, 0.25, 0.75]
+    oea = ("all_tools_called_any_order", "all_tools_called_same_order", "all_tools_called_unique")
+    assert [gold[m] for m in oea] == [1.0, 1.0, 1.0] and [sloppy[m] for m in oea] == [0.5, 0.0, 1.0]
+    # operation (crops): gold 3, predicted 2, matched 2 (OEA) or 3 (GTA: both gold crops are "in P")
+    assert round(sloppy["cat_f1"]["operation"], 4) == 0.8 and round(sloppy["cat_f1_gta"]["operation"], 4) == 1.2
+    assert round(gold["cat_f1"]["perception"], 4) == 1.0
+    paired = {p["metric"]: p for p in summary["paired"]}
+    assert (paired["param_prefix"]["n"], paired["param_prefix"]["delta"]) == (2, -0.75)
+    assert paired["pass@1"]["delta"] == -0.5
+    report = (out / "report.txt").read_text()
+    assert "sloppy       2       0          1.000         0.500            0.250        0.250                0.250      0.750" in report
+
+    # teacher-forced, on the damage row (decoding is the slow part): base writes a near box for the first crop, the
+    # second exact, and a crop for the answer; the adapter ("gold") the reference's turns
+    (_, [first, second]), _ = scripts["gold"][DAMAGE_ID]
+    near = (first[0], {**first[1], "aoi": [0.31, 0.35, 0.81, 0.80]})  # IoU with the gold box 0.9
+    texts = [_as_text("Two crops.", [near, second]), _as_text("Again.", [second])]
+    texts += [_as_text(c, calls) for c, calls in scripts["gold"][DAMAGE_ID]]
+    monkeypatch.setattr("eogym_sft.agent.sampling.Sampling", _scripted_sampling(processor.tokenizer, texts))
+    model, adapter = _tiny_with_adapter(tmp_path, processor)
+    damage, out = tmp_path / "damage.jsonl", tmp_path / "evaluate"
+    damage.write_text(json.dumps(rows[DAMAGE_ID]) + "\n")
+    main(["evaluate", "--model", str(model), "--adapter", f"gold={adapter}", "--data", str(damage), "--data-root", str(root),
+          "--output", str(out), "--max-new-tokens", "256", "--batch-size", "1", "--max-pixels", "65536", "--no-progress"])
+    summary = json.loads((out / "summary.json").read_text())
+    base = {m: (v["mean"], v["n"]) for m, v in summary["arms"]["base"]["gold_history"]["overall"].items()}
+    assert base == {"inst_acc": (2 / 3, 3), "inst_acc_oea": (1.0, 2), "tool_acc": (1.0, 2), "arg_keys_acc": (1.0, 2),
+                    "arg_acc": (0.5, 2), "arg_acc_aoi@0.5": (1.0, 2), "summ_acc": (0.0, 1)}
+    steps = {m: (v["mean"], v["n"]) for m, v in summary["arms"]["gold"]["gold_history"]["overall"].items()}
+    assert steps == {m: (1.0, n) for m, (_, n) in base.items()}
+    assert summary["arms"]["base"]["gold_history"]["by_EO_task"]["Disaster Impact"]["arg_acc"] == {"mean": 0.5, "n": 2}
+    paired = {p["metric"]: p for p in summary["paired"]}
+    assert (paired["arg_acc"]["delta"], paired["summ_acc"]["delta"], paired["inst_acc"]["delta"]) == (0.5, 1.0, pytest.approx(1 / 3))
+    assert paired["arg_acc_aoi@0.5"]["delta"] == 0.0
+    assert "EO benchmark metrics, gold history" in (out / "report.txt").read_text()
+
+
+def _tiny_with_adapter(tmp_path, processor):
+    """A tiny Qwen3-VL folder and a LoRA adapter on it (made once per test)."""
+    from peft import LoraConfig, get_peft_model
+
+    from eogym_sft.models.tiny import build_tiny_model
+
+    root = tmp_path / "models"
+    if not (root / "lora").is_dir():
+        build_tiny_model(0).save_pretrained(root / "base")
+        processor.save_pretrained(root / "base")
+        get_peft_model(build_tiny_model(0), LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(root / "lora")
+    return root / "base", root / "lora"
+
+
+def _scripted_sampling(tokenizer, texts: list[str]):
+    """A ``Sampling`` that writes ``texts`` in turn, one a model turn, whatever the logits (evaluate makes one per arm)."""
+    from eogym_sft.agent.sampling import Sampling
+
+    script = iter([tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+
+    class Scripted(Sampling):
+        def pick(self, logits, generated, stop_ids, generator=None, banned_ids=()):
+            out = []
+            for n in generated:
+                if n == 0:
+                    self.tokens = next(script)
+                out.append(self.tokens[n])
+            return out
+
+    return Scripted
