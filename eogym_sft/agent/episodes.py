@@ -21,10 +21,9 @@ How a turn ends (``stop`` of a finished episode):
 from __future__ import annotations
 
 import json
-import re
 import time
 import warnings
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,6 +35,7 @@ from ..metrics.scoring import END_MARKERS, parse_output, strip_end_markers
 from ..models.layout import expand_image_pads
 from .decoder import SlotDecoder
 from .image_inputs import ImageInput, image_input
+from .piece_tokenizer import PieceTokenizer
 from .sampling import Sampling, vision_token_ids
 
 STOPS = ("final_answer", "no_call", "invalid_call", "max_new_tokens", "max_turns", "context_full", "error")
@@ -63,68 +63,6 @@ def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
         load=lambda path: image_input(processor, load_rgb(path)),
         cost=lambda picture: picture.pixel_values.numel() * picture.pixel_values.element_size(),
     )
-
-
-class PieceTokenizer:
-    """``tokenizer(text, add_special_tokens=False)["input_ids"]``, the pieces of text between added tokens encoded
-    once while they are among the ``size`` last used.
-
-    A tokenizers-backed tokenizer cuts its input at its unnormalised added tokens before it normalises or
-    pre-tokenises anything, and encodes each piece alone: a text's ids are its pieces' ids end to end. An
-    episode's next prompt is its last one and a turn, so all its pieces but the turn's are encoded already (and
-    the samples of one question share a whole first prompt). Where the tokenizer is not such a one, every text
-    is encoded whole."""
-
-    def __init__(self, tokenizer, size: int = 4096):
-        self.tokenizer, self.size = tokenizer, size
-        self.held: OrderedDict[str, list[int]] = OrderedDict()
-        cuts = cut_tokens(tokenizer)
-        self.added = {t: [tokenizer.convert_tokens_to_ids(t)] for t in cuts}
-        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(cuts, key=len, reverse=True)) + ")").split if cuts else None
-
-    def __call__(self, text: str) -> list[int]:
-        if self.split is None:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        pieces = [p for p in self.split(text) if p]
-        ids = self._ids(dict.fromkeys(pieces))
-        out = []
-        for piece in pieces:
-            out += ids[piece]
-        return out
-
-    def _ids(self, pieces) -> dict[str, list[int]]:
-        """Each distinct piece's ids: an added token's own, a held piece's (now the most recently used), and
-        the others encoded in one call, then held."""
-        out = {p: self.added[p] for p in pieces if p in self.added}
-        for p in pieces:
-            if p in self.held:
-                self.held.move_to_end(p)
-                out[p] = self.held[p]
-        new = [p for p in pieces if p not in out]
-        if new:
-            out.update(zip(new, self.tokenizer(new, add_special_tokens=False)["input_ids"]))
-            self.held.update((p, out[p]) for p in new)
-            while len(self.held) > self.size:
-                self.held.popitem(last=False)
-        return out
-
-
-def cut_tokens(tokenizer) -> list[str]:
-    """The added tokens a :class:`PieceTokenizer` may cut texts at: matched before normalisation, taking no
-    whitespace around them, and overlapped by no other added token (the tokenizer's leftmost match could take
-    that one instead). None for a tokenizer without a ``tokenizers`` backend, or one told to split special tokens."""
-    added = getattr(tokenizer, "added_tokens_decoder", None)
-    if not added or not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "split_special_tokens", True):
-        return []
-    contents = [t.content for t in added.values()]
-    plain = [t.content for t in added.values() if not (t.normalized or t.lstrip or t.rstrip or t.single_word)]
-    return [c for c in plain if c and not any(o != c and _may_take(o, c) for o in contents)]
-
-
-def _may_take(other: str, token: str) -> bool:
-    """Whether a match of ``other`` could cover part of an occurrence of ``token``: it holds ``token``, or it ends
-    with ``token``'s beginning (starting earlier, it would be matched first)."""
-    return token in other or any(other.endswith(token[:k]) for k in range(1, len(token)))
 
 
 def canonical_prompt(row: dict, tool_images=TOOL_IMAGES):
@@ -317,145 +255,183 @@ def run_episodes(
     added synchronisation. ``pictures`` (a :func:`picture_cache`) lets
     the caller read the decoded images afterwards (GRPO does); by default the run has its own.
     """
-    import torch
-
     decoder.check_weights()  # the arm and weights as they are now: merged LoRA weights refilled, stale graphs dropped
-    tokenizer = processor.tokenizer
-    stop_ids = [tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
-    banned_ids = vision_token_ids(tokenizer)
-    generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
-    pool = ThreadPoolExecutor(max_workers=4)
-    pictures = picture_cache(processor) if pictures is None else pictures
-    pieces = PieceTokenizer(tokenizer)
-    pending = _prefetched(episodes, lambda ep: ep.preload(pictures, data_root, cfg.tool_images, pool), decoder.slots)
-    slot_ep: list[Episode | None] = [None] * decoder.slots
-    turn: dict[int, list[int]] = {}  # slot -> tokens of the turn so far (the last one not yet in the cache)
-    ended: dict[int, bool] = {}  # slot -> whether the episode goes on after the turn it ended this step
-    stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
-    clock = time.perf_counter
-    start = clock()
+    return EpisodeLoop(decoder, processor, sampling, cfg, data_root, on_done, bar, pictures).run(episodes)
 
-    def next_prompt(ep: Episode):
+
+@dataclass
+class Slot:
+    """What one of the decoder's slots holds in a run of episodes."""
+
+    episode: Episode | None = None
+    turn: list[int] | None = None  # tokens of the turn so far (the last one not yet in the cache)
+    goes_on: bool | None = None  # set when its turn ended this step: whether the episode goes on after it
+
+
+class EpisodeLoop:
+    """One run of :func:`run_episodes`: the slots, each with its episode and turn, refilled as episodes end."""
+
+    def __init__(self, decoder: SlotDecoder, processor, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None, pictures=None):
+        import torch
+
+        self.decoder, self.processor, self.sampling, self.cfg = decoder, processor, sampling, cfg
+        self.data_root, self.on_done, self.bar = data_root, on_done, bar
+        self.tokenizer = processor.tokenizer
+        self.stop_ids = [self.tokenizer.convert_tokens_to_ids(m) for m in END_MARKERS]
+        self.banned_ids = vision_token_ids(self.tokenizer)
+        self.generator = torch.Generator(device=decoder.device).manual_seed(cfg.seed)
+        self.pictures = picture_cache(processor) if pictures is None else pictures
+        self.pieces = PieceTokenizer(self.tokenizer)
+        self.slots = [Slot() for _ in range(decoder.slots)]
+        self.stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
+        self.pool = self.pending = None
+        self.start = 0.0
+
+    def run(self, episodes) -> dict:
+        """Run every episode of ``episodes``; the timing :func:`run_episodes` returns."""
+        self.pool = ThreadPoolExecutor(max_workers=4)
+        try:
+            self.pending = _prefetched(episodes, self.preload, len(self.slots))
+            self.start = time.perf_counter()
+            while True:
+                started = self.start_turns()
+                busy = [s for s, slot in enumerate(self.slots) if slot.episode is not None]
+                if not busy:
+                    if started:  # every turn that began failed: their slots take the next episodes
+                        continue
+                    break
+                self.decode(busy)
+        finally:
+            self.pool.shutdown()
+        stats = self.stats
+        stats["seconds"] = time.perf_counter() - self.start
+        stats["other_s"] = stats["seconds"] - stats["prefill_s"] - stats["decode_s"] - stats["tool_s"]
+        return stats
+
+    def preload(self, ep: Episode) -> None:
+        ep.preload(self.pictures, self.data_root, self.cfg.tool_images, self.pool)
+
+    def start_turns(self) -> bool:
+        """End the turns that finished, then start the slots' next turns (refilled slots included), prefilled in
+        batches of ``prefill_tokens`` new tokens; True when any prefill ran."""
+        prompts, queued, started = {}, 0, False
+        self.end_turns()
+        for s in range(len(self.slots)):
+            prompt = self.settle(s)
+            if prompt is None:
+                continue
+            prompts[s] = prompt
+            queued += self.decoder.new_tokens(*prompt)
+            if queued >= self.decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
+                self.begin_turns(prompts)
+                prompts, queued, started = {}, 0, True
+        if prompts:
+            self.begin_turns(prompts)
+            started = True
+        return started
+
+    def decode(self, busy: list[int]) -> None:
+        """One decode step of the ``busy`` slots and one sampled token each."""
+        began = time.perf_counter()
+        order, logits = self.decoder.decode({s: self.slots[s].turn[-1] for s in busy})
+        picks = self.sampling.pick(logits, [len(self.slots[s].turn) for s in order], self.stop_ids, self.generator, self.banned_ids)
+        self.stats["decode_s"] += time.perf_counter() - began
+        for s, tok in zip(order, picks):
+            self.slots[s].turn.append(tok)
+        self.stats["decode_steps"] += 1
+
+    def next_prompt(self, ep: Episode):
         """The token ids and images ``ep``'s next turn starts from; None when the episode ends here instead."""
         try:
-            ids, images = ep.prompt(processor, data_root, cfg.tool_images, pictures, pieces)
+            ids, images = ep.prompt(self.processor, self.data_root, self.cfg.tool_images, self.pictures, self.pieces)
         except Exception as err:  # one episode's bad image or template error must not end the run
             ep.fail(err)
             return None
-        if len(ids) + cfg.max_new_tokens >= decoder.max_len:
+        if len(ids) + self.cfg.max_new_tokens >= self.decoder.max_len:
             ep.stop_with("context_full")
             return None
         return ids, images
 
-    def start_turns(prompts: dict) -> None:
+    def prefill(self, prompts: dict) -> None:
         """Prefill the slots of ``prompts`` (slot -> ids, images) together and pick each one's first token."""
-        began = clock()
-        slots = list(prompts)
-        logits = decoder.prefill_many([(s, *prompts[s]) for s in slots])
-        stats["prefill_tokens"] += decoder.last_prefill_tokens
-        for s, tok in zip(slots, sampling.pick(torch.stack(logits), [0] * len(slots), stop_ids, generator, banned_ids)):
-            turn[s] = [tok]
-        stats["prefill_s"] += clock() - began
+        import torch
 
-    def begin_turns(prompts: dict) -> None:
+        began = time.perf_counter()
+        slots = list(prompts)
+        logits = self.decoder.prefill_many([(s, *prompts[s]) for s in slots])
+        self.stats["prefill_tokens"] += self.decoder.last_prefill_tokens
+        picks = self.sampling.pick(torch.stack(logits), [0] * len(slots), self.stop_ids, self.generator, self.banned_ids)
+        for s, tok in zip(slots, picks):
+            self.slots[s].turn = [tok]
+        self.stats["prefill_s"] += time.perf_counter() - began
+
+    def begin_turns(self, prompts: dict) -> None:
         try:
-            start_turns(prompts)
+            self.prefill(prompts)
         except Exception as err:  # one episode's images failed the forward: each alone, so only that one ends
-            stats["prefill_retries"] += 1
+            self.stats["prefill_retries"] += 1
             warnings.warn(f"a prefill of {len(prompts)} slots failed ({type(err).__name__}: {err}); each slot is retried alone")
             for s, prompt in prompts.items():
                 try:
-                    start_turns({s: prompt})
+                    self.prefill({s: prompt})
                 except Exception as err:
-                    slot_ep[s].fail(err)
-                    finish(s)
+                    self.slots[s].episode.fail(err)
+                    self.finish(s)
 
-    def end_turn(s: int, ep: Episode) -> bool:
-        """Record slot ``s``'s finished turn and run its tools; True when the episode goes on."""
-        tokens = turn.pop(s)
+    def end_turn(self, slot: Slot) -> bool:
+        """Record ``slot``'s finished turn and run its tools; True when the episode goes on."""
+        ep, tokens = slot.episode, slot.turn
+        slot.turn = None
         ep.sampled_ids.append(tokens)
         ep.new_tokens += len(tokens)
-        stats["new_tokens"] += len(tokens)
-        truncated = tokens[-1] not in stop_ids
-        began = clock()
+        self.stats["new_tokens"] += len(tokens)
+        truncated = tokens[-1] not in self.stop_ids
+        began = time.perf_counter()
         try:
-            going = ep.take_turn(tokenizer.decode(tokens, skip_special_tokens=False), truncated, cfg.max_turns)
+            going = ep.take_turn(self.tokenizer.decode(tokens, skip_special_tokens=False), truncated, self.cfg.max_turns)
         except Exception as err:  # an environment bug in one call: this episode ends, named
             ep.fail(err)
             return False
         finally:
-            stats["tool_s"] += clock() - began
+            self.stats["tool_s"] += time.perf_counter() - began
         return going
 
-    def end_turns() -> None:
+    def end_turns(self) -> None:
         """End every finished turn before any next prompt is made, and start decoding the images those prompts
         show (a tool's crops): the workers decode them while the loop renders and prefills the slots in order."""
-        for s, ep in enumerate(slot_ep):
-            tokens = turn.get(s)
-            if ep is not None and (tokens[-1] in stop_ids or len(tokens) >= cfg.max_new_tokens):
-                ended[s] = end_turn(s, ep)
-                if ended[s]:
-                    ep.preload(pictures, data_root, cfg.tool_images, pool)
+        for slot in self.slots:
+            if slot.episode is not None and (slot.turn[-1] in self.stop_ids or len(slot.turn) >= self.cfg.max_new_tokens):
+                slot.goes_on = self.end_turn(slot)
+                if slot.goes_on:
+                    self.preload(slot.episode)
 
-    def settle(s: int):
+    def settle(self, s: int):
         """Leave slot ``s`` mid-turn, or empty when nothing is pending, or return the prompt its next turn
         starts from (the slots whose turns begin in one step are prefilled together)."""
+        slot = self.slots[s]
         while True:
-            ep = slot_ep[s]
-            if ep is None:
-                ep = next(pending, None)
-                if ep is None:
+            if slot.episode is None:
+                slot.episode = next(self.pending, None)
+                if slot.episode is None:
                     return None
-                slot_ep[s] = ep
-                prompt = next_prompt(ep) if ep.stop is None else None  # failed before it began (see new_episode)
-            elif s not in ended:  # mid-turn
+                prompt = self.next_prompt(slot.episode) if slot.episode.stop is None else None  # failed before it began (see new_episode)
+            elif slot.goes_on is None:  # mid-turn
                 return None
             else:
-                prompt = next_prompt(ep) if ended.pop(s) else None
+                goes_on, slot.goes_on = slot.goes_on, None
+                prompt = self.next_prompt(slot.episode) if goes_on else None
             if prompt is not None:
                 return prompt
-            finish(s)
+            self.finish(s)
 
-    def finish(s: int) -> None:
-        ep, slot_ep[s] = slot_ep[s], None
-        turn.pop(s, None)
-        on_done(ep)
-        if bar is not None:
-            elapsed = time.perf_counter() - start
-            bar.update(1)
-            bar.set_postfix_str(f"{stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
-
-    while True:
-        prompts, queued, started = {}, 0, False
-        end_turns()
-        for s in range(decoder.slots):
-            prompt = settle(s)
-            if prompt is None:
-                continue
-            prompts[s] = prompt
-            queued += decoder.new_tokens(*prompt)
-            if queued >= decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
-                begin_turns(prompts)
-                prompts, queued, started = {}, 0, True
-        if prompts:
-            begin_turns(prompts)
-            started = True
-        busy = [s for s in range(decoder.slots) if slot_ep[s] is not None]
-        if not busy:
-            if started:  # every turn that began failed: their slots take the next episodes
-                continue
-            break
-        began = clock()
-        order, logits = decoder.decode({s: turn[s][-1] for s in busy})
-        picks = sampling.pick(logits, [len(turn[s]) for s in order], stop_ids, generator, banned_ids)
-        stats["decode_s"] += clock() - began
-        for s, tok in zip(order, picks):
-            turn[s].append(tok)
-        stats["decode_steps"] += 1
-    pool.shutdown()
-    stats["seconds"] = clock() - start
-    stats["other_s"] = stats["seconds"] - stats["prefill_s"] - stats["decode_s"] - stats["tool_s"]
-    return stats
+    def finish(self, s: int) -> None:
+        slot = self.slots[s]
+        ep, slot.episode, slot.turn = slot.episode, None, None
+        self.on_done(ep)
+        if self.bar is not None:
+            elapsed = time.perf_counter() - self.start
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{self.stats['new_tokens'] / max(elapsed, 1e-9):.0f} tok/s")
 
 
 def _prefetched(items, start, depth: int):

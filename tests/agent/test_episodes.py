@@ -10,8 +10,9 @@ import pytest
 from eogym_sft.data.prepare import PrepConfig, prepare_line
 from eogym_sft.data.traces import TraceError, normalize_row
 from eogym_sft.environment.env import EOGymEnvironment
-from eogym_sft.agent.episodes import LoopConfig, PieceTokenizer, cut_tokens, new_episode, run_episodes
+from eogym_sft.agent.episodes import LoopConfig, new_episode, run_episodes
 from eogym_sft.agent.decoder import SlotDecoder
+from eogym_sft.agent.piece_tokenizer import PieceTokenizer
 from eogym_sft.agent.sampling import Sampling
 from eogym_sft.models.tiny import build_tiny_model
 
@@ -139,31 +140,6 @@ def test_the_environment_refuses_a_cap_below_one(tmp_path):
 
 # ---------------------------------------------------------------- prompts: tokens and images made ahead
 
-FRAGMENTS = [
-    " ", "  ", "\n", "\n\n", " \n", "\t", "a", "ab", "Ab", "e", "\u0301", "é", "금", "１２", "12", "3.5", "'s", "'S",
-    '{"x": [1, 2]}', "<", "|>", "<|", "<|im", "_end|>", "<tool", "call>", "Final Answer:", "🛰️", "\r\n",
-]
-
-
-def _random_texts(tokenizer, rng, n: int) -> list[str]:
-    """Texts of fragments and added tokens side by side: whitespace, a combining accent or half a marker next to a cut."""
-    pieces = FRAGMENTS + [t.content for t in tokenizer.added_tokens_decoder.values()]
-    return ["".join(rng.choice(pieces, int(rng.integers(0, 40)))) for _ in range(n)]
-
-
-def test_piece_tokenizer_equals_the_tokenizer_on_texts_cut_anywhere(processor):
-    import numpy as np
-
-    tokenizer = processor.tokenizer
-    assert len(cut_tokens(tokenizer)) == len(tokenizer.added_tokens_decoder)  # Qwen3's 26 added tokens: all cuts
-    texts = _random_texts(tokenizer, np.random.default_rng(0), 400)
-    texts += texts[::7]  # again, from held pieces
-    for size in (4096, 1):  # a held piece dropped and encoded again
-        pieces = PieceTokenizer(tokenizer, size)
-        for text in texts:
-            assert pieces(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
-        assert len(pieces.held) <= size
-
 
 def test_piece_tokenizer_equals_the_tokenizer_on_an_episodes_prompts(processor, data_root, row_factory):
     """Each next prompt of an episode is its last one and a turn: the same ids as encoding it whole, most of them held."""
@@ -176,41 +152,6 @@ def test_piece_tokenizer_equals_the_tokenizer_on_an_episodes_prompts(processor, 
         assert ids == episode.prompt(processor, data_root)[0]
         episode.row["messages"].append(turn)
     assert encoded == sorted(encoded) and len(set(encoded)) > 1
-
-
-@pytest.mark.parametrize(
-    "token, options, cut, not_cut",
-    [
-        ("<|strip|>", {"lstrip": True, "rstrip": True, "normalized": False}, False, set()),  # "x  <|strip|>  y": x, <|strip|>, y
-        ("<|norm|>", {"normalized": True}, False, set()),  # matched after normalisation
-        ("ab<|", {"normalized": False}, True, {"<|im_end|>", "<|image_pad|>"}),  # "ab<|im_end|>": ab<|, im, _end, |>
-        ("<|im_end|>z", {"normalized": False}, False, {"<|im_end|>"}),  # the longer match wins where both start
-    ],
-)
-def test_piece_tokenizer_cuts_only_where_the_tokenizer_does(processor, token, options, cut, not_cut):
-    """Added tokens that the tokenizer may not cut a text at are not cut at here either; the ids equal the tokenizer's."""
-    import copy
-
-    import numpy as np
-    from tokenizers import AddedToken
-
-    tokenizer = copy.deepcopy(processor.tokenizer)
-    tokenizer.add_tokens([AddedToken(token, **options)])
-    cuts = set(cut_tokens(tokenizer))
-    assert (token in cuts) == cut and not not_cut & cuts and "<tool_call>" in cuts
-    pieces = PieceTokenizer(tokenizer)
-    for text in _random_texts(tokenizer, np.random.default_rng(1), 300) + [f"x  {token}  y ab<|im_end|>\n{token}\u0301 z"]:
-        assert pieces(text) == tokenizer(text, add_special_tokens=False)["input_ids"], repr(text)
-
-
-def test_piece_tokenizer_encodes_whole_texts_where_special_tokens_are_text(processor):
-    import copy
-
-    tokenizer = copy.deepcopy(processor.tokenizer)
-    tokenizer.split_special_tokens = True
-    assert cut_tokens(tokenizer) == [] and PieceTokenizer(tokenizer).split is None
-    text = "<|im_start|>user\nhi<|im_end|>"
-    assert PieceTokenizer(tokenizer)(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class _Loads:
@@ -302,3 +243,24 @@ def test_the_tool_images_of_a_step_start_decoding_before_its_next_prompts_are_ma
     assert [ep.stop for ep in done] == ["max_turns", "max_turns"] and len(done[0].images_seen) == 2  # the scene and its crop
     assert events == [("preload", 0, 0), ("preload", 1, 0), ("prompt", 0, 0), ("prompt", 1, 0),
                       ("preload", 0, 1), ("preload", 1, 1), ("prompt", 0, 1), ("prompt", 1, 1)]
+
+
+def test_a_run_that_fails_ends_its_image_workers_too(processor, tmp_path):
+    """``on_done`` failing (a full disk under the episode log, say) ends the run with its error, and the threads
+    that decode the pending episodes' images end with it."""
+    import threading
+
+    from conftest import make_row, save_image
+
+    save_image(tmp_path, "EO_GYM_DATA/aaaa0000/scene.jpg", 640, 480)
+    row = make_row(n_steps=1)
+    episodes = [new_episode(row, "f:1", "base", k, EOGymEnvironment(row, tmp_path)) for k in range(2)]
+    decoder = SlotDecoder(build_tiny_model(0).eval(), slots=1, max_len=2048)
+    before = set(threading.enumerate())
+
+    def done(episode):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run_episodes(decoder, processor, iter(episodes), Scripted(processor.tokenizer, [ANSWER]), LoopConfig(2, MAX_NEW_TOKENS), tmp_path, done)
+    assert [t.name for t in threading.enumerate() if t not in before] == []
