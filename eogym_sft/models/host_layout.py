@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import sample_boundaries, text_positions
+from .vision_blocks import VISION_NAME, vision_tower
 
 # The vision tower's keywords that go to its device (the rest is read on the host, or by flash on the device)
 VISION_DEVICE_KEYS = ("interp_indices", "interp_weights", "position_ids")
@@ -56,13 +57,6 @@ class VisionGeometry:
             raise ValueError(f"{type(model).__name__} has no Qwen3-VL vision tower")
         return cls(tower.num_grid_per_side, tower.spatial_merge_size, tower.interpolation_mode,
                    tower.interpolation_align_corners, tower.config)
-
-
-def vision_tower(model):
-    """The ``Qwen3VLVisionModel`` inside ``model`` (or ``model`` itself), ``None`` if it has none."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    return next((m for m in model.modules() if isinstance(m, Qwen3VLVisionModel)), None)
 
 
 def vision_metadata(grid_thw: torch.Tensor, geometry: VisionGeometry) -> dict:
@@ -117,8 +111,6 @@ class HostLayout:
         ``attn_implementation``: what its device reads moved there (non-blocking, from pinned memory). The images'
         boundaries stay on the host, where SDPA's per-image loop reads them (transformers' sdpa branch, or the
         compiled blocks' :data:`~eogym_sft.models.vision_blocks.VISION_NAME`), and move only for a flash kernel."""
-        from .vision_blocks import VISION_NAME
-
         keywords = dict(self.vision)
         for key in VISION_DEVICE_KEYS:
             keywords[key] = keywords[key].to(device, non_blocking=True)

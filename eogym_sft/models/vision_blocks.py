@@ -54,6 +54,13 @@ def per_image_sdpa_op():
     return attend
 
 
+def vision_tower(model):
+    """The ``Qwen3VLVisionModel`` inside ``model`` (or ``model`` itself), ``None`` if it has none."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return next((m for m in model.modules() if isinstance(m, Qwen3VLVisionModel)), None)
+
+
 def vision_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                              cu_seq_lens_q=None, attend=None, **kwargs):
     """Attention-interface function for the vision tower: ``query/key/value`` ``[1, heads, patches, dim]``, all of a
@@ -72,8 +79,6 @@ def use_vision_block_attention(model) -> None:
     hub, while ``set_attn_implementation`` on a sub-model checks only that the name is registered. Set it before a
     collator reads the tower's settings (``VisionGeometry.of``): with it the workers find the longest image too."""
     from transformers import AttentionInterface
-
-    from .host_layout import vision_tower
 
     AttentionInterface.register(VISION_NAME, functools.partial(vision_attention_forward, attend=per_image_sdpa_op()))
     model.set_attn_implementation({"vision_config": VISION_NAME})

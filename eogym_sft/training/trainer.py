@@ -51,7 +51,8 @@ from trl import SFTTrainer
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_argmax
 from ..models.attention import packed_arguments
-from ..models.host_layout import HostLayout, supervised_positions, vision_tower
+from ..models.host_layout import HostLayout, supervised_positions
+from ..models.vision_blocks import vision_tower
 from .loss import cross_entropy_with_entropy
 from .sampler import TokenBalancedSampler
 
