@@ -17,7 +17,6 @@
 #   bash bench/h200_session.sh attention_probe  # causal attention fwd+bwd by kernel: both eogym_varlen kernels, cuDNN ragged, SDPA dense
 #   bash bench/h200_session.sh relaunch     # after relaunch_x2's set-up: time to the recipe's first step, cold and with a warm compile cache
 #   bash bench/h200_session.sh rollout_bench  # closed-loop episodes: generate one at a time / batched 32 / slot decoder, eager and CUDA graphs
-#   bash bench/h200_session.sh rollout_bench_compile  # the slot decoder with a compiled decode step (CUDA graphs)
 #   bash bench/h200_session.sh grpo         # GRPO at the seed's scale: TRL's loop vs the slot decoder, then the recipe's
 #                                           # defaults for one step; phases, tok/s, peak memory, 1 GPU (bench limited to 480 s)
 #   bash bench/h200_session.sh closed_loop_1gpu  # after setup: the base and two adapters with CUDA graphs (GPU tests,
@@ -266,11 +265,6 @@ rollout_bench)
   make_model
   CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --serial-episodes 1 --concurrency 32 \
     --turns 3 --new-tokens 128 --cuda-graphs --workdir /tmp/rb --json $OUT/rollout.json
-  ;;
-rollout_bench_compile)
-  make_model
-  CUDA_VISIBLE_DEVICES=0 python bench/rollout_throughput.py --model $model --episodes 48 --concurrency 32 --turns 3 --new-tokens 128 \
-    --arms slots --compile reduce-overhead --workdir /tmp/rb --json $OUT/rollout_compile.json
   ;;
 grpo)
   # issue 25: one step of the seed's scale (2 questions x 8 episodes, 4-7 images of 1000 px: 5-8k-token prompts,

@@ -32,7 +32,6 @@ Arms:
 * ``slots-cuda-graphs`` (with ``--cuda-graphs``): the same with the decode step replayed from CUDA
   graphs, captured during the timed run as each attention span is first needed: ``eogym-sft rollout``
   on a GPU as shipped;
-* ``slots-MODE`` (with ``--compile MODE``): the same with the decode step under ``torch.compile``.
 
 With ``--adapter DIR`` every slot arm runs twice on one decoder, the base then the adapter (``-base``,
 ``-adapter`` arm names), the decoder reset between them as ``eogym-sft rollout`` does between its arms: the
@@ -240,18 +239,11 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
 
 
 def slot_decoder(model, slots: int, max_context: int, mode):
-    """The decoder of a slot arm; compiled, it attends over the whole cache (one graph) and compiles now."""
+    """The decoder of a slot arm: eager, or with ``mode`` "cuda-graphs" its graphs captured per attention span as
+    the run first needs them (timed)."""
     from eogym_sft.agent.decoder import SlotDecoder
 
-    if not mode:
-        return SlotDecoder(model, slots, max_context)
-    if mode == "cuda-graphs":  # graphs captured per attention span as the run first needs them: timed
-        return SlotDecoder(model, slots, max_context, cuda_graphs=True)
-    decoder = SlotDecoder(model, slots, max_context, compile=mode, attn_bucket=max_context)
-    start = time.perf_counter()
-    decoder.warm_up()
-    print(f"decode step compiled ({mode}) in {time.perf_counter() - start:.0f}s", flush=True)
-    return decoder
+    return SlotDecoder(model, slots, max_context, cuda_graphs=mode == "cuda-graphs")
 
 
 def run_arm(runs: list, name: str, fn, episodes, device) -> None:
@@ -305,7 +297,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--min-prompt-tokens", type=int, default=5000)
     parser.add_argument("--max-prompt-tokens", type=int, default=8192)
     parser.add_argument("--max-context", type=int, default=14336, help="tokens per slot")
-    parser.add_argument("--compile", default=None, choices=("default", "reduce-overhead"), help="also time the slot arm with a compiled decode step")
     parser.add_argument("--cuda-graphs", action="store_true", help="also time the slot arm with its decode step replayed from CUDA graphs")
     parser.add_argument("--rows", type=int, default=400, help="rows generated to select episodes from")
     add_run_args(parser, "rollout_throughput", "EO-Gym JSONL with recorded tool steps to use instead of the generated sample")
@@ -343,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
             eps = make_episodes(selected, args.turns, "batched")
             batch = args.concurrency
             run_arm(runs, f"batched{batch}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, batch), eps, device)
-        modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else []) + ([args.compile] if args.compile else [])
+        modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else [])
         for mode in modes:
             name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
             # The previous arm's decoder (63 GiB of KV cache at the H200 settings) sits in a reference cycle

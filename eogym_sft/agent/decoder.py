@@ -93,14 +93,11 @@ class SlotDecoder:
         model: a Qwen3-VL ``...ForConditionalGeneration`` (optionally PEFT-wrapped), in eval mode.
         slots (`int`): conversations held at once (the decode batch).
         max_len (`int`): tokens per conversation, history and generation included.
-        compile (`str`, *optional*): a ``torch.compile`` mode for the one-token decode step, e.g.
-            ``"default"`` or ``"reduce-overhead"`` (CUDA graphs); ``None`` runs it eagerly.
         attn_bucket (`int`): decode attends over the cache up to the longest busy slot rounded up to a
-            multiple of this: short episodes do not read the whole cache, and a compiled step sees few shapes.
+            multiple of this: short episodes do not read the whole cache, and CUDA graphs are captured for few spans.
         cuda_graphs (`bool`): replay the eager decode step as CUDA graphs, one captured per attention span
-            the first time that span is used (no compiler). A 4B model's decode step is many small kernels (36
-            layers of a few dozen each), and launching them one by one from Python costs more than running them.
-            Needs a CUDA model; not with ``compile`` (whose ``"reduce-overhead"`` mode graphs the step itself).
+            the first time that span is used. A 4B model's decode step is many small kernels (36 layers of a few
+            dozen each), and launching them one by one from Python costs more than running them. Needs a CUDA model.
         prefill_tokens (`int`): the most new tokens one prefill forward computes when it serves several slots
             (:meth:`prefill_many`): its activations stay those of one long prompt. A single request is never split.
 
@@ -138,7 +135,6 @@ class SlotDecoder:
         model,
         slots: int,
         max_len: int,
-        compile: str | None = None,
         attn_bucket: int = 512,
         cuda_graphs: bool = False,
         prefill_tokens: int = PREFILL_TOKENS,
@@ -171,22 +167,11 @@ class SlotDecoder:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import rotate_half
 
         self._rotate_half = rotate_half
-        self.compile = compile
         self.merged: dict[tuple[int, str], MergedLinear] = {}  # (layer, projection) -> its kept merged weight
         self.projections: list[dict] = []  # per layer: projection name -> what runs it
         self.refresh_weights()
         self._step = self._decode_step
-        if compile:
-            import torch._dynamo as dynamo
-
-            for tensor in self.keys + self.values:  # fixed addresses: CUDA graphs can replay over them
-                dynamo.mark_static_address(tensor)
-            # one graph per attention span bucket
-            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, max_len // attn_bucket + 8)
-            self._step = torch.compile(self._decode_step, mode=compile, dynamic=False)
         if cuda_graphs:
-            if compile:
-                raise ValueError("cuda_graphs and compile both take over the decode step: choose one")
             if self.device.type != "cuda":
                 raise ValueError(f"cuda_graphs needs the model on a CUDA device, not {self.device}")
             self._step = GraphedStep(
@@ -228,10 +213,6 @@ class SlotDecoder:
         if held is None or (held.weight.shape, held.weight.dtype, held.weight.device) != like:
             with torch.inference_mode(False):  # a plain tensor: refilled in place in and out of inference mode
                 buffer = torch.empty_like(weight, requires_grad=False, memory_format=torch.contiguous_format)
-            if self.compile:
-                import torch._dynamo as dynamo
-
-                dynamo.mark_static_address(buffer)  # read in place, as the caches are, not copied in a graph's inputs
             held = self.merged[key] = MergedLinear(buffer, linear)
         held.linear = linear
         return held
@@ -468,18 +449,6 @@ class SlotDecoder:
         self.refresh_weights()
         if isinstance(self._step, GraphedStep):
             self._step.check_weights()
-
-    def warm_up(self) -> int:
-        """Run the decode step once per attention span, so that a compiled step compiles (and captures its
-        CUDA graphs) before a timed or long run rather than during it. Caches are untouched: every slot
-        writes the scratch row. Returns the number of spans."""
-        spans = sorted({min(self.max_len, b) for b in range(self.attn_bucket, self.max_len + self.attn_bucket, self.attn_bucket)})
-        zeros = torch.zeros(self.slots, dtype=torch.long, device=self.device)
-        scratch = torch.full((self.slots,), self.max_len - 1, dtype=torch.long, device=self.device)
-        self.check_weights()
-        for span in spans:
-            self._step(zeros, scratch, zeros, zeros + 1, span)
-        return len(spans)
 
     @torch.inference_mode()
     def decode(self, next_tokens: dict[int, int]) -> tuple[list[int], torch.Tensor]:

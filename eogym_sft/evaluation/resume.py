@@ -36,7 +36,7 @@ from ..safe_json import UntrustedJSONError, jsonl_lines, loads, record_line
 RUN_FILE = "run.json"
 EPISODES = "episodes.jsonl"
 # Settings that change how a run is carried out, not which episodes it produces.
-HOW_NOT_WHAT = ("output", "overwrite", "slots", "compile", "cuda_graphs", "judge_retries")
+HOW_NOT_WHAT = ("output", "overwrite", "slots", "cuda_graphs", "judge_retries")
 OUTPUTS = ("skipped.jsonl", "summary.json", "report.txt")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of a weights file: a safetensors header and its last tensors

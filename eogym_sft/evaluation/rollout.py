@@ -178,7 +178,7 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     todo = {name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier] for name in names}
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     loop = LoopConfig(cfg.max_turns, cfg.max_new_tokens, cfg.tool_images, cfg.seed)
-    graphs = cfg.cuda_graphs and device.type == "cuda" and not cfg.compile
+    graphs = cfg.cuda_graphs and device.type == "cuda"
     local = _LocalArms(cfg, local_arms, device, dtype, graphs, max(len(v) for v in todo.values()) if todo else 1)
     timing = {}
     bar = tqdm(total=sum(map(len, todo.values())), unit="episode", desc="rollout", disable=not progress)
@@ -242,7 +242,7 @@ class _LocalArms:
 
         if self.model is None:
             self.model = load_inference_model(self.cfg.model, self.arms, self.device, self.dtype)
-            self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_episode_tokens, self.cfg.compile, cuda_graphs=self.graphs)
+            self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_episode_tokens, cuda_graphs=self.graphs)
         arm = next(a for a in self.arms if a.name == name)
         with use_arm(self.model, arm):
             stats = run_episodes(self.decoder, processor, episodes, sampling, loop, self.cfg.data_root, on_done, bar)

@@ -129,7 +129,6 @@ class RolloutConfig(ArmsConfig):
     )
     max_turns: int = field(default=8, metadata={"help": "assistant turns per episode"})
     slots: int = field(default=32, metadata={"help": "episodes decoded at once"})
-    compile: str | None = field(default=None, metadata={"choices": ("default", "reduce-overhead"), "help": "torch.compile the decode step"})
     cuda_graphs: bool = field(
         default=True, metadata={"help": "replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)"}
     )

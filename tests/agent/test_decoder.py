@@ -46,7 +46,6 @@ def test_prefill_turns_and_batched_decode_match_the_model(model, processor):
     decoder = SlotDecoder(model, slots=3, max_len=512, attn_bucket=64)
     expected, _ = model_logits(model, processor, chat_text(processor, 1), pictures[:1])
     torch.testing.assert_close(decoder.prefill(1, first, images[:1]), expected, atol=1e-4, rtol=1e-4)
-    assert decoder.warm_up() == 8  # one decode step per 64-token span of the 512-token slots; caches untouched
     for step, token in enumerate([5, 77, 1000]):  # decode after an image prompt
         order, logits = decoder.decode({1: token})
         expected, _ = model_logits(model, processor, chat_text(processor, 1), pictures[:1], [5, 77, 1000][: step + 1])
