@@ -38,9 +38,6 @@ from .image_inputs import ImageInput, image_input
 from .piece_tokenizer import PieceTokenizer
 from .sampling import Sampling, vision_token_ids
 
-STOPS = ("final_answer", "no_call", "invalid_call", "max_new_tokens", "max_turns", "context_full", "error")
-ROW_FIELDS = ("gt_answer", "EO_task", "question_type", "data_source")
-
 
 def question_messages(row: dict) -> list[dict]:
     """The row's messages before its first assistant turn: system and question (a whole question-only row)."""

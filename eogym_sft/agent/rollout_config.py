@@ -77,8 +77,3 @@ def slots_for(episodes: int, max_length: int, bytes_per_token: int, budget_gib: 
         need = max_length * bytes_per_token / 2**30
         raise ValueError(f"rollout_cache_gib={budget_gib} holds no slot of max_episode_tokens={max_length} ({need:.2f} GiB)")
     return min(episodes, fit)
-
-
-def rollout_memory_gib(model, slots: int, max_length: int) -> float:
-    """GiB the slot decoder's cache takes: what docs/rl.md's sizing rule is built on."""
-    return slots * max_length * kv_bytes_per_token(model) / 2**30

@@ -21,7 +21,6 @@ from ..safe_json import UntrustedJSONError, loads
 from .tool_images import ToolImageRule
 
 ROLES = ("system", "user", "assistant", "tool", "function")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".tif", ".tiff", ".webp", ".bmp")
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_RESPONSE_RE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)
 IMAGE_TAG = "<image>"
