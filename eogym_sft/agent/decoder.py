@@ -122,8 +122,8 @@ class SlotDecoder:
     The merged weight rounds ``W + delta`` once in the weight's dtype, so the logits differ from PEFT's unmerged
     forward at that dtype's rounding (bf16's on a GPU; in float32 they agree to about 1e-5). A buffer is allocated
     the first time a projection needs one (same dtype and device as its base weight) and kept, so that CUDA graphs
-    read it at one address: while an adapter is active they hold one more copy of the projection weights (6.77 GiB
-    in bf16 on the 4B), and stay allocated when the base arm runs next (:meth:`merged_bytes`).
+    read it at one address: while an adapter is active they hold one more copy of the projection weights (for the
+    4B: docs/benchmarks.md), and stay allocated when the base arm runs next (:meth:`merged_bytes`).
 
     The weights are chosen, and the buffers filled in place from the current base and LoRA weights, when the decoder
     is built and at every :meth:`check_weights` and :meth:`reset`: call one of them after switching arms or

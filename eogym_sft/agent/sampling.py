@@ -57,8 +57,8 @@ class Sampling:
 def draw(weights: torch.Tensor, generator=None) -> list[int]:
     """One index per row of ``weights`` ``(rows, n)``, drawn with probability proportional to its weight
     (zero weights are never drawn): the inverse of the cumulative sum at a uniform draw. Exactly what
-    ``torch.multinomial(weights, 1)`` samples, and on a CPU about six times faster over a 151,936-token
-    vocabulary (measured: 64 rows, 0.13 s against 0.75 s), the largest cost of a CPU rollout's decode step."""
+    ``torch.multinomial(weights, 1)`` samples, and on a CPU several times faster over Qwen3's vocabulary
+    (docs/benchmarks.md): that draw is the largest cost of a CPU rollout's decode step."""
     cdf = weights.cumsum(-1)
     u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
     picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # right: a zero weight after its cdf step is skipped

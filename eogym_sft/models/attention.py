@@ -429,7 +429,7 @@ def packed_arguments(cu: torch.Tensor, max_len: int, attn_implementation: str, r
     """Transformers' packed-sequence arguments for the text tower from the boundaries ``cu`` (on the host or on
     ``device``): ``{}`` unless it runs ``eogym_varlen*``. ``eogym_varlen_cudnn``'s op on a packed batch (one row) loops
     over the samples on the host, in every layer's forward and backward, so it gets them there: from here, not a
-    GPU sync each time (72 a micro-batch on the 4B model; bench/idle_gaps.py); flash's kernel gets them on the device
+    GPU sync each time (one a sample and layer: docs/benchmarks.md); flash's kernel gets them on the device
     (a host copy goes over without waiting: pinned by the DataLoader, :class:`~eogym_sft.models.host_layout.HostLayout`)."""
     if attn_implementation not in NAMES:
         return {}

@@ -2,8 +2,8 @@
 
 The decode step attends one query token per slot over a KV cache ``(slots, kv_heads, max_len, head_dim)`` of which
 each slot holds its own number of keys. Masked SDPA (cuDNN on a GPU) runs one CTA per (slot, KV head), 256 for 32
-slots on the 4B, over the whole span, reading keys past each slot's length: on an H200 it took 9.3 ms of a 14.7 ms
-step against a 5.9 ms KV-read floor (issue 41). Here:
+slots on the 4B, over the whole span, reading keys past each slot's length: most of the step, well above the
+step's KV-read floor (docs/benchmarks.md). Here:
 
 * :func:`_partials` (kernel 1), grid ``(slots * kv_heads, splits)``: each program takes one split of the span's keys
   for one (slot, KV head), loads each ``BLOCK_N``-key block once for all ``groups`` query heads of that KV head (one

@@ -4,8 +4,8 @@ A Qwen3-VL training forward reads small values back from the GPU: the supervised
 (``nonzero``), the packed samples' boundaries (``nonzero``, ``max``), the images' token counts
 (``image_grid_thw.tolist()``) and the vision tower's metadata: the rotary position ids and the learned
 position grid's interpolation (``.tolist()``, ``repeat_interleave``) and the attention's ``cu_seqlens``, read with
-``.tolist()`` again in every vision block. Each read drains the GPU's queue: about 104 a micro-batch on the 4B
-model, 72 of them in the vision blocks (issue 41).
+``.tolist()`` again in every vision block. Each read drains the GPU's queue, many times a micro-batch on the
+4B model, most of them in the vision blocks (docs/benchmarks.md).
 
 The collator has all of it on the host already (labels, position ids, ``image_grid_thw``), so with
 ``EOGymCollator(host_layout=True)`` it computes them in the DataLoader's workers and hands them over as one

@@ -116,7 +116,7 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     The layers' float attributes (LoRA's scaling and dropout, the norms' eps, the attention's scale) are
     compiled as constants: under ``dynamic=True`` alone Dynamo makes each an input, then specializes the
     ones the layer branches on and traces the whole layer again, which doubled tracing and AOTAutograd's
-    time (docs/benchmarks.md, ``bench/compile_probe.py``). They are the same in every layer.
+    time (docs/benchmarks.md). They are the same in every layer.
     """
     layers = [module for name, module in model.named_modules() if DECODER_LAYER_RE.search(name)]
     if not layers:

@@ -31,9 +31,9 @@ def save_processor(processor, directory: str | os.PathLike) -> None:
     ``tokenizer_config.json``.
 
     transformers 5.24 leaves ``added_tokens_decoder`` out of that file for tokenizers-backed tokenizers,
-    and a load that does not find it reads the added tokens by parsing the whole ``tokenizer.json`` (11 MB
-    for Qwen3) a second time: 1.58 s a load against 1.03 s (2-core box). Hub folders of Qwen3-VL carry the
-    field, so this saves what they hold."""
+    and a load that does not find it reads the added tokens by parsing the whole ``tokenizer.json`` a second
+    time, a slower load (docs/benchmarks.md). Hub folders of Qwen3-VL carry the field, so this saves what they
+    hold."""
     from ..atomic import write_text_atomic
 
     processor.save_pretrained(directory)

@@ -1,7 +1,7 @@
 """The vision tower's blocks and mergers compiled regionally, each block one graph: :func:`compile_vision_blocks`.
 
-In arm B's profile the eager vision tower takes 15% of the GPU's kernel time, and much of it is elementwise work
-around its matmuls: each block's rotary embedding alone is about fourteen kernels over float32 copies of the queries
+In arm B's profile much of the eager vision tower's kernel time is elementwise work around its matmuls: each
+block's rotary embedding alone is about fourteen kernels over float32 copies of the queries
 and keys, where one fused kernel reads and writes them once (docs/benchmarks.md, "Training throughput, one H200"). Compiling
 the block fuses it, with its norms, GELU and residual adds.
 

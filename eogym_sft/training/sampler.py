@@ -38,9 +38,8 @@ class TokenBalancedSampler(BatchRebalanceSampler):
 
     The Trainer passes it to the DataLoader as a ``batch_sampler`` and leaves its rank split alone.
     transformers' own version prices a micro-batch as padded (``size x longest``) and splits the
-    sorted samples into contiguous runs. On 7,642 simulated EO-Gym-like lengths, 4 x 16 samples a
-    step, that left its largest packed micro-batch at 1.5x the mean, dealing at 1.2x
-    (tests/training/test_sampler.py checks the order of the two).
+    sorted samples into contiguous runs, which leaves its largest packed micro-batch further above the mean
+    than dealing does (tests/training/test_sampler.py checks the order of the two; docs/benchmarks.md).
 
     >>> sampler = TokenBalancedSampler([8000, 500, 500, 3000, 4000, 2000, 1000, 1000], 8, 1, 2, shuffle=False)
     >>> [sorted(batch) for batch in sampler]

@@ -108,8 +108,8 @@ class EOGymSFTTrainer(SFTTrainer):
 
     def floating_point_ops(self, inputs) -> int:
         """Trainer's estimate (6 x input tokens x parameters less embeddings), its parameter count taken once: the
-        Trainer asks after every micro-batch, and counting walks the whole model (6.4 ms of host time on the 4B
-        architecture on the 2-core box, between micro-batches: bench/host_overhead.py, docs/benchmarks.md)."""
+        Trainer asks after every micro-batch, and counting walks the whole model: host time between micro-batches
+        (docs/benchmarks.md, "Levers tried")."""
         if self._flops_per_token is None:
             counted = hasattr(self.model, "num_parameters")
             self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True) if counted else 0
