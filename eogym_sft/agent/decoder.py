@@ -109,21 +109,8 @@ class SlotDecoder:
     keys), and SDPA with an additive mask over the span elsewhere (``"masked_sdpa"``); setting the attribute switches
     a decoder's next step (graphs captured with the other one stay as they were: :meth:`reset` drops them).
 
-    Each layer's projections (q, k, v, o and the MLP's gate, up and down, which the decoder then combines itself as
-    the MLP does: :func:`plain_mlp`) run over weights chosen by :func:`merge_plan` for the model's adapter state. A
-    plain ``nn.Linear`` (the base model, a projection no adapter targets, adapters disabled or merged) is called as
-    it is. A PEFT LoRA projection with active adapters runs as one matmul over a merged weight ``W + scaling * B @
-    A`` (PEFT's ``get_delta_weight``: scaling, rsLoRA and ``fan_in_fan_out`` included) kept in a buffer: its unmerged
-    forward is the base matmul, two small LoRA matmuls, a scale and an add, kernels that a decode step pays for even
-    replayed from CUDA graphs. What a merged weight cannot express (DoRA, a LoRA bias, another PEFT variant, dropout
-    in training mode, a quantized or non-Linear LoRA layer, ``modules_to_save`` over a projection) keeps that
-    projection's module forward, one projection at a time; a layer whose MLP is not the plain one calls its MLP.
-
-    The merged weight rounds ``W + delta`` once in the weight's dtype, so the logits differ from PEFT's unmerged
-    forward at that dtype's rounding (bf16's on a GPU; in float32 they agree to about 1e-5). A buffer is allocated
-    the first time a projection needs one (same dtype and device as its base weight) and kept, so that CUDA graphs
-    read it at one address: while an adapter is active they hold one more copy of the projection weights (for the
-    4B: docs/benchmarks.md), and stay allocated when the base arm runs next (:meth:`merged_bytes`).
+    Each layer's projections (q, k, v, o and the MLP's gate, up and down) run over the weights the model's adapter
+    state calls for, an active LoRA adapter merged into one weight kept in a buffer (:mod:`.merged_lora`).
 
     The weights are chosen, and the buffers filled in place from the current base and LoRA weights, when the decoder
     is built and at every :meth:`check_weights` and :meth:`reset`: call one of them after switching arms or

@@ -1,7 +1,25 @@
 """The slot decoder's projections over merged LoRA weights: which weight stands for a projection in the model's
 adapter state (:func:`merge_plan`), the merged weight as one matmul (:class:`MergedLinear`), and what a captured
 decode step reads through each projection (:func:`reads`). :meth:`~eogym_sft.agent.decoder.SlotDecoder.refresh_weights`
-fills the merged buffers."""
+fills the merged buffers.
+
+Each layer projection of the slot decoder (q, k, v, o and the MLP's gate, up and down, which the decoder then
+combines itself as the MLP does: :func:`plain_mlp`) runs over the weight :func:`merge_plan` chooses for the model's
+adapter state. A plain ``nn.Linear`` (the base model, a projection no adapter targets, adapters disabled or merged)
+is called as it is. A PEFT LoRA projection with active adapters runs as one matmul over a merged weight ``W +
+scaling * B @ A`` (PEFT's ``get_delta_weight``: scaling, rsLoRA and ``fan_in_fan_out`` included) kept in a buffer:
+its unmerged forward is the base matmul, two small LoRA matmuls, a scale and an add, kernels that a decode step pays
+for even replayed from CUDA graphs. What a merged weight cannot express (DoRA, a LoRA bias, another PEFT variant,
+dropout in training mode, a quantized or non-Linear LoRA layer, ``modules_to_save`` over a projection) keeps that
+projection's module forward, one projection at a time; a layer whose MLP is not the plain one calls its MLP.
+
+The merged weight rounds ``W + delta`` once in the weight's dtype, so the logits differ from PEFT's unmerged
+forward at that dtype's rounding (bf16's on a GPU; in float32 they agree to about 1e-5). A buffer is allocated
+the first time a projection needs one (same dtype and device as its base weight) and kept, so that CUDA graphs
+read it at one address: while an adapter is active they hold one more copy of the projection weights (for the
+4B: docs/benchmarks.md), and stay allocated when the base arm runs next
+(:meth:`~eogym_sft.agent.decoder.SlotDecoder.merged_bytes`).
+"""
 
 from __future__ import annotations
 
