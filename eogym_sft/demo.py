@@ -181,6 +181,7 @@ class AgentDemoConfig:
     grpo_epsilon_high: float | None = None  # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
     grpo_disable_dropout: bool = False  # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
     grpo_loss_type: str = "dapo"  # TRL's loss_type; "cispo" clips the importance weight at grpo_epsilon_high (ScaleRL: 5.0)
+    grpo_crop_iou_weight: float = 0.0  # the GRPO recipe's crop_iou_weight: the reward's crop-IoU term (0: off)
     grpo_entropy_coef: float = 0.0  # TRL's entropy_coef: an entropy bonus in the loss (adaptive control's starting value)
     # TRL's adaptive entropy control (Skywork-OR1) when set: the bonus applies while the policy's entropy (nats a
     # trained token) is at or below this, its coefficient growing by TRL's entropy_coef_delta a step there, else shrinking
@@ -265,7 +266,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
 
     script = GRPOScriptArguments(
         dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop", rollout_turn_tokens=cfg.max_new_tokens,
-        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite,
+        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite, crop_iou_weight=cfg.grpo_crop_iou_weight,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(

@@ -25,6 +25,7 @@ from ..data.images import ImageError, image_size, resolve_image_path
 from ..data.traces import TraceError
 from ..metrics.judge import ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
+from ..metrics.tool_args import gold_calls
 from ..agent.decoder import SlotDecoder
 from ..agent.sampling import Sampling
 from . import ranks
@@ -39,7 +40,6 @@ from ..agent.policy_server import run_policy_episodes
 from ..atomic import write_lines_atomic, write_text_atomic
 from ..safe_json import record_line
 from .report import format_rollout_report, policy_error_code, summarize_rollouts
-from .tool_report import gold_calls
 from .resume import (
     EpisodeLog,
     episode_file,
@@ -217,7 +217,7 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
         "judge_failed": sum(bool(r["judge_error"]) for r in records),
         "episodes_unrecordable": sum(str(r["error"] or "").startswith(UNRECORDABLE) for r in records),
     }
-    gold = {str(row.get("id")): gold_calls(row, cfg.tool_images) for _, row in rows}
+    gold = {str(row.get("id")): gold_calls(row) for _, row in rows}
     counts["questions_with_gold"] = sum(calls is not None for calls in gold.values())
     summary = summarize_rollouts(records, names, cfg.ks, settings, counts, timing, gold)
     problems = failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]

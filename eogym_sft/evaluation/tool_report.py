@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-from ..data.traces import TraceError, normalize_row
 from ..environment.env import SKIPPED_CALLS_NOTICE
 from ..metrics.free_running import (
     FREE_RUNNING_METRICS,
@@ -47,21 +46,6 @@ def paired_steps(a: str, b: str, turns_a: dict, turns_b: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------- free running (eogym-sft rollout)
-
-
-def gold_calls(row: dict, tool_images) -> list[dict] | None:
-    """The calls of ``row``'s own trace, in order, ``{"name", "arguments"}`` each; ``None`` for a question-only
-    row or a trace data prep cannot read (its question still runs; its episodes get no tool metrics)."""
-    try:
-        trace = normalize_row(row, tool_images)
-    except TraceError:
-        return None
-    return [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-        for m in trace.messages
-        if m["role"] == "assistant"
-        for c in m.get("tool_calls", [])
-    ]
 
 
 def _arguments(text):

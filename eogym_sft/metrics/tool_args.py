@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from ..data.traces import TraceError, normalize_row
+
 # Argument names whose value is a box [x0, y0, x1, y1] for the IoU rule: EO-Gym's crop takes ``aoi``.
 BOX_ARGUMENTS = ("aoi", "bbox", "box")
 AOI_IOU = 0.5  # the threshold OpenEarthAgent's answer judge applies to boxes, borrowed for arguments
@@ -85,3 +87,22 @@ def best_box_iou(pred: dict | None, gold: dict) -> float | None:
         return 0.0
     got = _box(pred["arguments"].get(key))
     return box_iou(got, _box(gold["arguments"][key])) if got is not None else 0.0
+
+
+def gold_calls(row: dict) -> list[dict] | None:
+    """The calls of an EO-Gym row's own trace, in order, ``{"name", "arguments"}`` each; ``None`` for a
+    question-only row or a trace data prep cannot read."""
+    try:
+        trace = normalize_row(row)
+    except TraceError:
+        return None
+    return [call_of(c) for m in trace.messages if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+
+
+def crop_iou(gold: list[dict], pred: list[dict]) -> float | None:
+    """How well the predicted calls' boxes cover the gold ones: per gold call with a box argument, the best IoU
+    of a predicted call to the same tool (0 when none has a usable box), averaged; ``None`` without gold boxes."""
+    boxed = [g for g in gold if best_box_iou(g, g) is not None]
+    if not boxed:
+        return None
+    return sum(max((best_box_iou(p, g) for p in pred), default=0.0) for g in boxed) / len(boxed)

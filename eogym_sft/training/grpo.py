@@ -76,6 +76,11 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         default=0.2,
         metadata={"help": "largest share of the score the action cost may take"},
     )
+    crop_iou_weight: float = field(
+        default=0.0,
+        metadata={"help": "reward += crop_iou_weight x the mean IoU of the episode's best box per gold call with a box "
+                  "(the row's own trace): argument quality, not only the answer; 0: off"},
+    )
     judge: str | None = field(
         default=None,
         metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"},
@@ -95,7 +100,7 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("tool_call_cost", "action_cost_scale", "max_cost_penalty"):
+        for name in ("tool_call_cost", "action_cost_scale", "max_cost_penalty", "crop_iou_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_cost_penalty > 1:
@@ -353,6 +358,7 @@ def build_trainer(
         script_args.action_cost_scale,
         script_args.max_cost_penalty,
         judge=judge,
+        crop_iou_weight=script_args.crop_iou_weight,
         eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id, tokenizer.pad_token_id),
     )
     if not training_args.use_vllm:

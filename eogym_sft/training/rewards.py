@@ -1,12 +1,15 @@
 """The GRPO reward of one closed-loop episode, and the per-batch diagnostics it logs.
 
-reward = score x (1 - min(tool calls x tool_call_cost x cost_scale, max_penalty))
+reward = score x (1 - min(tool calls x tool_call_cost x cost_scale, max_penalty)) + crop_iou_weight x crop IoU
 
 ``score`` is 1 when the episode ends with a ``Final Answer:`` that matches ``gt_answer`` (the rule-based
 normalised match of :mod:`eogym_sft.metrics.scoring`, or a judge), else 0; an episode that never answers
 scores 0, and so does a truncated one (cut before ``<|im_end|>``), whatever its cut text says: evaluation
 scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs, invalid ones included, but the cost can take at most ``max_penalty``
-of the score: the capped action cost of the GeoGuesser seed (run 3). Pure Python, no model.
+of the score: the capped action cost of the GeoGuesser seed (run 3). The crop term, off by default, rewards the
+argument rather than the answer: per gold call with a box (the row's own trace), the best IoU of the episode's calls to
+that tool (:func:`eogym_sft.metrics.tool_args.crop_iou`), averaged; rows without gold boxes and truncated episodes
+get none. Pure Python, no model.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass, field
 
 from ..metrics.judge import judge_all
 from ..metrics.scoring import extract_final_answer, normalize_answer
+from ..metrics.tool_args import crop_iou, gold_calls
+from ..safe_json import UntrustedJSONError, loads
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ class Outcome:
     truncated: bool  # the last turn ran out of tokens before <|im_end|>
     penalty: float  # share of the score taken by the action cost
     reward: float | None
+    crop_iou: float | None = None  # the crop term before its weight; None: no gold box, or the term is off
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -68,6 +74,7 @@ class EpisodeReward:
             :class:`~eogym_sft.metrics.judge.ChatJudge`; default: the normalised match.
         eos_token_ids (`tuple[int, ...]`): tokens that end a turn; a completion ending otherwise was truncated.
         judge_workers (`int`, *optional*, defaults to `8`): judge requests in flight at once.
+        crop_iou_weight (`float`, *optional*, defaults to `0.0`): weight of the crop term (0: off, no gold read).
     """
 
     num_generations: int
@@ -77,6 +84,7 @@ class EpisodeReward:
     judge: object = None
     eos_token_ids: tuple = (IM_END, END_OF_TEXT)
     judge_workers: int = 8
+    crop_iou_weight: float = 0.0
     judge_errors: int = field(default=0, init=False)
     __name__ = "eogym_episode"  # TRL logs the reward as rewards/eogym_episode/mean
 
@@ -99,10 +107,11 @@ class EpisodeReward:
         return not completion_ids or completion_ids[-1] not in self.eos_token_ids
 
     def outcome(
-        self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0, failed: int = 0
+        self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0, failed: int = 0,
+        gold: list[dict] | None = None,
     ) -> Outcome:
         """One episode's outcome; ``correct`` is its verdict (``None``: unscored), ``executed``/``failed`` the
-        calls the environment ran / answered with an error."""
+        calls the environment ran / answered with an error, ``gold`` the row's gold calls (for the crop term)."""
         turns = _assistant_turns(messages)
         parsed = sum(len(m.get("tool_calls") or []) for m in turns)
         # TRL keeps a <tool_call> block that does not parse as plain text in the turn's content.
@@ -112,18 +121,25 @@ class EpisodeReward:
         truncated = self.truncated(completion_ids)
         score = 0.0 if truncated else None if correct is None else float(correct)
         reward = None if score is None else score * (1 - penalty)
+        iou = crop_iou(gold, model_calls(turns)) if self.crop_iou_weight and gold else None
+        if reward is not None and iou is not None and not truncated:
+            reward += self.crop_iou_weight * iou
         # Parsed calls the environment never ran were refused by TRL itself (a tool name it does not know).
         invalid = unparsed + failed + max(parsed - executed, 0)
-        return Outcome(final_answer(messages), score, calls, invalid, len(turns), truncated, penalty, reward)
+        return Outcome(final_answer(messages), score, calls, invalid, len(turns), truncated, penalty, reward, iou)
 
-    def __call__(self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None, **_):
+    def __call__(
+        self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None, row=None, **_
+    ):
         envs = environments or [None] * len(completions)
+        rows = row if self.crop_iou_weight and row is not None else [None] * len(completions)
+        golds = [gold_calls(loads(r)) if isinstance(r, str) else None for r in rows]
         # A truncated episode scores 0 whatever it says: the judge is not asked.
         answers = [None if self.truncated(ids) else final_answer(c) for c, ids in zip(completions, completion_ids)]
         verdicts = self.verdicts([question_text(p) for p in prompts], answers, list(gt_answer))
         outcomes = [
-            self.outcome(c, ids, v, getattr(e, "tool_calls", 0), getattr(e, "tool_errors", 0))
-            for c, ids, v, e in zip(completions, completion_ids, verdicts, envs)
+            self.outcome(c, ids, v, getattr(e, "tool_calls", 0), getattr(e, "tool_errors", 0), g)
+            for c, ids, v, e, g in zip(completions, completion_ids, verdicts, envs, golds)
         ]
         rewards = [o.reward for o in outcomes]
         if log_metric is not None:
@@ -147,6 +163,9 @@ class EpisodeReward:
             "reward/score": sum(o.score for o in scored) / len(scored) if scored else 0.0,
             "reward/cost_penalty": sum(o.penalty for o in outcomes) / n,
         }
+        ious = [o.crop_iou for o in outcomes if o.crop_iou is not None]
+        if ious:
+            out["reward/crop_iou"] = sum(ious) / len(ious)
         spread = group_spread([o.reward for o in outcomes], self.num_generations)
         if spread is not None:
             out["reward/group_std"] = spread
@@ -171,6 +190,21 @@ def group_spread(rewards: list[float | None], group_size: int) -> float | None:
         if len(group) > 1:
             spreads.append(statistics.pstdev(group))
     return sum(spreads) / len(spreads) if spreads else None
+
+
+def model_calls(turns: list[dict]) -> list[dict]:
+    """The parsed calls of the assistant turns, ``{"name", "arguments"}`` each (arguments JSON text parsed)."""
+    out = []
+    for m in turns:
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function") or {}
+            args = fn.get("arguments")
+            try:
+                args = loads(args) if isinstance(args, str) else args
+            except UntrustedJSONError:
+                pass  # kept as text: it holds no box
+            out.append({"name": fn.get("name"), "arguments": args if isinstance(args, dict) else {}})
+    return out
 
 
 def final_answer(messages: list[dict]) -> str | None:

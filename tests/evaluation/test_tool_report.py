@@ -8,11 +8,9 @@ import math
 
 import pytest
 
-from eogym_sft.config import TOOL_IMAGES
 from eogym_sft.evaluation.report import format_rollout_report, format_turn_report, summarize_rollouts, summarize_turns
 from eogym_sft.evaluation.tool_report import (
     executed_calls,
-    gold_calls,
     paired_f1,
     question_tool_scores,
     tool_figures,
@@ -45,18 +43,6 @@ def test_executed_calls_leave_out_the_calls_past_the_cap():
         {"name": "a", "arguments": {}},
         {"name": "b", "arguments": {}},
     ]
-
-
-def test_gold_calls_of_a_row_and_of_a_question_only_row():
-    question = [{"role": "system", "content": "s"}, {"role": "user", "content": "how many?"}]
-    call = {"type": "function", "function": {"name": "crop", "arguments": '{"aoi": [0, 0, 1, 1]}'}}
-    row = {"id": "r", "messages": question + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                                               {"role": "tool", "content": "ok"},
-                                               {"role": "assistant", "content": "Final Answer: 3"}]}
-    assert gold_calls(row, TOOL_IMAGES) == [{"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}]
-    assert gold_calls({"id": "q", "messages": question}, TOOL_IMAGES) is None
-    direct = {"id": "d", "messages": question + [{"role": "assistant", "content": "Final Answer: 3"}]}
-    assert gold_calls(direct, TOOL_IMAGES) == []
 
 
 GOLD = [{"name": "crop_optical_or_sar_image", "arguments": {"aoi": [0, 0, 0.5, 0.5]}},

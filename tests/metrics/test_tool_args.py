@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eogym_sft.metrics.tool_args import arguments_match_aoi, best_box_iou, box_iou, call_of, same_call
+from eogym_sft.metrics.tool_args import arguments_match_aoi, best_box_iou, box_iou, call_of, crop_iou, gold_calls, same_call
 
 
 def test_python_equality_is_the_benchmarks_rule():
@@ -39,3 +39,24 @@ def test_best_box_iou_and_call_shapes():
     assert best_box_iou({"name": "crop", "arguments": {"aoi": "x"}}, gold) == 0.0
     assert best_box_iou(gold, {"name": "count", "arguments": {"label": "car"}}) is None
     assert call_of({"type": "function", "function": {"name": "f", "arguments": {}}}) == {"name": "f", "arguments": {}}
+
+
+def test_gold_calls_of_a_row_and_of_a_question_only_row():
+    question = [{"role": "system", "content": "s"}, {"role": "user", "content": "how many?"}]
+    call = {"type": "function", "function": {"name": "crop", "arguments": '{"aoi": [0, 0, 1, 1]}'}}
+    row = {"id": "r", "messages": question + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                               {"role": "tool", "content": "ok"},
+                                               {"role": "assistant", "content": "Final Answer: 3"}]}
+    assert gold_calls(row) == [{"name": "crop", "arguments": {"aoi": [0, 0, 1, 1]}}]
+    assert gold_calls({"id": "q", "messages": question}) is None
+    direct = {"id": "d", "messages": question + [{"role": "assistant", "content": "Final Answer: 3"}]}
+    assert gold_calls(direct) == []
+
+
+def test_crop_iou_takes_each_gold_boxs_best_match():
+    gold = [{"name": "crop", "arguments": {"aoi": [0, 0, 0.5, 0.5]}}, {"name": "crop", "arguments": {"aoi": [0.5, 0.5, 1, 1]}},
+            {"name": "count", "arguments": {"label": "car"}}]
+    pred = [{"name": "crop", "arguments": {"aoi": [0, 0, 0.5, 0.25]}}, {"name": "crop", "arguments": {"aoi": [0, 0, 0.5, 0.5]}}]
+    assert crop_iou(gold, pred) == 0.5  # the first gold box found exactly, the second by no crop
+    assert crop_iou(gold, []) == 0.0
+    assert crop_iou(gold[2:], pred) is None

@@ -147,3 +147,50 @@ def test_a_truncated_episode_scores_zero_even_with_a_final_answer():
     assert asked == ["3"]  # the cut episode is not judged
     out = reward.outcome(completions[1], [7, 8, 9], True)
     assert out.truncated and out.answer == "3" and (out.score, out.reward) == (0.0, 0.0)
+
+
+def _gold_row(aoi) -> str:
+    """An EO-Gym row whose trace crops ``aoi`` once, then answers 3 (the ``row`` column TRL hands the reward)."""
+    call = {"type": "function", "function": {"name": "crop", "arguments": json.dumps({"aoi": aoi})}}
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "How many?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "{}"},
+                {"role": "assistant", "content": "Final Answer: 3"}]
+    return json.dumps({"id": "r", "messages": messages, "gt_answer": "3"})
+
+
+def crop_turn(aoi, name="crop") -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {"aoi": aoi}}}]}
+
+
+def test_the_crop_term_is_off_by_default_and_adds_the_weighted_iou():
+    """Gold box [0, 0, 0.5, 0.5]. Episode 1 crops it exactly and answers right: 0.98 + 0.5 x 1. Episode 2 crops half
+    of it (IoU 0.5) and answers wrong: 0 + 0.5 x 0.5. Episode 3 crops with another tool: IoU 0. Episode 4 is cut."""
+    completions = [
+        [crop_turn([0, 0, 0.5, 0.5]), tool_turn(), answer("Final Answer: 3")],
+        [crop_turn([0, 0, 0.5, 0.25]), tool_turn(), answer("Final Answer: 4")],
+        [crop_turn([0, 0, 0.5, 0.5], name="zoom"), tool_turn(), answer("Final Answer: 3")],
+        [crop_turn([0, 0, 0.5, 0.5]), tool_turn(), answer("Final Answer: 3 and")],
+    ]
+    ids = [[END], [END], [END], [5]]
+    prompts = [[{"role": "user", "content": "How many?"}]] * 4
+    rows = [_gold_row([0, 0, 0.5, 0.5])] * 4
+    envs = [Env(1)] * 4
+    off = EpisodeReward(num_generations=2)(prompts, completions, ids, ["3"] * 4, environments=envs, row=rows)
+    assert off == pytest.approx([0.98, 0.0, 0.98, 0.0])
+    metrics = {}
+    on = EpisodeReward(num_generations=2, crop_iou_weight=0.5)(
+        prompts, completions, ids, ["3"] * 4, environments=envs, row=rows, log_metric=metrics.__setitem__
+    )
+    assert on == pytest.approx([0.98 + 0.5, 0.25, 0.98, 0.0])
+    assert metrics["reward/crop_iou"] == pytest.approx((1 + 0.5 + 0 + 1) / 4)  # logged for the cut episode too
+    no_box = json.dumps({"id": "q", "messages": [{"role": "user", "content": "How many?"}], "gt_answer": "3"})
+    out = EpisodeReward(num_generations=2, crop_iou_weight=0.5)(prompts[:1], completions[:1], ids[:1], ["3"], row=[no_box])
+    assert out == pytest.approx([0.98])  # a question-only row has no gold box: no term
+
+
+def test_the_crop_weight_is_a_recipe_setting_checked_at_start():
+    from eogym_sft.training.grpo import GRPOScriptArguments
+
+    assert GRPOScriptArguments().crop_iou_weight == 0.0
+    with pytest.raises(ValueError, match="crop_iou_weight must be >= 0"):
+        GRPOScriptArguments(crop_iou_weight=-1)
