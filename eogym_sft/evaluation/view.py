@@ -27,7 +27,6 @@ from .report import EPISODE_METRICS, TURN_METRICS
 from .view_data import (
     EPISODE_FIELDS,
     IMAGE_BUDGET,
-    PLOTS,
     ImageStore,
     Run,
     Texts,
@@ -35,19 +34,41 @@ from .view_data import (
     evaluation_turn,
     find_runs,
     is_number,
-    plot_keys,
     read_json,
     read_jsonl,
     rollout_episode,
     run_data_root,
     summarize_records,
     trainer_state,
+    well_typed,
 )
 
 __all__ = ["ViewError", "add_view_args", "embed_json", "find_runs", "plot_keys", "render", "run_view", "serve", "write_report"]
 
 TEMPLATE = Path(__file__).with_name("view.html")
 GENERATOR = b'<meta name="generator" content="eogym-sft view">'  # in the template's head: marks a page as view's
+# Metrics plotted first, in this order, with their titles; every other numeric key of log_history follows.
+PLOTS = {
+    "loss": "loss",
+    "mean_token_accuracy": "token accuracy",
+    "learning_rate": "learning rate",
+    "grad_norm": "grad norm",
+    "reward": "reward (mean)",
+    "reward/group_std": "reward spread (std within groups)",
+    "reward_std": "reward std (TRL)",
+    "reward/score": "answer score",
+    "entropy": "entropy",
+    "completions/mean_length": "episode length (tokens)",
+    "episode/turns": "turns per episode",
+    "episode/truncated": "truncated share",
+    "completions/clipped_ratio": "truncated share (TRL's clipped ratio)",
+    "episode/tool_calls": "tool calls per episode",
+    "tools/call_frequency": "tool calls per episode (TRL)",
+    "episode/answered": "answered share",
+    "eval_loss": "eval loss",
+    "eval_mean_token_accuracy": "eval token accuracy",
+}
+NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
 
 
 # ---------------------------------------------------------------- the summary tables (server-side HTML, escaped)
@@ -133,6 +154,13 @@ def skipped_html(skipped: list[dict]) -> str:
 # ---------------------------------------------------------------- training plots
 
 
+def plot_keys(history: list[dict]) -> list[str]:
+    """The numeric keys of ``log_history`` worth a plot: :data:`PLOTS`' that exist, in order, then the rest."""
+    present = dict.fromkeys(k for h in history for k, v in h.items() if is_number(v))
+    rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))]
+    return [k for k in PLOTS if k in present] + rest
+
+
 def plot_svg(key: str, points: list[tuple[float, float]]) -> str:
     """One metric over steps as an SVG data URI (matplotlib, Agg backend, imported here so that the rest of
     the viewer and ``eogym-sft --help`` never load it)."""
@@ -156,12 +184,13 @@ def plot_svg(key: str, points: list[tuple[float, float]]) -> str:
     return "data:image/svg+xml;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def training_html(state_path: Path, problems: list[str]) -> str:
-    state = read_json(state_path, problems) or {}
-    history = [h for h in state.get("log_history") or [] if isinstance(h, dict)]
+def training_html(state_path: Path, problems: list[str], roots=()) -> str:
+    state = read_json(state_path, problems, roots) or {}
+    log = state.get("log_history")
+    history = [h for h in log if isinstance(h, dict)] if isinstance(log, list) else []
     main, rest = [], []
     for key in plot_keys(history):
-        points = [(h.get("step", i), h[key]) for i, h in enumerate(history) if is_number(h.get(key))]
+        points = [(h["step"] if is_number(h.get("step")) else i, h[key]) for i, h in enumerate(history) if is_number(h.get(key))]
         figure = f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" src="{plot_svg(key, points)}"></figure>'
         (main if key in PLOTS else rest).append(figure)
     head = f"<p>{html.escape(str(state_path))}: {len(history)} log entries, global step {html.escape(_fmt(state.get('global_step')))}</p>"
@@ -172,9 +201,10 @@ def training_html(state_path: Path, problems: list[str]) -> str:
 
 
 def validation_html(report: dict) -> str:
-    models = report.get("models") or {}
-    metrics = list(dict.fromkeys(k for m in models.values() for k, v in (m.get("overall") or {}).items() if isinstance(v, (int, float))))
-    rows = [[name, *((m.get("overall") or {}).get(k) for k in metrics)] for name, m in models.items()]
+    models = report.get("models") if isinstance(report.get("models"), dict) else {}
+    overall = {name: m["overall"] for name, m in models.items() if isinstance(m, dict) and isinstance(m.get("overall"), dict)}
+    metrics = list(dict.fromkeys(k for o in overall.values() for k, v in o.items() if is_number(v)))
+    rows = [[name, *(o.get(k) for k in metrics)] for name, o in overall.items()]
     return html_table(["model", *metrics], rows, f"overall, {report.get('samples', '?')} samples")
 
 
@@ -192,40 +222,64 @@ class Page:
 
 
 def add_run(page: Page, run: Run, data_root: str | None) -> None:
-    """Append ``run``'s section (and its episodes, for rollouts and evaluations) to ``page``."""
+    """Append ``run``'s section (and its episodes, for rollouts and evaluations) to ``page``. A run whose files
+    have a shape the page cannot show is named in the page's problems; the other runs are shown as ever."""
     index = len(page.sections)
     title = f"{run.name} ({run.kind})"
-    if run.kind == "training":
-        body = training_html(trainer_state(run.path), page.problems)
-    elif run.kind == "validation":
-        body = validation_html(json.loads(run.path.read_text()))
-    else:
-        body = _episodes_section(page, run, index, data_root)
+    try:
+        if run.kind == "training":
+            body = training_html(trainer_state(run.path), page.problems, run.roots)
+        elif run.kind == "validation":
+            body = validation_html(read_json(run.path, page.problems, run.roots) or {})
+        else:
+            body = _episodes_section(page, run, index, data_root)
+    except UNEXPECTED_SHAPE as err:
+        page.problems.append(_shape_problem(run.path, err))
+        body = "<p>not shown: its files have a shape this page cannot show (see the problems above)</p>"
     head = f'<h2>{html.escape(title)}</h2><p class="path">{html.escape(str(run.path))}</p>'
     page.sections.append(f'<section id="run-{index}">{head}{body}</section>')
 
 
+# What a file of unexpected shape raises in the code that shows it (a list where an object was meant, a string
+# where a number was): the run, or its tables, are left out and named, never a traceback that loses the page.
+UNEXPECTED_SHAPE = (KeyError, TypeError, AttributeError, ValueError, IndexError)
+
+
+def _shape_problem(path: Path, err: Exception) -> str:
+    return f"{path}: an unexpected shape ({type(err).__name__}: {str(err)[:200]}): not shown"
+
+
+def _tables(page: Page, run: Run, show, summary: dict, skipped: list[dict], note: str = "") -> str:
+    """``show(summary, skipped)``, or, for a summary of a shape the tables cannot show, a note and a named problem."""
+    try:
+        return note + show(summary, skipped)
+    except UNEXPECTED_SHAPE as err:
+        page.problems.append(_shape_problem(run.path / "summary.json", err))
+        return "<p>summary tables not shown: summary.json has an unexpected shape (see the problems above)</p>"
+
+
 def _episodes_section(page: Page, run: Run, index: int, data_root: str | None) -> str:
-    summary = read_json(run.path / "summary.json", page.problems)
-    skipped = read_jsonl(run.path / "skipped.jsonl", page.problems) if (run.path / "skipped.jsonl").is_file() else []
+    summary = read_json(run.path / "summary.json", page.problems, run.roots)
+    has_skipped = (run.path / "skipped.jsonl").exists()
+    skipped = read_jsonl(run.path / "skipped.jsonl", page.problems, run.roots) if has_skipped else []
     if run.kind == "evaluation":
-        records = read_jsonl(run.path / "results.jsonl", page.problems)
+        records = read_jsonl(run.path / "results.jsonl", page.problems, run.roots)
         episodes = [evaluation_turn(r, page.texts) for r in records]
-        tables = evaluation_summary_html(summary, skipped) if summary else "<p>no summary.json</p>"
+        tables = _tables(page, run, evaluation_summary_html, summary, skipped) if summary else "<p>no summary.json</p>"
     else:
-        files = [run.path / "episodes.jsonl"] if (run.path / "episodes.jsonl").is_file() else sorted(run.path.glob("episodes.rank*.jsonl"))
-        records = [r for f in files for r in read_jsonl(f, page.problems)]
+        files = [run.path / "episodes.jsonl"] if (run.path / "episodes.jsonl").exists() else sorted(run.path.glob("episodes.rank*.jsonl"))
+        records = [r for f in files for r in read_jsonl(f, page.problems, run.roots)]
         root = run_data_root(run, data_root, page.problems)
         episodes = [rollout_episode(r, root, page.store, page.texts) for r in records]
-        whole = [r for r in records if all(k in r for k in EPISODE_FIELDS)]
+        whole = [r for r in records if well_typed(r)]
         if len(whole) < len(records):
             lacking = len(records) - len(whole)
-            page.problems.append(f"{run.path}: {lacking} episodes lack one of {', '.join(EPISODE_FIELDS)}: shown, not counted")
+            page.problems.append(f"{run.path}: {lacking} episodes lack one of {', '.join(EPISODE_FIELDS)} (or its type): shown, not counted")
         if summary is None and whole:
-            summary = summarize_records(whole)
-            tables = "<p>no summary.json (an unfinished run): figures from the episodes so far</p>" + rollout_summary_html(summary, skipped)
+            note = "<p>no summary.json (an unfinished run): figures from the episodes so far</p>"
+            tables = _tables(page, run, lambda s, k: rollout_summary_html(summarize_records(whole), k), {}, skipped, note)
         else:
-            tables = rollout_summary_html(summary, skipped) if summary else "<p>no episodes</p>"
+            tables = _tables(page, run, rollout_summary_html, summary, skipped) if summary else "<p>no episodes</p>"
     page.runs.append({"section": index, "name": run.name, "kind": run.kind, "episodes": episodes})
     return f'<div class="summary">{tables}</div><div class="episodes" data-run="{len(page.runs) - 1}"></div>'
 

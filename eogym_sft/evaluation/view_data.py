@@ -10,6 +10,13 @@ A RUN is a folder (or a file) that one of the commands wrote, recognised by what
 
 A folder that is none of these is searched two levels down, so a demo's output folder is one RUN.
 
+Every run folder is untrusted input (it may come from someone else): a file is read only if it is a regular
+file (a FIFO or device is never opened to block), under a size cap (:data:`MAX_JSON_BYTES`,
+:data:`MAX_LOG_BYTES`, :data:`MAX_LINE_BYTES`, :data:`MAX_IMAGE_BYTES`), and inside the paths given on the
+command line; JSON of any shape, depth or size is skipped and named in the page's problems. Images are read
+from the data root given with ``--data-root``, or from the one ``run.json`` records only when it lies inside
+the paths given (a received ``run.json`` never points the page at files elsewhere).
+
 Episodes become the page's JSON records here. Images become downscaled thumbnails (deduplicated by content
 hash, within ``image_budget`` bytes: beyond it an image is a link to its file); one that is missing or does
 not decode is a placeholder naming it. :mod:`.view` renders the page from these records.
@@ -21,45 +28,63 @@ import base64
 import hashlib
 import io
 import json
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.tool_images import ToolImageRule
+from ..safe_json import UntrustedJSONError, jsonl_lines, loads
 
 IMAGE_BUDGET = 64 * 2**20  # bytes of embedded image data in one page
+MAX_JSON_BYTES = 64 * 2**20  # one JSON file a run holds (summary.json, run.json, trainer_state.json, a report)
+MAX_LOG_BYTES = 2**30  # one JSONL file (episodes.jsonl, results.jsonl, skipped.jsonl)
+MAX_LINE_BYTES = 16 * 2**20  # one JSONL record
+MAX_IMAGE_BYTES = 256 * 2**20  # one image file
 THUMB_SIDE = 512  # longest side of an embedded image; the page shows it smaller and, clicked, at this size
 LOSSLESS_PIXELS = 256 * 256  # images this small are embedded as PNG: a crop's fine texture survives
 TEXT_LIMIT = 20_000  # characters of one message kept in the page (the rest is cut, and says so)
 ATTACH_ALL = ToolImageRule("attach")  # every image path a tool result names is shown
-# Metrics plotted first, in this order, with their titles; every other numeric key of log_history follows.
-PLOTS = {
-    "loss": "loss",
-    "mean_token_accuracy": "token accuracy",
-    "learning_rate": "learning rate",
-    "grad_norm": "grad norm",
-    "reward": "reward (mean)",
-    "reward/group_std": "reward spread (std within groups)",
-    "reward_std": "reward std (TRL)",
-    "reward/score": "answer score",
-    "entropy": "entropy",
-    "completions/mean_length": "episode length (tokens)",
-    "episode/turns": "turns per episode",
-    "episode/truncated": "truncated share",
-    "completions/clipped_ratio": "truncated share (TRL's clipped ratio)",
-    "episode/tool_calls": "tool calls per episode",
-    "tools/call_frequency": "tool calls per episode (TRL)",
-    "episode/answered": "answered share",
-    "eval_loss": "eval loss",
-    "eval_mean_token_accuracy": "eval token accuracy",
+# What the summary of an unfinished rollout needs of each episode (the fields agent.episodes.Episode.record() writes),
+# with their types.
+EPISODE_TYPES = {
+    "arm": str, "source_id": (str, int), "stop_reason": str, "turns": int, "tool_calls": int, "tool_errors": int,
+    "tool_error_codes": dict, "new_tokens": int, "final_answer": (str, type(None)),
 }
-# What the summary of an unfinished rollout needs of each episode (the fields agent.episodes.Episode.record() writes).
-EPISODE_FIELDS = ("arm", "source_id", "stop_reason", "turns", "tool_calls", "tool_errors", "tool_error_codes", "new_tokens", "final_answer")
-NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
+EPISODE_FIELDS = tuple(EPISODE_TYPES)
 
 
 class ViewError(ValueError):
     """A RUN that cannot be shown (nothing recognisable in it); the message names the path."""
+
+
+class Unreadable(ValueError):
+    """A file of a run that is not read: not a regular file, over its cap, or outside the paths given."""
+
+
+def read_regular(path: Path, limit: int, roots=()) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes whose real path lies inside one of
+    ``roots`` (when given); :class:`Unreadable` naming why not. The open never blocks (``O_NONBLOCK``) and the
+    type is checked on the descriptor opened, so a FIFO, socket or device is refused, not waited on."""
+    real = path.resolve()
+    if roots and not any(real == root or root in real.parents for root in roots):
+        raise Unreadable(f"{path}: leads to {real}, outside the paths given on the command line: not read")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise Unreadable(f"{path}: cannot be opened ({err.strerror or err})") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable(f"{path}: not a regular file (a FIFO, socket, device or folder): not read")
+        if info.st_size > limit:
+            raise Unreadable(f"{path}: {info.st_size} bytes, over the {limit}-byte cap for it: not read")
+        os.set_blocking(fd, True)
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise Unreadable(f"{path}: over the {limit}-byte cap for it: not read")
+    return data
 
 
 # ---------------------------------------------------------------- finding and reading runs
@@ -72,6 +97,7 @@ class Run:
     kind: str
     path: Path
     name: str = ""
+    roots: tuple[Path, ...] = field(default=())  # the real paths given on the command line: nothing outside is read
 
 
 def run_kind(path: Path) -> str | None:
@@ -89,7 +115,7 @@ def run_kind(path: Path) -> str | None:
 
 def _is_validation(path: Path) -> bool:
     try:
-        report = json.loads(path.read_text())
+        report = loads(read_regular(path, MAX_JSON_BYTES))
     except (OSError, ValueError):
         return False
     return isinstance(report, dict) and isinstance(report.get("models"), dict)
@@ -112,7 +138,8 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
             raise ViewError(f"{given}: no such file or folder")
         if given.is_file() and given.name in ("episodes.jsonl", "results.jsonl", "trainer_state.json"):
             given = given.parent  # the run is the folder the file is in
-        found = _runs_in(given, given, depth=2)
+        root = given.resolve()
+        found = [Run(r.kind, r.path, r.name, (root if root.is_dir() else root.parent,)) for r in _runs_in(given, given, depth=2)]
         if not found:
             raise ViewError(
                 f"{given}: no run found (looked for episodes.jsonl, results.jsonl, trainer_state.json or checkpoint-*/, "
@@ -136,35 +163,45 @@ def _runs_in(path: Path, top: Path, depth: int) -> list[Run]:
     return found
 
 
-def read_jsonl(path: Path, problems: list[str]) -> list[dict]:
-    """The JSON objects of ``path``; a line that is not one is left out and named in ``problems``
-    (the half-written last line of a killed run is one)."""
+def read_jsonl(path: Path, problems: list[str], roots=()) -> list[dict]:
+    """The JSON objects of ``path``; a line that is not one (malformed, too deep, over :data:`MAX_LINE_BYTES`, not
+    an object) is left out and named in ``problems`` (the half-written last line of a killed run is one), and so
+    is a file :func:`read_regular` refuses."""
+    try:
+        data = read_regular(path, MAX_LOG_BYTES, roots)
+    except Unreadable as err:
+        problems.append(str(err))
+        return []
     records = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                problems.append(f"{path}:{number}: not JSON ({err.msg})")
-                continue
-            if not isinstance(record, dict):
-                problems.append(f"{path}:{number}: not a JSON object")
-                continue
-            records.append(record)
+    for number, line in jsonl_lines(data):
+        if len(line) > MAX_LINE_BYTES:
+            problems.append(f"{path}:{number}: a line of {len(line)} bytes, over the {MAX_LINE_BYTES}-byte cap: skipped")
+            continue
+        try:
+            record = loads(line)
+        except UntrustedJSONError as err:
+            problems.append(f"{path}:{number}: not usable JSON ({err}): skipped")
+            continue
+        if not isinstance(record, dict):
+            problems.append(f"{path}:{number}: not a JSON object: skipped")
+            continue
+        records.append(record)
     return records
 
 
-def read_json(path: Path, problems: list[str]) -> dict | None:
-    if not path.is_file():
+def read_json(path: Path, problems: list[str], roots=()) -> dict | None:
+    """The JSON object in ``path`` (None when there is no such file); anything else is named in ``problems``."""
+    if not (path.exists() or path.is_symlink()):
         return None
     try:
-        value = json.loads(path.read_text())
-    except ValueError as err:
-        problems.append(f"{path}: not JSON ({err})")
+        value = loads(read_regular(path, MAX_JSON_BYTES, roots))
+    except (Unreadable, UntrustedJSONError) as err:
+        problems.append(f"{path}: not read ({err})" if isinstance(err, UntrustedJSONError) else str(err))
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        problems.append(f"{path}: not a JSON object ({type(value).__name__}): not read")
+        return None
+    return value
 
 
 # ---------------------------------------------------------------- images and texts shared by the page
@@ -198,11 +235,11 @@ class ImageStore:
             return self._missing(rel, "no data root (pass --data-root)")
         try:
             path = resolve_image_path(rel, data_root)
-            data = path.read_bytes()
+            data = read_regular(path, MAX_IMAGE_BYTES)
         except ImageError as err:
             return self._missing(rel, err.reason)
-        except OSError as err:
-            return self._missing(rel, f"not readable under {data_root} ({type(err).__name__})")
+        except Unreadable as err:
+            return self._missing(rel, str(err).removeprefix(f"{path}: "))
         ref = hashlib.sha256(data).hexdigest()[:20]
         if ref in self.entries:
             return ref
@@ -292,8 +329,8 @@ def _aoi(value) -> list[float] | None:
 
 def _json_object(text: str) -> dict:
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = loads(text)
+    except UntrustedJSONError:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -407,6 +444,13 @@ def evaluation_turn(record: dict, texts: Texts) -> dict:
     }
 
 
+def well_typed(record: dict) -> bool:
+    """Whether an episode record has every field of :data:`EPISODE_TYPES`, of its type (counts never booleans)."""
+    return all(
+        k in record and isinstance(record[k], t) and not (t is int and isinstance(record[k], bool)) for k, t in EPISODE_TYPES.items()
+    ) and all(is_number(n) for n in record["tool_error_codes"].values())
+
+
 def summarize_records(records: list[dict]) -> dict:
     """A summary for a rollout without ``summary.json`` (interrupted), from its episodes: Pass@1 and
     Pass@n for n the fewest samples any question has."""
@@ -427,16 +471,20 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def plot_keys(history: list[dict]) -> list[str]:
-    """The numeric keys of ``log_history`` worth a plot: :data:`PLOTS`' that exist, in order, then the rest."""
-    present = dict.fromkeys(k for h in history for k, v in h.items() if is_number(v))
-    rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))]
-    return [k for k in PLOTS if k in present] + rest
-
-
 def run_data_root(run: Run, data_root: str | None, problems: list[str]) -> Path | None:
+    """Where ``run``'s images are read from: ``--data-root`` if given, else the data root its ``run.json`` records
+    when that lies inside the paths given on the command line (named in ``problems`` when it does not)."""
     if data_root:
         return Path(data_root)
-    recorded = read_json(run.path / "run.json", problems) or {}
+    recorded = read_json(run.path / "run.json", problems, run.roots) or {}
     root = recorded.get("data_root")
-    return Path(root) if isinstance(root, str) else None
+    if not isinstance(root, str) or not root or "\0" in root:
+        return None
+    real = Path(root).resolve()
+    if not any(real == r or r in real.parents for r in run.roots):
+        problems.append(
+            f"{run.path / 'run.json'}: its data_root {root} lies outside the paths given: its images are not read "
+            "(pass --data-root to show them)"
+        )
+        return None
+    return Path(root)

@@ -4,6 +4,7 @@ gathers from run folders is tested in test_view_data.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def test_page_parses_and_holds_every_episode_with_its_summary(tmp_path, data_roo
 
 def test_images_are_embedded_thumbnails_deduplicated_with_the_crop_box(tmp_path, data_root):
     records = [episode("q0", "base", 0), episode("q1", "base", 0, crop="image_cache/crops/same_bytes.png")]
-    data = page_data(render(find_runs([write_rollout(tmp_path / "roll", records, data_root)])))
+    data = page_data(render(find_runs([write_rollout(tmp_path / "roll", records, data_root)]), str(data_root)))
     images = data["images"]
     assert len(images) == 2  # the scene, and one crop for two files of the same bytes
     for entry in images.values():
@@ -148,7 +149,7 @@ def test_images_are_embedded_thumbnails_deduplicated_with_the_crop_box(tmp_path,
 
 def test_over_the_image_budget_an_image_is_a_link_to_its_file(tmp_path, data_root):
     run = write_rollout(tmp_path / "roll", [episode("q0", "base", 0)], data_root)
-    images = page_data(render(find_runs([run]), image_budget=0))["images"]
+    images = page_data(render(find_runs([run]), str(data_root), image_budget=0))["images"]
     assert all("src" not in e and e["file"].startswith("file://") for e in images.values())
 
 
@@ -170,9 +171,9 @@ def test_a_missing_or_broken_image_is_a_named_placeholder(tmp_path, data_root):
     (data_root / "image_cache/crops/broken.png").write_bytes(b"not a png")
     records = [episode("q0", "base", 0, image="EO_GYM_DATA/scene/gone.png"), episode("q1", "base", 0, crop="image_cache/crops/broken.png"),
                episode("q2", "base", 0, image="../outside.png")]
-    data = page_data(render(find_runs([write_rollout(tmp_path / "roll", records, data_root)])))
+    data = page_data(render(find_runs([write_rollout(tmp_path / "roll", records, data_root)]), str(data_root)))
     missing = {e["path"]: e["missing"] for e in data["images"].values() if "missing" in e}
-    assert missing["EO_GYM_DATA/scene/gone.png"] == f"not readable under {data_root} (FileNotFoundError)"
+    assert missing["EO_GYM_DATA/scene/gone.png"] == "cannot be opened (No such file or directory)"
     assert missing["image_cache/crops/broken.png"].startswith("does not decode (")
     assert missing["../outside.png"] == "unsafe_image_path"
     assert [e["id"] for e in data["runs"][0]["episodes"]] == ["q0:base:0", "q1:base:0", "q2:base:0"]
@@ -184,7 +185,7 @@ def test_a_bad_line_is_named_and_the_rest_shown_and_an_unfinished_run_is_summari
         fh.write(json.dumps({"id": "no fields"}) + "\n" + '{"id": "cut sho')
     page = render(find_runs([run]))
     assert [e["id"] for e in page_data(page)["runs"][0]["episodes"]][-2:] == ["q1:sft:1", "no fields"]
-    assert f"{run / 'episodes.jsonl'}:10: not JSON (Unterminated string starting at)" in page
+    assert f"{run / 'episodes.jsonl'}:10: not usable JSON (malformed_json: Unterminated string starting at at column 8): skipped" in page
     assert f"{run}: 1 episodes lack one of arm, source_id," in page
     assert "no summary.json (an unfinished run)" in page and "<td>sft</td><td>2</td><td>4</td><td>1.000</td><td>1.000</td>" in page
 
@@ -311,7 +312,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 def test_a_browser_renders_the_episodes_and_runs_no_injected_script(tmp_path, data_root):
     records = [episode(HOSTILE, "base", 0, answer=HOSTILE)] + [episode(f"q{i}", "base", 0) for i in range(59)]
     records.append(episode("q59", "base", 0, crop="image_cache/crops/gone.png"))
-    out = write_report([write_rollout(tmp_path / "roll", records, data_root)], tmp_path / "report.html")
+    out = write_report([write_rollout(tmp_path / "roll", records, data_root)], tmp_path / "report.html", str(data_root))
 
     def dom(url: str) -> str:
         return subprocess.run(
@@ -330,3 +331,66 @@ def test_a_browser_renders_the_episodes_and_runs_no_injected_script(tmp_path, da
     assert "<title>eogym-sft view: roll</title>" in dom and "pwned</title>" not in dom
     assert '<span class="ep-id">&lt;/script&gt;&lt;script&gt;document.title=\'pwned\'&lt;/script&gt;&lt;img src=x ' in dom  # as text
     assert '<img src="x"' not in dom and "<script>document.title" not in dom
+
+
+ODD_STRINGS = ["__proto__", "constructor", "toString", "hasOwnProperty", "(all)", "=", "", "%E0%A4%A"]
+
+
+def odd_runs(tmp_path, data_root) -> list[Path]:
+    """Three runs: every odd string as a question, an arm and a task; one with an episode whose fields are of
+    every wrong type; one plain run."""
+    odd = [episode(s, a, 0) | {"EO_task": s, "stop_reason": s} for s in ODD_STRINGS for a in ("__proto__", "base")]
+    broken = [episode("fine", "base", 0), episode("worse", "base", 0) | {"id": ["x"], "arm": {"a": 1}, "messages": "x", "sample": "x"}]
+    plain = [episode(f"p{i}", "base", 0) for i in range(3)]
+    runs = [write_rollout(tmp_path / "odd", odd, data_root), write_rollout(tmp_path / "broken", broken, data_root, summary=False)]
+    return runs + [write_rollout(tmp_path / "plain", plain, data_root)]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_a_browser_shows_every_run_whatever_its_ids_questions_and_arms(tmp_path, data_root):
+    """``__proto__`` as a question stopped the page's script: no episode of any run was listed. Each odd string is a
+    question, an arm and a task here, and one run has a record of wrong types: every run's episodes are listed,
+    filtering on an odd arm keeps its episodes, and the odd question's arms open side by side."""
+    out = write_report(odd_runs(tmp_path, data_root), tmp_path / "report.html", str(data_root))
+
+    def dom(fragment: str = "") -> str:
+        return subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+             "--virtual-time-budget=5000", "--dump-dom", out.as_uri() + fragment], capture_output=True, text=True, timeout=120,
+        ).stdout
+
+    page = dom()
+    assert 'data-ready="1"' in page and '<p class="problems">the episodes of this run cannot be shown' not in page
+    assert [int(n) for n in re.findall(r'data-total="(\d+)"', page)] == [2 * len(ODD_STRINGS), 2, 3]
+    assert page.count("data-episode-id=") == 2 * len(ODD_STRINGS) + 2 + 3
+    compared = dom("#compare=__proto__:__proto__:0")
+    assert 'data-ready="1"' in compared and compared.count('<div class="col">') == 2  # both arms of question __proto__
+    opened = dom("#episode=constructor:base:0")
+    assert opened.count('class="ep-body"') == 1 and "arms of this question side by side (2)" in opened
+
+
+NODE = shutil.which("node")
+
+
+@pytest.mark.skipif(NODE is None, reason="no node binary")
+def test_the_pages_script_handles_any_id_question_or_arm_without_a_browser(tmp_path, data_root):
+    """The same page, its script run by Node.js against a minimal DOM (tests/evaluation/view_dom.js), where no
+    browser is installed: every run mounts, each filter option shows its own episodes, ``__proto__`` compares."""
+    out = write_report(odd_runs(tmp_path, data_root), tmp_path / "report.html", str(data_root))
+
+    def run(fragment: str = "") -> dict:
+        done = subprocess.run([NODE, str(Path(__file__).with_name("view_dom.js")), str(out), fragment],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    page = run()
+    odd, broken, plain = page["runs"]
+    assert page["ready"] and [r["problems"] for r in page["runs"]] == [[], [], []]
+    assert (odd["total"], odd["shown"], broken["total"], plain["total"]) == (2 * len(ODD_STRINGS), 2 * len(ODD_STRINGS), 2, 3)
+    arms, verdicts, tasks, stops = odd["filters"]
+    assert arms == [["(all)", 16], ["__proto__", 8], ["base", 8]]
+    assert sorted(tasks[1:]) == sorted([s or "(none)", 2] for s in ODD_STRINGS) and tasks[0] == ["(all)", 16]  # "(all)" the task: 2
+    assert sorted(stops[1:]) == sorted([s, 2] for s in ODD_STRINGS) and verdicts == [["(all)", 16], ["correct", 16], ["incorrect", 0], ["unscored", 0]]
+    assert run("#compare=__proto__:__proto__:0")["compare"] == ["__proto__", "base"]
+    assert run("#compare=%E0%A4%A:base:0")["compare"] == ["__proto__", "base"]  # a malformed %-escape, taken as written
