@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import machine_info  # noqa: E402
+from common import machine_info  # noqa: E402
 
 from eogym_sft.atomic import write_text_atomic  # noqa: E402
 from eogym_sft.demo import grpo_per_step, reward_by_part  # noqa: E402

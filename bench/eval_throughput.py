@@ -11,101 +11,25 @@ Commands (from the repository root)::
     PYTHONPATH=. python bench/eval_throughput.py --model outputs/qwen3vl4b_random --rows 32 --batch-size 8 32 \
         --max-new-tokens 128 --json eval_throughput_h200.json
 
-What it does: (a) takes ``--data``/``--data-root`` or writes the EO-Gym-shaped sample of
-``bench/prep_throughput.py`` (row images up to 4000x4000 px, 1-5 a row, tool-result crops, 1-6 tool
-steps); (b) loads the processor and plans every assistant turn as ``evaluate`` does (timed apart); (c)
-loads the model once in the evaluation dtype (bf16 on GPU, fp32 on CPU) and, unless ``--no-lora-arm``, adds
-one random rank-16 LoRA adapter on q/k/v/o/gate/up/down (the EO-Gym-4B recipe) so that both the base
-arm (adapter disabled) and an adapter arm are timed; (d) runs one warm-up batch, then for each batch
-size, path (``generate``: batched ``generate``; ``slots``: the slot decoder ``evaluate`` runs for greedy
-turns) and arm times the generation + :func:`score_turns` over all planned turns. Turns/s is
-scored turns over that wall time: model loading, planning and the warm-up are excluded.
-
-Random weights never emit ``<|im_end|>``, so every turn generates exactly ``--max-new-tokens`` tokens:
-the figure is a floor for a trained model that stops after a short tool call. The JSON records mean
-new tokens per turn, so the figure can be scaled.
+It plans every assistant turn of ``--data`` (or the sample of ``bench/common.py``) as ``evaluate`` does, loads
+the model in the evaluation dtype with one random rank-16 LoRA adapter (unless ``--no-lora-arm``), runs one warm-up
+batch, then times, for each batch size, path (``generate``: batched ``generate``; ``slots``: the slot decoder
+``evaluate`` runs for greedy turns) and arm, the generation and :func:`score_turns` over all planned turns. Random
+weights never stop early, so the figure is a floor; the JSON records mean new tokens per turn.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
-from eogym_sft.config import SampleConfig
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prep_throughput import generate_sample, scratch_dir, write_result  # noqa: E402 (the bench folder)
+from common import add_random_lora, add_run_args, machine_info, peak_gib, run_data, runs_table, scratch_dir, sync, write_result  # noqa: E402
 
-
-def machine_info(device) -> dict:
-    import peft
-    import torch
-    import transformers
-
-    info = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "cpu_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    if device.type == "cuda":
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def runs_table(result: dict, subtitle: str, columns: list[tuple]) -> str:
-    """A GPU bench's printed table: where and when it ran (:func:`machine_info`), ``subtitle``, then a line
-    per run of ``result["runs"]`` with ``(header, width, key)`` columns right-aligned, ``key`` a run's
-    field or a function of the run (``-`` for None); a run that failed shows its error instead."""
-    m = result["machine"]
-    lines = [
-        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
-        subtitle,
-        " ".join(f"{head:>{width}}" for head, width, _ in columns),
-    ]
-    for r in result["runs"]:
-        if "error" in r:
-            _, width, key = columns[0]
-            lines.append(f"{r[key]:>{width}} failed: {r['error'][:80]}")
-            continue
-        cells = [key(r) if callable(key) else r[key] for _, _, key in columns]
-        lines.append(" ".join(f"{'-' if v is None else v:>{width}}" for v, (_, width, _) in zip(cells, columns)))
-    return "\n".join(lines)
-
-
-def run_data(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
-    """The JSONL and data root a bench of :func:`add_run_args` runs on: ``--data`` and ``--data-root``, or else
-    ``--rows`` rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (seed ``--seed``) under ``workdir``."""
-    if args.data:
-        return Path(args.data), Path(args.data_root)
-    return generate_sample(workdir / "sample", args.rows, args.seed)
-
-
-def add_random_lora(model, seed: int):
-    """Wrap ``model`` in peft with one random rank-16 adapter named ``arm0`` (B is not zero, so it acts)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
-    return get_peft_model(model, lora, adapter_name="arm0").eval()
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from eogym_sft.config import SampleConfig  # noqa: E402
 
 
 def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate") -> dict:
@@ -125,7 +49,7 @@ def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate"
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     with use_arm(model, arm):
         if path == "slots":
@@ -133,7 +57,7 @@ def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate"
         else:
             generations = generate_turns(model, processor, prompts, cfg, ImageCache())
     records = score_turns(arm.name, prompts, generations, cfg)
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - start
     new_tokens = sum(sum(g["new_tokens"]) for g in generations)
     return {
@@ -145,22 +69,8 @@ def time_arm(model, processor, prompts, cfg, arm, device, path: str = "generate"
         "turns_per_s": round(len(records) / wall, 4),
         "new_tokens_per_s": round(new_tokens / wall, 1),
         "mean_new_tokens": round(new_tokens / max(len(records), 1), 1),
-        "peak_gpu_mem_gib": (
-            round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-        ),
+        "peak_gpu_mem_gib": peak_gib(device),
     }
-
-
-def add_run_args(parser: argparse.ArgumentParser, name: str, data_help: str) -> None:
-    """The arguments every GPU bench of evaluation, validation and rollouts takes: the data (a generated
-    sample by default), the device and dtype, the seed, the work folder and where the JSON goes."""
-    parser.add_argument("--data", default=None, help=data_help)
-    parser.add_argument("--data-root", default=".", help="data root of --data")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", default=None, help="folder for the generated sample (default: a temp folder, removed after)")
-    parser.add_argument("--json", default=f"{name}.json", help="where to write the result")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -236,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
             "data": (
                 str(data)
                 if args.data
-                else f"generated by bench/prep_throughput.py, {args.rows} rows, seed {args.seed}"
+                else f"generated by bench/common.py, {args.rows} rows, seed {args.seed}"
             ),
             "rows": len(traces),
             "turns": len(prompts),

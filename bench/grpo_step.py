@@ -13,27 +13,7 @@ Commands (from the repository root)::
     PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --questions 2 --generations 8 \
         --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 2 --warmup 1 --arms trl,slots,recipe --json grpo.json
 
-The data: ``--questions`` questions a step (default the seed's 2, x ``--generations`` 8 episodes), each an
-EO-Gym row whose question shows ``--images`` row images of ``--image-px`` squared pixels (at the recipe's
-pixel cap a 1000 px image is about 980 visual tokens: 4-7 images give prompts of about 5-8k tokens) and
-offers the crop tool. The policy is forced (a logits processor, the same on both engines) to write
-``--calls`` turns of exactly ``--call-tokens`` tokens, each ending in a crop call of the row's first image
-(computed by the crop backend: a crop image comes back into the context), then a final answer: both arms
-do the same multi-turn work, which the JSON shows (tool calls and generated tokens per episode).
-
-Times per optimizer step, after a CUDA synchronize: ``generation`` (the rollout minus tool calls),
-``tools`` (the environment's calls), ``scoring`` (rewards, advantages, the batch for the loss),
-``forward_backward`` (the loss forward and backward), ``optimizer`` (the optimizer step) and ``other`` (of
-which ``other_dataloader`` is the dataloader's fetch of the step's examples and ``other_logging`` the Trainer's
-logging);
-generated tokens/s (the model's own tokens over ``generation``); peak GPU memory per arm. After its timed
-steps the ``slots`` arm checks its packed loss forward against TRL's padded one on its first micro-batch
-(``packed_vs_padded_logps``: largest and mean absolute difference of the trained tokens' log-probabilities), and
-the slot decoder that sampled them against that packed forward (``decoder_vs_loss_logps``: a fresh decoder (CUDA
-graphs on a GPU) over the same weights walks the first 4 episodes as the engine does, a prefill at each turn's start and one-token decodes
-within it, and gives each trained token its log-probability; the gap between what the policy sampled from and
-what the loss scores).
-
+The arms, the forced episodes and the phases timed: bench/README.md (its GRPO section).
 ``--recipe-args`` adds recipe flags to every arm, e.g. ``--recipe-args "--rollout_cache_gib 20"``.
 """
 
@@ -53,7 +33,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO  # noqa: E402
+from common import sync as _sync  # noqa: E402
+
 SYSTEM = "You are an expert remote-sensing analyst. Look at the images, crop where needed, then reply as: Final Answer: <answer>"
 CROP_TOOL = {
     "type": "function",
@@ -67,16 +50,6 @@ CROP_TOOL = {
         },
     },
 }
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-################
-# Data and the forced policy
-################
 
 
 def image_counts(spec: str) -> tuple[int, int]:
@@ -150,11 +123,6 @@ class FixedEpisodes:
         return out.scatter_(1, forced[:, None], 0.0)
 
 
-################
-# Timing
-################
-
-
 class Phases(TrainerCallback):
     """Seconds per optimizer step in each phase; methods of the trainer and environment are wrapped."""
 
@@ -212,11 +180,6 @@ class Phases(TrainerCallback):
         self._start, self.acc = now, defaultdict(float)
 
 
-################
-# Arms
-################
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -232,8 +195,6 @@ def parse_args(argv=None):
     p.add_argument("--max-completion-length", type=int, default=6144)
     p.add_argument("--max-pixels", type=int, default=None, help="default: the recipe's")
     p.add_argument("--max-episode-tokens", type=int, default=None, help="default: the recipe's")
-    p.add_argument("--check-lora-b-std", type=float, default=0.02,
-                   help="the decoder check also at every lora_B drawn from N(0, this): an adapter of an SFT's size (0: not)")
     p.add_argument("--recipe-args", default="", help="more recipe flags for every arm, e.g. \"--rollout_cache_gib 20\"")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", help="write the results here")
@@ -270,159 +231,6 @@ def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
     return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
 
 
-class FirstLossBatch:
-    """Wraps ``_compute_loss`` and keeps the first micro-batch it sees (for :func:`logps_agreement`)."""
-
-    def __init__(self, compute_loss):
-        self.compute_loss, self.inputs = compute_loss, None
-
-    def __call__(self, model, inputs):
-        if self.inputs is None:
-            self.inputs = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
-        return self.compute_loss(model, inputs)
-
-
-def logps_agreement(trainer, inputs: dict) -> dict:
-    """The packed loss forward's per-token log-probabilities against TRL's padded forward (the text tower on
-    SDPA) on the same micro-batch, in eval mode (no LoRA dropout), over the trained completion tokens."""
-    from trl import GRPOTrainer
-
-    model, base = trainer.model, trainer.model.get_base_model()
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    width = inputs["completion_ids"].shape[1]
-    vision = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
-    was_training, attention = model.training, base.config.text_config._attn_implementation
-    model.eval()
-    try:
-        with torch.no_grad():
-            packed = trainer._get_per_token_logps_and_entropies(model, ids, mask, width, **vision)[0]
-            base.set_attn_implementation({"text_config": "sdpa"})
-            padded = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, ids, mask, width, **vision)[0]
-    finally:
-        base.set_attn_implementation({"text_config": attention})
-        model.train(was_training)
-    trained = (inputs["completion_mask"] * inputs.get("tool_mask", torch.ones_like(inputs["completion_mask"]))).bool()
-    diff = (packed.float() - padded.float()).abs()[trained]
-    return {
-        "tokens": int(trained.sum()),
-        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
-        "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
-        "dtype": str(packed.dtype),
-    }
-
-
-def decoder_agreement(trainer, inputs: dict, rows: int = 4, decoder_class=None) -> dict:
-    """The slot decoder's log-probability of each trained token of the first ``rows`` episodes of ``inputs`` (a
-    micro-batch of the slots engine) against the packed loss forward's, same weights, eval mode. The decoder walks an
-    episode as the engine samples it: a prefill at the start of each turn over what the conversation holds then
-    (images included), then one token at a time while the turn is the policy's, one slot, replayed from CUDA graphs
-    on a GPU as the engine's are (a step at a time: ``rows`` keeps the check to seconds). ``decoder_class``: the
-    decoder to walk with (default :class:`~eogym_sft.agent.decoder.SlotDecoder`)."""
-    from eogym_sft.agent.decoder import SlotDecoder
-    from eogym_sft.agent.image_inputs import ImageInput
-
-    decoder_class = decoder_class or SlotDecoder
-    model = trainer.model
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    vision = {k: inputs.get(k) for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            loss = trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].shape[1], **vision)[0]
-        grids = [tuple(int(v) for v in g) for g in inputs["image_grid_thw"]]
-        pixels = torch.split(inputs["pixel_values"], [g[0] * g[1] * g[2] for g in grids])
-        merge = trainer.processing_class.image_processor.merge_size
-        pictures = [ImageInput(p, g, merge) for p, g in zip(pixels, grids)]
-        decoder = decoder_class(model, 1, ids.shape[1] + 1, cuda_graphs=ids.device.type == "cuda")
-        diffs, first = [], 0
-        for row, count in enumerate(inputs["num_images"]):
-            if row == rows:
-                break
-            images, first = pictures[first : first + count], first + count
-            prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].tolist()
-            length = int(inputs["completion_mask"][row].sum())
-            completion = inputs["completion_ids"][row][:length].tolist()
-            trained = inputs["tool_mask"][row][:length].tolist()
-            walked = episode_logps(decoder, prompt, completion, trained, images, model.config.image_token_id, trainer.temperature)
-            diffs += [abs(a - float(loss[row, j])) for j, a in walked]
-        kinds = decoder.projection_kinds() if hasattr(decoder, "projection_kinds") else None
-        del decoder
-    finally:
-        model.train(was_training)
-    return {
-        "tokens": len(diffs),
-        "max_abs_diff": max(diffs, default=0.0),
-        "mean_abs_diff": sum(diffs) / len(diffs) if diffs else 0.0,
-        "dtype": str(loss.dtype),
-        "projections": kinds,
-    }
-
-
-def unmerged_decoder_class():
-    """A :class:`~eogym_sft.agent.decoder.SlotDecoder` whose LoRA projections run PEFT's own forward (the numerics
-    the merged weights are compared with), or None where the decoder merges no adapter weights."""
-    from eogym_sft.agent import decoder as generation
-
-    if not hasattr(generation, "merge_plan"):
-        return None
-
-    class UnmergedDecoder(generation.SlotDecoder):
-        def _projection(self, key, module):
-            plan = generation.merge_plan(module)
-            return module if plan is not None and plan[1] else super()._projection(key, module)
-
-    return UnmergedDecoder
-
-
-def decoder_checks(trainer, inputs: dict, lora_b_std: float) -> dict:
-    """:func:`decoder_agreement` at the trained adapter and at an adapter of an SFT's size (every ``lora_B`` drawn
-    from N(0, ``lora_b_std``), seed 0, restored after), each with the decoder as it is and, where it merges adapter
-    weights, with PEFT's unmerged forward beside it."""
-    unmerged = unmerged_decoder_class()
-    variants = {"": None, "_unmerged": unmerged} if unmerged else {"": None}
-    out = {f"trained{k}": decoder_agreement(trainer, inputs, decoder_class=cls) for k, cls in variants.items()}
-    if lora_b_std > 0:
-        params = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
-        kept = [p.detach().clone() for p in params]
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        with torch.no_grad():
-            for p in params:
-                p.copy_(torch.randn(p.shape, generator=generator) * lora_b_std)
-        try:
-            out.update((f"sft_scale{k}", decoder_agreement(trainer, inputs, decoder_class=cls)) for k, cls in variants.items())
-        finally:
-            with torch.no_grad():
-                for p, k in zip(params, kept):
-                    p.copy_(k)
-    return out
-
-
-def episode_logps(decoder, prompt: list[int], completion: list[int], trained: list[int], images: list, image_pad: int,
-                  temperature: float = 1.0):
-    """``[(j, log-probability)]`` of each trained token ``completion[j]`` under ``decoder`` (slot 0) at ``temperature``
-    (the loss scores at the sampling temperature), walked as the engine samples: a prefill of everything before a
-    turn's first token, then one decode a token."""
-    def images_in(seq):
-        return images[: sum(1 for i, t in enumerate(seq) if t == image_pad and (i == 0 or seq[i - 1] != image_pad))]
-
-    decoder.release(0)
-    logits, out = decoder.prefill(0, prompt, images_in(prompt)), []
-    for j, token in enumerate(completion):
-        if trained[j]:
-            out.append((j, float(torch.log_softmax(logits.float() / temperature, -1)[token])))
-        if j + 1 == len(completion) or not trained[j + 1]:
-            continue  # the next token is context: no prediction needed
-        if trained[j]:
-            logits = decoder.decode({0: token})[1][0]
-        else:  # a turn starts after the context: prefill what the conversation holds now
-            seq = prompt + completion[: j + 1]
-            logits = decoder.prefill(0, seq, images_in(seq))
-    return out
-
-
 def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
     from eogym_sft.environment.env import EOGymEnvironment
     from eogym_sft.models.processor import load_processor
@@ -448,7 +256,6 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         trainer._generate = phases.timed("rollout", trainer._generate)
         trainer._generate_and_score_completions = phases.timed("score", trainer._generate_and_score_completions)
         trainer.training_step = phases.timed("train_step", trainer.training_step)
-        first_batch = trainer._compute_loss = FirstLossBatch(trainer._compute_loss)
         trainer.get_batch_samples = phases.timed("dataloader", trainer.get_batch_samples)
         trainer._maybe_log_save_evaluate = phases.timed("logging", trainer._maybe_log_save_evaluate)
         trainer.add_callback(phases)
@@ -482,12 +289,6 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     result["peak_reserved_gib"] = max((s.get("peak_reserved_gib", 0) for s in timed), default=None)
     if forced:
         result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
-    if arm == "slots" and first_batch.inputs is not None:  # after the timed steps: the check is not in them
-        result["packed_vs_padded_logps"] = logps_agreement(trainer, first_batch.inputs)
-        print("slots: packed vs padded log-probs: " + json.dumps(result["packed_vs_padded_logps"]), flush=True)
-        checks = decoder_checks(trainer, first_batch.inputs, args.check_lora_b_std)
-        result["decoder_vs_loss_logps"], result["decoder_vs_loss_logps_variants"] = checks["trained"], checks
-        print("slots: decoder vs loss forward log-probs: " + json.dumps(checks), flush=True)
     del trainer
     gc.collect()
     if torch.cuda.is_available():

@@ -12,34 +12,16 @@ Commands (from the repository root)::
     eogym-sft tiny-model --config recipes/configs/qwen3_vl_4b_instruct.json --dtype bfloat16 --device cuda --output /tmp/qwen3vl4b-random
     python bench/rollout_throughput.py --model /tmp/qwen3vl4b-random --json rollout.json
 
-Episodes: rows of the EO-Gym-shaped sample of ``bench/prep_throughput.py`` (or of ``--data``) whose question prompt
-(system, tools, question, 1-5 images capped at 980 tokens each) has ``--min-prompt-tokens`` to
-``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens (the stop tokens
-are held back, as a fixed-length workload needs), then the row's own recorded tool results for that
-step come back (crops attached as images, as data prep attaches them) and the next turn starts, up to
-``--turns`` turns or the row's last step. Random weights write random text; what it says is ignored.
-
-Arms:
-
-* ``serial``: ``model.generate`` on one episode at a time, each turn re-encoding the whole
-  conversation (``--serial-episodes`` episodes; per-episode rates are comparable);
-* ``batched``: ``model.generate`` over ``--concurrency`` episodes at once, turn by turn (a batch waits
-  for its last episode before the next batch starts), left-padded;
-* ``slots``: :class:`eogym_sft.agent.decoder.SlotDecoder` with ``--concurrency`` slots, its decode step
-  run eagerly (``eogym-sft rollout --no-cuda-graphs``): each episode keeps its KV cache across turns (a
-  turn computes only its new tokens), images are preprocessed once, a finished episode's slot takes the
-  next at once;
-* ``slots-cuda-graphs`` (with ``--cuda-graphs``): the same with the decode step replayed from CUDA
-  graphs, captured during the timed run as each attention span is first needed: ``eogym-sft rollout``
-  on a GPU as shipped;
-
-With ``--adapter DIR`` every slot arm runs twice on one decoder, the base then the adapter (``-base``,
-``-adapter`` arm names), the decoder reset between them as ``eogym-sft rollout`` does between its arms: the
-second arm recaptures its CUDA graphs, which is where an adapter arm used to crash.
-
-Figures: generated tokens/s, episodes/min and peak GPU memory per arm, over the arm's wall time
-(model loading, data generation and a short warm-up excluded); ``speedup`` is each arm's episodes/min
-over the batched arm's.
+Episodes: rows of the sample of ``bench/common.py`` (or of ``--data``) whose question prompt has
+``--min-prompt-tokens`` to ``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens (the
+stop tokens held back), then the row's own recorded tool results for that step come back and the next turn starts,
+up to ``--turns`` turns or the row's last step. Arms: ``serial`` (``model.generate`` on one episode at a time, each
+turn re-encoding the conversation), ``batched`` (``generate`` over ``--concurrency`` episodes at once, turn by
+turn), ``slots`` (``eogym-sft rollout``'s :func:`run_episodes` on a ``SlotDecoder`` of ``--concurrency`` slots,
+eager) and with ``--cuda-graphs`` ``slots-cuda-graphs`` (the decode step replayed from CUDA graphs, captured as
+the run first needs them: ``rollout`` on a GPU as shipped). With ``--adapter DIR`` every slot arm runs the base,
+then the adapter, on one decoder reset between them as ``rollout`` does. Figures over each arm's wall time (loading,
+data and a short warm-up excluded): generated tokens/s, episodes/min, peak GPU memory, speed-up over ``batched``.
 """
 
 from __future__ import annotations
@@ -54,8 +36,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import add_run_args, machine_info, run_data, runs_table  # noqa: E402 (the bench folder)
-from prep_throughput import scratch_dir, write_result  # noqa: E402
+from common import add_run_args, machine_info, peak_gib, run_data, runs_table, scratch_dir, sync, write_result  # noqa: E402
 
 SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?think>")
 
@@ -180,67 +161,26 @@ def run_generate(model, processor, episodes, data_root, new_tokens: int, batch: 
     return {"new_tokens": generated}
 
 
-class VisionTimer:
-    """The vision tower's seconds inside a run's prefills: ``get_image_features`` of ``inner`` (the decoder's
-    Qwen3VLModel) between CUDA events, read once at the end (no synchronisation in the loop), or host seconds on a CPU."""
-
-    def __init__(self, inner):
-        self.inner, self.events, self.host_s = inner, [], 0.0
-
-    def __enter__(self):
-        import torch
-
-        original, on_gpu = self.inner.get_image_features, self.inner.device.type == "cuda"
-
-        def timed(*args, **kwargs):
-            if not on_gpu:
-                start = time.perf_counter()
-                out = original(*args, **kwargs)
-                self.host_s += time.perf_counter() - start
-                return out
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = original(*args, **kwargs)
-            end.record()
-            self.events.append((start, end))
-            return out
-
-        self.inner.get_image_features = timed  # an instance attribute over the method, deleted on exit
-        return self
-
-    def __exit__(self, *exc):
-        del self.inner.get_image_features
-
-    def seconds(self) -> float:
-        import torch
-
-        if self.events:
-            torch.cuda.synchronize(self.inner.device)
-        return self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1000
-
-
 def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
     from eogym_sft.agent.episodes import LoopConfig, run_episodes
     from eogym_sft.agent.sampling import Sampling
 
     for slot in range(decoder.slots):
         decoder.release(slot)
-    with VisionTimer(decoder.inner) as vision:
-        stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
-                             data_root, lambda ep: None)
+    stats = run_episodes(decoder, processor, iter(episodes), Sampling(min_new_tokens=new_tokens), LoopConfig(10**9, new_tokens),
+                         data_root, lambda ep: None)
     errors = [ep.error for ep in episodes if ep.stop == "error"]
     if errors:
         raise RuntimeError(f"{len(errors)} episodes failed, first: {errors[0]}")
     phases = {name: round(stats[name], 2) for name in ("prefill_s", "decode_s", "tool_s", "other_s")}
-    phases["prefill_vision_s"] = round(vision.seconds(), 2)  # the vision tower's part of prefill_s
     return {"new_tokens": stats["new_tokens"], "decode_steps": stats["decode_steps"], "prefill_tokens": stats["prefill_tokens"],
             "kv_cache_gib": round(decoder.memory_bytes() / 2**30, 2), "decode_attention": decoder.attention,
             "merged_weights_gib": round(decoder.merged_bytes() / 2**30, 2), **phases}
 
 
 def slot_decoder(model, slots: int, max_context: int, mode):
-    """The decoder of a slot arm: eager, or with ``mode`` "cuda-graphs" its graphs captured per attention span as
-    the run first needs them (timed)."""
+    """The decoder of a slot arm, as ``eogym-sft rollout`` builds it: with ``mode`` ``cuda-graphs`` its graphs are
+    captured per attention span as the run first needs them (timed)."""
     from eogym_sft.agent.decoder import SlotDecoder
 
     return SlotDecoder(model, slots, max_context, cuda_graphs=mode == "cuda-graphs")
@@ -266,11 +206,10 @@ def time_arm(name, fn, episodes, device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     extra = fn(episodes)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     wall = time.perf_counter() - start
     result = {
         "arm": name,
@@ -279,7 +218,7 @@ def time_arm(name, fn, episodes, device) -> dict:
         "wall_s": round(wall, 2),
         "episodes_per_min": round(len(episodes) / wall * 60, 2),
         "new_tokens_per_s": round(extra["new_tokens"] / wall, 1),
-        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "peak_gpu_mem_gib": peak_gib(device),
         **extra,
     }
     print(json.dumps(result), flush=True)
@@ -337,14 +276,14 @@ def main(argv: list[str] | None = None) -> dict:
         modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else [])
         for mode in modes:
             name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
-            # The previous arm's decoder (63 GiB of KV cache at the H200 settings) sits in a reference cycle
+            # The previous arm's decoder (its whole KV cache) sits in a reference cycle
             # (its step is a bound method): collect it before this arm allocates its own.
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             try:
                 decoder = slot_decoder(model, args.concurrency, args.max_context, mode)
-            except Exception as err:  # a compile failure must not lose the arms already timed
+            except Exception as err:  # a cache that does not fit must not lose the arms already timed
                 runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
                 continue
             for arm in slot_arms or [None]:

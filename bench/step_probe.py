@@ -1,7 +1,5 @@
-"""What the training benches measure inside a run: step times, compiles, and a profiler breakdown.
-
-Shared by ``bench/train_throughput.py`` (its arms) and ``bench/recipe_throughput.py`` (the recipe as
-launched), so that both report the same figures the same way:
+"""What the training bench (``bench/train_throughput.py``) measures inside a run: step times, compiles, and a
+profiler breakdown:
 
 - :class:`StepProbe`, a Trainer callback: wall time of each optimizer step, the wait before it (the
   Trainer fetches all of a step's micro-batches before it starts, so a dataloader that cannot keep a
@@ -15,21 +13,19 @@ launched), so that both report the same figures the same way:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
-from eogym_sft.training.loss import (
-    PROFILER_RANGE as LOSS_RANGE,  # the SFT loss's forward ops
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import sync as _sync  # noqa: E402
+
+from eogym_sft.training.loss import PROFILER_RANGE as LOSS_RANGE  # noqa: E402 (the SFT loss's forward ops)
 
 RECOMPILE_LOGGER = "torch._dynamo.guards.__recompiles"  # torch._logging's artifact logger for `recompiles`
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def compile_stats() -> dict:
@@ -38,69 +34,6 @@ def compile_stats() -> dict:
 
     spent = calculate_time_spent()
     return {"graphs": int(counters["stats"]["unique_graphs"]), "compile_s": spent.get("total_wall_time", 0.0)}
-
-
-def compile_phases(top: int = 16) -> dict[str, float]:
-    """Seconds by compile phase over the process so far, the largest first: where a first step's compile
-    time goes. Two of Dynamo's timers: its phase totals (the whole frame, the backend, Inductor, code
-    generation, the backward's compile: what ``compile_stats`` adds up) and its per-function timers
-    (tracing, AOTAutograd, ...). Phases nest, so they do not add up."""
-    from torch._dynamo.utils import calculate_time_spent, compile_times
-
-    # Both are read because torch versions fill different ones: torch 2.14 (CPU) fills both; on the H200
-    # image's torch 2.11 both came back empty (2026-11-30 and 2026-12-01), only the total being filled.
-    # The per-function ones in their "csv" form: the printable one is a table whose layout depends on
-    # whether `tabulate` is installed.
-    names, seconds = compile_times(repr="csv", aggregate=True)
-    phases = {name: float(value) for name, value in zip(names, seconds)}
-    totals = {phase: s for phase, s in calculate_time_spent().items() if phase != "total_wall_time"}
-    phases.update(totals)
-    return dict(sorted(phases.items(), key=lambda kv: -kv[1])[:top])
-
-
-CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
-
-
-def compile_caches() -> dict[str, dict[str, int]]:
-    """Hits, misses and bypasses of Inductor's FX graph cache and of AOTAutograd's cache so far: on a
-    relaunch with warm caches every graph should hit both; a bypass names its reason in ``CacheBypassLog``."""
-    from torch._dynamo.utils import counters
-
-    fx, aot = counters["inductor"], counters["aot_autograd"]
-    return {
-        "fx_graph": {k: int(fx[f"fxgraph_cache_{k}"]) for k in ("hit", "miss", "bypass")},
-        "aot_autograd": {k: int(aot[f"autograd_cache_{k}"]) for k in ("hit", "miss", "bypass", "guard_miss")},
-    }
-
-
-class CacheBypassLog(logging.Handler):
-    """Collects why a compile cache was bypassed (Inductor's and AOTAutograd's INFO messages)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.reasons: list[str] = []
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Bypassing"):
-            self.reasons.append(message)
-
-    def __enter__(self):
-        self._saved = []
-        for name in CACHE_LOGGERS:
-            logger = logging.getLogger(name)
-            self._saved.append((logger.level, logger.propagate))
-            logger.setLevel(logging.INFO)
-            logger.propagate = False  # INFO here is a line per graph: collected, not printed by torch's handler
-            logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        for name, (level, propagate) in zip(CACHE_LOGGERS, self._saved):
-            logger = logging.getLogger(name)
-            logger.removeHandler(self)
-            logger.setLevel(level)
-            logger.propagate = propagate
 
 
 class RecompileLog(logging.Handler):

@@ -4,14 +4,16 @@
 
 Model: the Qwen3-VL-4B architecture (``recipes/configs/qwen3_vl_4b_instruct.json``) with random bf16
 weights (speed does not depend on their values), built once and shared by every arm. Data: the
-EO-Gym-shaped sample of ``bench/prep_throughput.py`` (row images up to 4000x4000 px, crops in tool
-results), prepared by the library's own data prep (8,192-token budget, 1,003,520-px cap).
+EO-Gym-shaped sample of ``bench/common.py`` (row images up to 4000x4000 px, crops in tool results),
+prepared by the recipe's own :func:`~eogym_sft.training.sft.build_datasets` (8,192-token budget, 1,003,520-px cap).
 
 Arms (all LoRA r16/alpha32 on the 7 language-model projections, bf16):
   A        plain TRL ``SFTTrainer`` with its own vision collator and defaults (gradient checkpointing,
            padded batches of 4, SDPA, every non-pad token trained, dataloader_num_workers=0, dropout 0.05)
-  B        the recipe as shipped, read from ``recipes/eo_gym_4b.yaml`` (per-device batch x --grad-accum
-           micro-batches a step; with the YAML's 2, the same 4 samples a step as A)
+  B        the recipe as shipped: ``recipes/eo_gym_4b.yaml`` read by TrlParser as ``recipes/eo_gym_4b.py``
+           reads it, its model, collator and trainer built by the recipe's own builders in
+           ``eogym_sft/training/sft.py`` (per-device batch x --grad-accum micro-batches a step; with the
+           YAML's 2, the same 4 samples a step as A)
   B-...    B with one feature switched (see ARMS)
 
 Per arm: real (non-pad) tokens/s wall-clock including data loading, supervised tokens/s, peak
@@ -39,16 +41,8 @@ import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from step_probe import (  # noqa: E402
-    CacheBypassLog,
-    ProfileLastStep,
-    RecompileLog,
-    StepProbe,
-    annotate,
-    compile_caches,
-    compile_phases,
-    component_times,
-)
+from common import generate_sample  # noqa: E402
+from step_probe import ProfileLastStep, RecompileLog, StepProbe, annotate, component_times  # noqa: E402
 
 from eogym_sft.config import ImageConfig  # noqa: E402
 from eogym_sft.training.trainer import stop_dataloader_workers  # noqa: E402
@@ -61,7 +55,6 @@ RECIPE = yaml.safe_load((REPO / "recipes/eo_gym_4b.yaml").read_text())
 SHIPPED = {
     "pack": RECIPE["padding_free"],
     "attn": RECIPE["attn_implementation"],
-    "head": "supervised",
     "gc": RECIPE["activation_checkpointing"],
     "compile": RECIPE["compile_layers"],
     "rebalance": RECIPE["train_sampling_strategy"] == "batch_rebalance",
@@ -70,10 +63,11 @@ SHIPPED = {
     "dropout": RECIPE["lora_dropout"],
     "batch": RECIPE["per_device_train_batch_size"],
     "nan_filter": RECIPE["logging_nan_inf_filter"],
-    "model_dtype_pixels": True,  # as the recipe's collator: pixel_values in the model's dtype (bf16), not float32
-    "host_layout": True,  # as the recipe's collator: what the forward would read back from the GPU, from the workers
-    "patch_matmul": True,  # as load_base_model: the vision tower's patch embedding as one matmul (models/patch_embed.py)
-    "compile_vision": True,  # as sft.py under compile_layers: the vision blocks and mergers compiled (models/vision_blocks.py)
+    # the recipe's own, switched off by the bench only for an arm that measures them
+    "model_dtype_pixels": True,  # build_collator: pixel_values in the model's dtype (bf16), not float32
+    "host_layout": True,  # build_collator: what the forward would read back from the GPU, from the workers
+    "patch_matmul": True,  # load_base_model: the vision tower's patch embedding as one matmul (models/patch_embed.py)
+    "compile_vision": True,  # build_model under compile_layers: the vision blocks and mergers compiled (models/vision_blocks.py)
 }
 ARMS = {
     "A": None,
@@ -84,14 +78,9 @@ ARMS = {
     "B-nocompile": {"compile": False},
     "B-fixedcount": {"rebalance": False},
     "B-padded": {"pack": False},
-    "B-sdpa": {"attn": "sdpa"},
-    "B-flash": {"attn": "eogym_varlen"},  # flash's varlen kernel, the recipe's attention until 2026-12-01 (B: cuDNN's, per sample)
-    "B-fullhead": {"head": "full"},
-    "B-trlhead": {"head": "trl"},
+    "B-flash": {"attn": "eogym_varlen"},  # flash's varlen kernel (B: cuDNN's, per sample)
     "B-dropout0": {"dropout": 0.0},
-    "B-workers0": {"workers": 0},
-    "B-workers4": {"workers": 4},  # the recipe's until 2026-12-01: the first step waits longer for its 32 micro-batches
-    "B-workers8": {"workers": 8},  # the recipe's since 2026-12-01 (B); kept for the idle_trace stage's command
+    "B-workers4": {"workers": 4},  # the first step waits longer for its 32 micro-batches
     "B-prefetch2": {"prefetch": 2},  # torch's default queue: 2 micro-batches a worker in flight
     "B-nanfilter": {"nan_filter": True},  # transformers' default: a host sync after every micro-batch
     "B-pixels32": {"model_dtype_pixels": False},  # the processor's float32 pixel_values (twice the bytes to pin and copy)
@@ -101,7 +90,7 @@ ARMS = {
     "B-b1-conv3d": {"batch": 1, "patch_matmul": False},  # B-conv3d at the 80 GB setting, against B-b1 on an H100
     "B-visioneager": {"compile_vision": False},  # the vision tower eager, transformers' per-image SDPA loop
     "B-b1-visioneager": {"batch": 1, "compile_vision": False},  # B-visioneager at the 80 GB setting, against B-b1
-    # B without the two vision-tower levers of 2026-12-05 (patch matmul, compiled vision blocks): their sum
+    # B without the two vision-tower levers (patch matmul, compiled vision blocks): their sum
     "B-nolevers": {"patch_matmul": False, "compile_vision": False},
     "B-b1-nolevers": {"batch": 1, "patch_matmul": False, "compile_vision": False},  # B-nolevers against B-b1 (80 GB)
 }
@@ -110,11 +99,6 @@ ARMS = {
 def arm_settings(arm: str) -> dict | None:
     """A B arm's settings: the shipped ones with the arm's changes (``None`` for plain TRL's arm A)."""
     return None if ARMS[arm] is None else dict(SHIPPED, **ARMS[arm])
-
-
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def _memory(kind: str) -> float:
@@ -142,17 +126,17 @@ def flops_per_sample(lengths_and_sup, images, cfg) -> float:
 
 
 def prepare_data(workdir: Path, rows: int, model_dir: Path, max_pixels: int = ImageConfig.max_pixels):
-    from prep_throughput import generate_sample
-
-    from eogym_sft.data.datasets import load_or_prepare
-    from eogym_sft.data.prepare import PrepConfig
+    """``rows`` rows of the bench's sample, prepared by the recipe's :func:`build_datasets` into ``workdir/prepared``."""
     from eogym_sft.models.processor import load_processor
+    from eogym_sft.training.sft import build_datasets
 
     jsonl, root = generate_sample(workdir / "sample", rows=rows, seed=0)
     min_pixels = min(ImageConfig.min_pixels, max_pixels)  # a CPU smoke run's cap may be under the floor
     processor = load_processor(str(model_dir), max_pixels, min_pixels)
-    prep = PrepConfig(data_root=str(root))
-    dataset, stats = load_or_prepare(str(jsonl), str(model_dir), processor, prep, workdir / "prepared", os.cpu_count())
+    script, training, model_args = recipe_configs(SHIPPED, workdir, 1, 1, model_dir, root)
+    script.dataset_path, script.prepared_dir = str(jsonl), str(workdir / "prepared")
+    script.max_pixels, script.min_pixels = max_pixels, min_pixels
+    dataset, _, stats = build_datasets(script, training, model_args, processor)
     return dataset, stats, root, processor
 
 
@@ -234,35 +218,45 @@ class StepLosses:
         return torch.stack(self.values).view(-1, micro).sum(1).tolist()
 
 
-def _full_logits_trainer():
-    from transformers import Trainer
+def recipe_configs(s: dict, out: Path, steps: int, grad_accum: int, model_dir, root):
+    """A B arm's ``(script, training, model)`` configs: the recipe's YAML through TrlParser, as ``recipes/eo_gym_4b.py``
+    reads it, with the arm's settings ``s``, the bench's run length and no eval, save or (nearly) logging."""
+    from trl import ModelConfig, SFTConfig, TrlParser
 
-    from eogym_sft.training.trainer import EOGymSFTTrainer
+    from eogym_sft.config import EOGymScriptArguments
 
-    class FullLogitsTrainer(EOGymSFTTrainer):
-        """The ablation: the model's own loss over full logits (every position through the LM head)."""
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return Trainer.compute_loss(self, model, {**inputs, "use_cache": False}, return_outputs, num_items_in_batch)
-
-    return FullLogitsTrainer
+    cpu = DEVICE == "cpu"
+    flags = {
+        "model_name_or_path": model_dir, "data_root": root, "output_dir": out, "eval_fraction": 0, "eval_strategy": "no",
+        "save_strategy": "no", "logging_steps": 1000, "report_to": "none", "max_steps": steps,
+        "gradient_accumulation_steps": grad_accum, "per_device_train_batch_size": s["batch"], "padding_free": s["pack"],
+        "attn_implementation": s["attn"], "activation_checkpointing": s["gc"], "compile_layers": s["compile"],
+        "train_sampling_strategy": "batch_rebalance" if s["rebalance"] else "random", "lora_dropout": s["dropout"],
+        "dataloader_num_workers": s["workers"], "dataloader_persistent_workers": s["workers"] > 0,
+        "logging_nan_inf_filter": s["nan_filter"], "use_cpu": cpu, "bf16": not cpu,
+    }
+    if s["prefetch"] is not None and s["workers"] > 0:
+        flags["dataloader_prefetch_factor"] = s["prefetch"]
+    if cpu:  # a smoke run: the fused optimizer and bf16 are the GPU's
+        flags.update(optim="adamw_torch", dtype="float32")
+    argv = ["--config", str(REPO / "recipes/eo_gym_4b.yaml")]
+    for key, value in flags.items():
+        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return TrlParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False).parse_args_and_config(argv)
 
 
 def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: int, grad_accum: int):
+    """Arm A: plain TRL. A B arm: the recipe's configs (:func:`recipe_configs`) through the recipe's builders, on
+    ``base``; the bench itself only switches off what an arm measures (the patch matmul, the compiled vision
+    blocks, the collator's pixel dtype and host layout)."""
+    from dataclasses import replace
+
     from trl import SFTConfig, SFTTrainer
 
-    from eogym_sft.models.loading import apply_lora, compile_language_layers
-    from eogym_sft.data.collator import EOGymCollator
-    from eogym_sft.models.host_layout import VisionGeometry
-    from eogym_sft.models.vision_blocks import compile_vision_blocks
-    from eogym_sft.training.trainer import EOGymSFTTrainer
+    from eogym_sft.models.loading import compile_language_layers
+    from eogym_sft.training.sft import build_collator, build_model
+    from eogym_sft.training.sft import build_trainer as recipe_trainer
 
-    FullLogitsTrainer = _full_logits_trainer()
-    common = dict(
-        output_dir=str(out), max_steps=steps, learning_rate=1e-4, bf16=DEVICE == "cuda", logging_steps=1000, save_strategy="no",
-        report_to="none", seed=42, remove_unused_columns=False, max_length=None, use_cpu=DEVICE == "cpu",
-        activation_checkpointing_kwargs={"use_reentrant": False},
-    )
     if arm == "A":
         from peft import LoraConfig
 
@@ -270,36 +264,29 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
 
         base.set_attn_implementation("sdpa")
         _patch_conv3d(base)  # plain transformers: its Conv3d patch embedding
-        args = SFTConfig(per_device_train_batch_size=4, activation_checkpointing=True, dataloader_num_workers=0, **common)
+        args = SFTConfig(
+            output_dir=str(out), max_steps=steps, learning_rate=1e-4, bf16=DEVICE == "cuda", logging_steps=1000,
+            save_strategy="no", report_to="none", seed=42, remove_unused_columns=False, max_length=None,
+            use_cpu=DEVICE == "cpu", activation_checkpointing_kwargs={"use_reentrant": False},
+            per_device_train_batch_size=4, activation_checkpointing=True, dataloader_num_workers=0,
+        )
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
-    base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})
+    script, training, model_args = recipe_configs(s, out, steps, grad_accum, out.parent / "processor", root)  # build_base's folder
+    base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})  # load_base_model's, on this base
     if not s["patch_matmul"]:
         _patch_conv3d(base)
-    torch.manual_seed(RECIPE["seed"])  # the same adapter in every B arm, whatever ran before: their losses compare
-    model = apply_lora(base, dropout=s["dropout"])
-    if s["gc"]:
-        model.enable_input_require_grads()
-    if s["compile"]:
+    eager_vision = s["compile"] and not s["compile_vision"]
+    script.compile_layers = s["compile"] and not eager_vision
+    model = build_model(script, training, model_args, base=base)  # seeded: the same adapter in every B arm
+    if eager_vision:
         compile_language_layers(model)
-    if s["compile"] and s["compile_vision"]:
-        compile_vision_blocks(model)  # before the collator reads the tower's settings, as in sft.py
-    args = SFTConfig(
-        per_device_train_batch_size=s["batch"], gradient_accumulation_steps=grad_accum, activation_checkpointing=s["gc"],
-        dataloader_num_workers=s["workers"], dataloader_pin_memory=True, dataloader_persistent_workers=s["workers"] > 0,
-        dataloader_prefetch_factor=s["prefetch"] if s["workers"] > 0 else None,
-        dataset_kwargs={"skip_prepare_dataset": True}, optim=RECIPE["optim"] if DEVICE == "cuda" else "adamw_torch",
-        train_sampling_strategy="batch_rebalance" if s["rebalance"] else "random", length_column_name="n_tokens",
-        logging_nan_inf_filter=s["nan_filter"], **common,
-    )
-    collator = EOGymCollator(
-        processor, data_root=str(root), padding_free=s["pack"],
-        pixel_dtype=base.dtype if s["model_dtype_pixels"] else None,
-        host_layout=s["host_layout"], vision=VisionGeometry.of(base) if s["host_layout"] else None,
-    )
-    cls = {"supervised": EOGymSFTTrainer, "trl": SFTTrainer, "full": FullLogitsTrainer}[s["head"]]
-    return cls(model=model, args=args, data_collator=collator, train_dataset=dataset, processing_class=processor)
+    collator = build_collator(script, training, processor, model)
+    if not (s["model_dtype_pixels"] and s["host_layout"]):
+        collator = replace(collator, pixel_dtype=collator.pixel_dtype if s["model_dtype_pixels"] else None,
+                           host_layout=s["host_layout"], vision=collator.vision if s["host_layout"] else None)
+    return recipe_trainer(training, model, collator, processor, dataset)
 
 
 def _patch_conv3d(model) -> None:
@@ -339,7 +326,7 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     losses = StepLosses(trainer)
     t0 = time.perf_counter()
     try:
-        with RecompileLog() as recompiles, CacheBypassLog() as bypasses:
+        with RecompileLog() as recompiles:
             trainer.train()
     finally:
         stop_dataloader_workers(trainer)  # the TRL arms' SFTTrainer does not (ours does in train())
@@ -370,20 +357,14 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
         "mfu": flops / wall / PEAK_FLOPS,
         **timing,
         "time_to_first_step_s": probe.ends[0] - t0,  # from the call to train(): dataloader and optimizer set-up included
-        # of it, before the Trainer's loop begins (on_train_begin): 0.4 s for a process's first arm on an H200, 21 s
-        # for the second (call 4 of 2026-12-01), so the first step of arms after the first is best read from the loop
+        # of it, before the Trainer's loop begins (on_train_begin): a later arm's first step is best read from the loop
         "pre_loop_s": probe.train_start - t0,
-        # each timed step's seconds and this rank's real tokens: a step's pace is its tokens over its seconds; a trend
-        # across steps shows what warms up late (cuDNN's plans for new sample lengths: profile.gaps, docs/benchmarks.md)
+        # a step's pace is its tokens over its seconds; a trend across steps shows what warms up late
         "timed_step_s": [e - b for b, e in zip(probe.begins[warmup:warmup + steps], probe.ends[warmup:warmup + steps])],
         "timed_step_real_tokens": [sum(counted.real[i * micro:(i + 1) * micro]) for i in range(warmup, warmup + steps)],
         "recompiles": len(recompiles.messages),
         "recompile_reasons": recompiles.reasons(),
-        "compile_phases_s": compile_phases(),  # the process's so far: this arm's and those before it
-        "compile_caches": compile_caches(),  # likewise
-        "cache_bypass_reasons": sorted(set(bypasses.reasons)),
-        # warm-up steps included: step 1's is the base model's loss (LoRA's B starts at 0), so between B arms that batch
-        # alike it compares the kernels' forward alone; later steps also their gradients (bench/README.md)
+        # warm-up steps included; between B arms that batch alike they compare (bench/README.md)
         "step_losses": losses.per_step(micro),
     }
     if profiler:
@@ -412,6 +393,8 @@ def _restore(base, model) -> None:
 
 
 def build_base(config_path: Path, workdir: Path):
+    """The model every arm shares: ``config_path``'s architecture with random weights, readied as
+    ``load_base_model`` readies a checkpoint; and its folder (config and processor) for the configs' model path."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from eogym_sft.models.attention import (

@@ -9,26 +9,12 @@ Commands (from the repository root)::
     # the Qwen3-VL-4B architecture with random weights on a GPU (bench/h200_session.sh validate_1gpu)
     PYTHONPATH=. python bench/validate_throughput.py --model /tmp/qwen3vl4b-random --rows 100 --json validate_h200.json
 
-What it does: (a) takes ``--data``/``--data-root`` or writes the EO-Gym-shaped sample of
-``bench/prep_throughput.py`` and prepares it as ``validate`` does; (b) loads the model in the evaluation
-dtype (bf16 on GPU, fp32 on CPU) with the same random rank-16 LoRA adapter (the recipe's targets), once
-per attention and compile setting; (c) runs each path of ``--paths`` on every sample through
-:func:`~eogym_sft.evaluation.validate.score_arms`, after one warm-up batch (where the layers compile):
-
-- ``old``: validate's former settings: padded batches of ``--old-batch-size`` (its former default, 4)
-  through SDPA, collated in the main process, eager layers, the adapter arm;
-- ``new``: validate's defaults: packed batches of ``--batch-size`` through the recipe's attention
-  (``eogym_varlen_cudnn`` on CUDA, ``eogym_varlen`` elsewhere), collated by
-  ``ValidateConfig.dataloader_workers`` DataLoader workers (at most CPUs - 1), layers compiled on CUDA,
-  the adapter arm;
-- ``new-2arms``: ``new`` with the base arm too (validate's default arms), each batch collated once and run
-  through both;
-- ``new-eager`` (``new`` without compiled layers) and ``new-inline`` (``new`` collated in the main process),
-  to tell the levers apart.
-
-Tokens/s counts every token the forwards run (context included, padding excluded, each arm's) over the
-timed wall time; model loading, prep and the warm-up (``warmup_s``, compilation included) are excluded.
-The JSON also records how far the old and new paths' figures are apart (bf16 on GPU: not bit-equal).
+It prepares ``--data`` (or the EO-Gym-shaped sample of ``bench/common.py``) as ``validate`` does, loads the model
+with one random rank-16 LoRA adapter once per attention and compile setting, and runs each path of ``--paths`` (bench/README.md,
+its Validation section) on every sample through :func:`~eogym_sft.evaluation.validate.score_arms`, after one warm-up batch
+(where the layers compile). Tokens/s counts every token the forwards run (padding excluded, each arm's) over the
+timed wall time; loading, prep and the warm-up (``warmup_s``) are excluded. The JSON records how far the old and new
+paths' figures are apart (bf16 on GPU: not bit-equal).
 """
 
 from __future__ import annotations
@@ -40,15 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eval_throughput import add_random_lora, add_run_args, machine_info, run_data  # noqa: E402 (the bench folder)
-from prep_throughput import scratch_dir, write_result  # noqa: E402
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from common import add_random_lora, add_run_args, machine_info, peak_gib, run_data, scratch_dir, sync, write_result  # noqa: E402
 
 
 PATHS = ("old", "new", "new-2arms", "new-eager", "new-inline")
@@ -84,14 +62,14 @@ def time_path(name: str, settings: dict, model, collator, dataset, device) -> tu
     batch_size, workers = settings["batch_size"], settings["workers"]
     start = time.perf_counter()
     score_arms(model, arms, collator, dataset.select(range(min(batch_size, len(dataset)))), batch_size, device, progress=False)
-    _sync(device)
+    sync(device)
     warmup = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stats: dict = {}
     start = time.perf_counter()
     scores = score_arms(model, arms, collator, dataset, batch_size, device, progress=False, stats=stats, workers=workers)
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - start
     run = {
         "path": name,
@@ -102,7 +80,7 @@ def time_path(name: str, settings: dict, model, collator, dataset, device) -> tu
         "warmup_s": round(warmup, 3),
         "wall_s": round(wall, 3),
         "tokens_per_s": round(stats["tokens"] / wall, 1),
-        "peak_gpu_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "peak_gpu_mem_gib": peak_gib(device),
     }
     return run, scores
 
@@ -133,9 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     from eogym_sft.config import SampleConfig
     from eogym_sft.data.datasets import load_or_prepare
     from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.evaluation.validate import scoring_collator
     from eogym_sft.models.loading import resolve_device
     from eogym_sft.models.processor import load_processor
-    from eogym_sft.data.collator import EOGymCollator
 
     with scratch_dir(args.workdir, "eogym_validate_bench_") as workdir:
         data, root = run_data(args, workdir)
@@ -154,9 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
             if kind not in models:
                 models.clear()  # one model in memory at a time
                 models[kind] = load_model(args.model, settings, dtype, device, args.seed)
-            collator = EOGymCollator(
-                processor, max_length=sample.max_length, data_root=str(root), padding_free=settings["packed"], skip_bad_images=True, pixel_dtype=dtype,
-            )
+            collator = scoring_collator(processor, sample.max_length, str(root), settings["attention"], dtype)  # validate's own
             run, scores[name] = time_path(name, settings, models[kind], collator, dataset, device)
             runs.append(run)
             print(json.dumps(run), flush=True)
@@ -167,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
             "command": " ".join(["python", "bench/validate_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
             "model": args.model,
             "dtype": str(dtype).replace("torch.", ""),
-            "data": str(data) if args.data else f"generated by bench/prep_throughput.py, {args.rows} rows, seed {args.seed}",
+            "data": str(data) if args.data else f"generated by bench/common.py, {args.rows} rows, seed {args.seed}",
             "samples": len(dataset),
             "mean_sample_tokens": round(runs[0]["tokens"] / max(len(dataset), 1), 1),
             "prep_s": round(prep_s, 2),

@@ -1,12 +1,11 @@
-"""The training benches on CPU with the tiny model: ``bench/train_throughput.py`` with its step probe and
-profiler breakdown, and ``bench/recipe_throughput.py`` timing the recipe itself. Figures are not checked
-(CPU), the accounting is: steps, tokens, components."""
+"""The training bench on CPU with the tiny model: ``bench/train_throughput.py`` with its step probe and
+profiler breakdown, arm B built by the recipe's own builders. Figures are not checked (CPU), the accounting is:
+steps, tokens, components."""
 
 from __future__ import annotations
 
 import copy
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -66,6 +65,22 @@ def test_train_bench_times_steps_and_breaks_a_step_into_components(tiny_config, 
     assert 0 < profile["window_s"] < elapsed - result["timed_wall_s"] and profile["gpu_busy_fraction"] is None  # CPU run
 
 
+def test_a_b_arm_is_the_recipes_yaml_with_only_its_own_changes(tmp_path):
+    """Arm B's configs are ``recipes/eo_gym_4b.yaml`` as TrlParser reads it; an arm changes only its settings."""
+    from train_throughput import arm_settings, recipe_configs
+
+    script, training, model = recipe_configs(arm_settings("B"), tmp_path / "B", 3, 2, "m", "r")
+    assert (script.compile_layers, training.padding_free, training.train_sampling_strategy) == (True, True, "batch_rebalance")
+    assert (model.attn_implementation, model.lora_r, model.lora_dropout) == ("eogym_varlen_cudnn", 16, 0.05)
+    assert (training.per_device_train_batch_size, training.gradient_accumulation_steps, training.max_steps) == (2, 2, 3)
+    assert (training.weight_decay, training.lr_scheduler_type, training.seed) == (0.1, "cosine", 42)  # the YAML's, untouched
+    assert training.dataloader_num_workers == 8 and not training.logging_nan_inf_filter and not training.activation_checkpointing
+    _, b1, _ = recipe_configs(arm_settings("B-b1-GC"), tmp_path / "b1", 3, 2, "m", "r")
+    assert (b1.per_device_train_batch_size, b1.activation_checkpointing) == (1, True)
+    _, fixed, flash = recipe_configs(arm_settings("B-fixedcount"), tmp_path / "f", 3, 2, "m", "r")
+    assert fixed.train_sampling_strategy == "random" and flash.attn_implementation == "eogym_varlen_cudnn"
+
+
 def test_micro_batches_are_counted_where_they_are_collated():
     """The bench counts each micro-batch on the host, as the collator builds it (no sync in the timed step):
     packed samples by their position restarts, padded rows by their mask; supervised tokens after the shift."""
@@ -96,80 +111,6 @@ def test_step_losses_sum_each_steps_micro_batches():
     for value in (1.0, 2.0, 0.5, 0.25):
         assert trainer.training_step(None, value, None) == value
     assert losses.per_step(2) == [3.0, 0.75]
-
-
-@pytest.fixture(scope="module")
-def recipe_halves(tiny_model_dir, tmp_path_factory):
-    """``bench/recipe_throughput.py`` on a run longer than one GPU call: the first half starts the run and stops
-    with a checkpoint after step 2 of 4, the second resumes there (same --total-steps, so the same run to the
-    resume check) and times the rest. Both tests below read these two reports."""
-    import recipe_throughput
-    from test_recipe import recipe_args, write_rows
-
-    tmp_path = tmp_path_factory.mktemp("recipe_bench")
-    data = write_rows(tmp_path / "data")
-    cpu = recipe_args(tiny_model_dir, data, tmp_path / "unused", tmp_path / "prepared", steps=0)
-    common = ["--model", str(tiny_model_dir), "--dataset", str(data), "--data-root", str(data.parent), "--warmup", "1",
-              "--steps", "1", "--total-steps", "4", "--output-dir", str(tmp_path / "run")]
-    first = recipe_throughput.main([*common, "--stop-after", "2", "--json", str(tmp_path / "first.json"), "--", *cpu])
-    checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
-    second = recipe_throughput.main([*common, "--", *cpu, "--resume_from_checkpoint", "last"])
-    return {"first": first, "second": second, "checkpoints_after_first": checkpoints, "dir": tmp_path}
-
-
-@pytest.mark.slow(49)
-def test_recipe_bench_times_the_recipe_itself(recipe_halves):
-    report = recipe_halves["first"]
-    recipe = report["recipe"]
-    assert recipe["timed_steps"] == 1 and len(recipe["step_s"]) == 2 and len(recipe["optimizer_s"]) == 2
-    assert len(recipe["real_tokens_per_step"]) == 2 and all(n > 0 for n in recipe["real_tokens_per_step"])
-    assert recipe["real_tokens_per_s"] == pytest.approx(sum(recipe["real_tokens_per_step"][1:]) / recipe["timed_wall_s"])
-    assert recipe["setup_s"] > 0 and recipe["time_to_first_step_from_start_s"] > recipe["time_to_first_step_s"]
-    assert recipe["pixel_dtype"] == "torch.float32"  # the model's dtype on CPU (--dtype float32), handed to the collator
-    assert json.loads((recipe_halves["dir"] / "first.json").read_text())["side_by_side"] is None
-
-
-@pytest.mark.slow
-def test_recipe_bench_times_a_run_in_resumed_halves(recipe_halves):
-    first, second = recipe_halves["first"]["recipe"], recipe_halves["second"]["recipe"]
-    assert first["eval_s"] == [] and recipe_halves["checkpoints_after_first"] == ["checkpoint-2"]
-    assert len(second["step_s"]) == 2 and second["timed_steps"] == 1
-    assert len(second["eval_s"]) == 1  # one evaluation, after the last step
-    run = recipe_halves["dir"] / "run"
-    assert (run / "adapter_model.safetensors").is_file()
-    assert json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
-
-
-def test_side_by_side_puts_arm_b_beside_the_recipe(tmp_path):
-    from recipe_throughput import side_by_side
-
-    baseline = tmp_path / "train.json"
-    baseline.write_text(json.dumps({"results": [{"arm": "A", "real_tokens_per_s": 1.0},
-                                                {"arm": "B", "real_tokens_per_s": 400.0, "median_step_s": 2.0}]}))
-    row = side_by_side({"real_tokens_per_s": 300.0}, str(baseline))
-    assert row["recipe_vs_B_tokens_per_s"] == 0.75 and row["B_median_step_s"] == 2.0 and row["B_recompiles"] is None
-    assert side_by_side({}, None) is None
-    assert "error" in side_by_side({"real_tokens_per_s": 1.0}, str(baseline), arm="B-fixedcount")
-
-
-def test_determinism_bench_reads_two_runs(tmp_path):
-    """bench/determinism.py on two fake runs: one LoRA tensor and one logged loss differ by a known amount."""
-    import torch
-    from determinism import compare_runs
-    from safetensors.torch import save_file
-
-    for run, delta in (("a", 0.0), ("b", 0.25)):
-        (tmp_path / run / "checkpoint-2").mkdir(parents=True)
-        save_file({"x.lora_A.weight": torch.ones(2, 2), "x.lora_B.weight": torch.full((2, 2), 0.5 + delta)}, str(tmp_path / run / "adapter_model.safetensors"))
-        history = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": 1.5 + delta, "grad_norm": 1.0}, {"step": 2, "eval_loss": 1.7}]
-        (tmp_path / run / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"log_history": history}))
-    result = compare_runs(tmp_path / "a", tmp_path / "b")
-    assert result["adapter"] == {
-        "tensors": 2, "tensors_differing": 1, "max_abs_diff": 0.25, "max_abs_weight": 1.0,
-        "worst_tensors": {"x.lora_B.weight": 0.25, "x.lora_A.weight": 0.0},
-    }
-    assert result["curves"]["loss"]["steps"] == [1, 2] and result["curves"]["loss"]["max_abs_diff"] == 0.25
-    assert result["curves"]["grad_norm"]["max_abs_diff"] == 0.0 and result["curves"]["eval_loss"]["max_abs_diff"] == 0.0
 
 
 def test_profile_counts_each_kernel_once():
@@ -238,102 +179,3 @@ def test_gpu_gaps_are_summed_by_the_host_op_running_at_each_end():
                               {"op": "aten::mm < eogym::vision_tower < Trainer.step", "s": 25e-6, "gaps": 1}]
     assert [g["us"] for g in gaps["longest"]] == [100.0, 25.0]
     assert gpu_gaps(events, min_gap_us=5)["count"] == 3
-
-
-def test_compile_phases_reads_dynamos_timers():
-    """Where compile time goes, from Dynamo's own timers: a compile on CPU shows its tracing phase."""
-    import torch
-    from step_probe import compile_phases
-
-    torch._dynamo.reset()
-    torch.compile(lambda x: (x.sin() + 1).relu(), backend="aot_eager")(torch.randn(4))
-    phases = compile_phases()
-    assert phases["_compile.compile_inner"] > 0 and phases["entire_frame_compile"] > 0  # both of Dynamo's timers
-    assert list(phases.values()) == sorted(phases.values(), reverse=True)
-    torch._dynamo.reset()
-
-
-def test_compile_phases_do_not_depend_on_the_table_layout(monkeypatch):
-    """With the `tabulate` package installed (the H200 image has it) Dynamo's printable table is aligned
-    with spaces; a parser of the plain comma form found no phase there. The phases must not change."""
-    import torch
-    import torch._dynamo.utils as dynamo_utils
-    from step_probe import compile_phases
-
-    def spaced_table(rows, headers):
-        return "\n".join(f"{name:<40}{value:>12}" for name, value in [headers, *rows])
-
-    torch._dynamo.reset()
-    torch.compile(lambda x: (x.cos() * 2).relu(), backend="aot_eager")(torch.randn(4))
-    plain = compile_phases()
-    monkeypatch.setattr(dynamo_utils, "tabulate", spaced_table)
-    assert dynamo_utils.compile_times(repr="str", aggregate=True).count(",") == 0
-    assert compile_phases() == plain and plain["_compile.compile_inner"] > 0
-    torch._dynamo.reset()
-
-
-@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="Inductor on CPU needs a C++ compiler")
-def test_compile_caches_count_inductors_cache_and_name_a_bypass():
-    """A CPU Inductor compile goes through the FX graph cache: a miss the first time, a hit once Dynamo forgets
-    the graph; the counters and a bypass's logged reason are what the benches report for a warm relaunch."""
-    import logging
-
-    import torch
-    from step_probe import CacheBypassLog, compile_caches
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    torch._dynamo.reset()
-    fn = lambda x: (x.cos() * 3).relu()  # noqa: E731
-    with torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
-        torch.compile(fn, backend="inductor")(torch.randn(8))
-        torch._dynamo.reset()
-        torch.compile(fn, backend="inductor")(torch.randn(8))
-    caches = compile_caches()
-    assert caches["fx_graph"]["miss"] + caches["fx_graph"]["hit"] == 2 and caches["fx_graph"]["hit"] >= 1
-    with CacheBypassLog() as log:
-        logging.getLogger("torch._inductor.codecache").info("Bypassing FX Graph Cache because '%s'", "a reason")
-        logging.getLogger("torch._inductor.codecache").info("something else")
-    assert log.reasons == ["Bypassing FX Graph Cache because 'a reason'"]
-    torch._dynamo.reset()
-
-
-def test_collate_bench_times_both_pixel_dtypes_on_the_same_micro_batches(tmp_path):
-    """``bench/collate_throughput.py``: both arms collate the same images; bfloat16 pixels are exactly half the bytes."""
-    import collate_throughput
-    from PIL import Image
-
-    for i, size in enumerate([(64, 48), (96, 96), (40, 120)]):
-        Image.new("RGB", size, (30 * i, 90, 200)).save(tmp_path / f"im{i}.png")
-    out = tmp_path / "collate.json"
-    report = collate_throughput.main(["--data-root", str(tmp_path), "--micro-batches", "2", "--images", "2,1",
-                                      "--max-pixels", "16384", "--min-pixels", "1024", "--json", str(out)])
-    rows = report["median_per_micro_batch"]
-    assert set(rows) == {"float32", "bfloat16"} and report["timed_micro_batches"] == 2
-    assert rows["bfloat16"]["pixel_mib"] * 2 == rows["float32"]["pixel_mib"] > 0
-    assert all(row["collate_ms"] > 0 and row["handover_ms"] > 0 for row in rows.values())
-    assert json.loads(out.read_text())["images_per_sample"] == [2, 1]
-
-
-def test_sft_loss_bench_times_both_losses_on_the_same_logits(tmp_path):
-    """``bench/sft_loss.py``: both arms, alternating, on the same logits; they agree to float32 rounding."""
-    import sft_loss
-
-    out = tmp_path / "loss.json"
-    report = sft_loss.main(["--positions", "16", "--vocab", "64", "--repeats", "2", "--json", str(out)])
-    assert set(report["arms"]) == {"one-softmax", "log_softmax"}
-    assert all(len(arm["seconds"]) == 2 and arm["peak_gib"] is None for arm in report["arms"].values())  # CPU: no peak
-    assert set(report["max_abs_diff"]) == {"loss", "entropy", "grad"} and max(report["max_abs_diff"].values()) < 1e-5
-    assert report["same_argmax"] and report["speedup"] > 0 and json.loads(out.read_text())["settings"]["positions"] == 16
-
-
-def test_patch_embed_probe_times_the_convolution_and_its_matmul_on_the_same_patches(tmp_path):
-    """``bench/patch_embed_probe.py``: transformers' Conv3d and the same weights as one matmul agree (float32 on a CPU)."""
-    import patch_embed_probe
-
-    out = tmp_path / "patch_embed.json"
-    report = patch_embed_probe.main(["--patches", "64", "--repeats", "2", "--json", str(out)])
-    assert set(report["arms"]) == {"conv3d", "linear"} and all(len(arm["ms"]) == 2 for arm in report["arms"].values())
-    assert report["max_abs_diff"] < 1e-4 and report["conv3d_over_linear"] > 0
-    assert json.loads(out.read_text())["settings"] == {"patches": 64, "kernel": [2, 16, 16], "hidden": 1024,
-                                                      "dtype": "torch.float32", "repeats": 2}

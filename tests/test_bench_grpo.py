@@ -35,15 +35,6 @@ def test_grpo_bench_runs_both_engines_on_the_same_forced_episodes(tiny_model_dir
         assert 0 < arm["other_dataloader_s"] + arm["other_logging_s"] <= arm["other_s"]
     assert slots["rollout_slots"] == 2.0
     assert (trl["text_attention"], slots["text_attention"]) == ("sdpa", "eogym_varlen_cudnn")  # padded vs packed loss
-    check = slots["packed_vs_padded_logps"]  # float32 on CPU: the packed forward gives the padded one's log-probs
-    assert check["tokens"] > 72 and check["max_abs_diff"] < 1e-5 and check["dtype"] == "torch.float32"
-    sampled = slots["decoder_vs_loss_logps"]  # the decoder walked as the engine samples gives the loss's log-probs
-    assert sampled["tokens"] == check["tokens"] and sampled["max_abs_diff"] < 1e-4
-    sft_scale = slots["decoder_vs_loss_logps_variants"]["sft_scale"]  # the same at an adapter of an SFT's size
-    assert sft_scale["tokens"] == check["tokens"] and sft_scale["max_abs_diff"] < 1e-4
-    unmerged = slots["decoder_vs_loss_logps_variants"]["sft_scale_unmerged"]  # PEFT's forward beside the merged weights
-    assert sft_scale["projections"]["merged"] > 0 and unmerged["projections"]["merged"] == 0
-    assert unmerged["tokens"] == check["tokens"] and unmerged["max_abs_diff"] < 1e-4
     assert result["speedup_slots_vs_trl"] == trl["step_s"] / slots["step_s"]
     assert "slots vs trl" in format_table(result)
 

@@ -284,6 +284,17 @@ def dataloader_workers(requested: int) -> int:
     return max(0, min(requested, cpus - 1))
 
 
+def scoring_collator(processor, max_length: int, data_root: str, attention: str, dtype):
+    """Validate's collator: packed batches unless the text tower runs ``sdpa`` (padded), pixels in the model's dtype,
+    a sample whose image fails skipped and named."""
+    from ..data.collator import EOGymCollator
+
+    return EOGymCollator(
+        processor, max_length=max_length, data_root=data_root, padding_free=attention != "sdpa", skip_bad_images=True,
+        pixel_dtype=dtype,
+    )
+
+
 def validate(cfg: ValidateConfig) -> dict:
     """Score every arm on ``cfg.data``; write and return the report."""
     from ..data.datasets import load_or_prepare, split_by_trace
@@ -296,7 +307,6 @@ def validate(cfg: ValidateConfig) -> dict:
         resolve_device,
     )
     from ..models.processor import load_processor
-    from ..data.collator import EOGymCollator
 
     check_validate_output(cfg)
     arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
@@ -308,9 +318,7 @@ def validate(cfg: ValidateConfig) -> dict:
     if cfg.held_out_fraction:
         dataset = split_by_trace(dataset, cfg.held_out_fraction, cfg.seed)[1]
     model = load_inference_model(cfg.model, arms, device, dtype, attn_implementation=attention)
-    collator = EOGymCollator(
-        processor, max_length=cfg.max_length, data_root=cfg.data_root, padding_free=attention != "sdpa", skip_bad_images=True, pixel_dtype=dtype,
-    )
+    collator = scoring_collator(processor, cfg.max_length, cfg.data_root, attention, dtype)
     compiled = default_compile(device) if cfg.compile_layers is None else cfg.compile_layers
     if compiled:
         compile_language_layers(model)

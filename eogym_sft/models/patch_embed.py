@@ -2,8 +2,8 @@
 
 Qwen3-VL embeds each patch (3 channels x 2 frames x 16 x 16 pixels on the 4B) with a ``Conv3d`` whose kernel equals
 its stride: every patch meets the kernel once, so the convolution is ``F.linear`` over the flattened patches with the
-kernel flattened the same way. cuDNN picks slow algorithms for that shape on some versions (transformers#45750, and
-the probe ``bench/patch_embed_probe.py``); cuBLAS runs the matmul. :class:`PatchMatmul` takes the convolution's place
+kernel flattened the same way. cuDNN picks slow algorithms for that shape on some versions (transformers#45750;
+docs/benchmarks.md); cuBLAS runs the matmul. :class:`PatchMatmul` takes the convolution's place
 holding its own ``weight`` and ``bias`` parameters, so names, shapes, state dicts, checkpoints and the frozen flags do
 not change. (transformers' ``fusion_config={"patch_embeddings": True}`` does the same at load, but patches the class
 for every later load in the process.)

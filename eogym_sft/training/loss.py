@@ -19,7 +19,7 @@ class CrossEntropyWithEntropy(torch.autograd.Function):
     ``max - log(softmax[argmax])`` (``softmax[argmax]`` is ``1 / sum(exp(logits - max))``), the entropy
     ``log_normalizer - softmax . logits``, and the backward ``(softmax - one_hot) * grad``, written into the
     kept softmax. No vocabulary-wide temporary besides the softmax: half the peak memory of the three-pass
-    path, and faster on a GPU and a CPU with the argmax (``bench/sft_loss.py``, docs/benchmarks.md).
+    path, and faster on a GPU and a CPU with the argmax (docs/benchmarks.md).
     """
 
     @staticmethod

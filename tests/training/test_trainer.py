@@ -4,6 +4,7 @@ logged token accuracy is the token-weighted count of ``eogym_sft.metrics.token_a
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -655,6 +656,26 @@ def test_a_collator_without_the_host_layout_still_trains(packed_trainers, proces
     assert torch.isfinite(loss) and any(g.abs().sum() > 0 for g in grads) and steps[0, 1] > 0
 
 
+def _cuda_syncs(trainer, batch) -> tuple[Counter, torch.Tensor, list]:
+    """Host syncs of one micro-batch's loss and backward on CUDA, by kind (``set_sync_debug_mode("warn")`` warns at
+    each), with the loss and the LoRA gradients."""
+    import warnings
+
+    batch = trainer._prepare_inputs(batch)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(64, device="cuda"))
+            grads = torch.autograd.grad(loss, params)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counts = Counter(str(w.message).split(" ")[0] for w in caught if "synchroniz" in str(w.message))
+    return counts, loss.detach(), grads
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", ["eogym_varlen", "eogym_varlen_cudnn"])
@@ -662,15 +683,9 @@ def test_the_host_layout_on_a_gpu_syncs_less_and_changes_nothing(processor_at_ca
     """On CUDA (bf16, the recipe's attentions): a packed step through the trainer's DataLoader path (pinned, moved by
     ``_prepare_inputs``) with the layout has the same loss and LoRA gradients as without it, bit for bit, and fewer
     host syncs (``torch.cuda.set_sync_debug_mode("warn")``): none of the vision blocks' ``.tolist()``."""
-    import sys
-    from pathlib import Path
-
     from datasets import Dataset
     from torch.utils.data._utils.pin_memory import pin_memory
     from trl import SFTConfig
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from sync_counter import count
 
     from eogym_sft.data.collator import EOGymCollator
     from eogym_sft.models.attention import add_sample_boundaries, register_varlen_attention
@@ -694,9 +709,9 @@ def test_the_host_layout_on_a_gpu_syncs_less_and_changes_nothing(processor_at_ca
     batch = pin_memory(collator(_examples() * 2))  # as the DataLoader hands it over
     assert batch["host_layout"].supervised.is_pinned() and batch["host_layout"].vision["interp_indices"].is_pinned()
     without = {k: v for k, v in batch.items() if k != "host_layout"}
-    count(trainer, dict(without), "cuda")  # warm-up
-    syncs_without, loss_without, grads_without = count(trainer, dict(without), "cuda")
-    syncs_with, loss_with, grads_with = count(trainer, dict(batch), "cuda")
+    _cuda_syncs(trainer, dict(without))  # warm-up
+    syncs_without, loss_without, grads_without = _cuda_syncs(trainer, dict(without))
+    syncs_with, loss_with, grads_with = _cuda_syncs(trainer, dict(batch))
     assert torch.equal(loss_with, loss_without) and all(torch.equal(a, b) for a, b in zip(grads_with, grads_without))
     print(f"{attention}: host syncs without the layout {dict(syncs_without)}, with it {dict(syncs_with)}")
     assert sum(syncs_with.values()) + 2 * model.config.vision_config.depth <= sum(syncs_without.values())
