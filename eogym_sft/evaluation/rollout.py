@@ -313,8 +313,10 @@ def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
     except Exception as err:  # a row the environment refuses fails alone
         episode = new_episode(row, source, arm, sample, None)
         episode.fail(err)
-        return episode
-    return new_episode(row, source, arm, sample, env)
+    else:
+        episode = new_episode(row, source, arm, sample, env)
+    episode.row["gold_calls"] = gold_calls(row)  # the trace's calls, for the viewer beside the model's
+    return episode
 
 
 def _episode_problem(record: dict) -> dict:

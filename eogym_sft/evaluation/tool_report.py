@@ -59,10 +59,11 @@ def executed_calls(messages: list[dict]) -> list[dict]:
     """The calls of an episode's messages that the environment ran, in order: each assistant turn's calls, less
     those past the per-turn cap, which got one notice (:data:`~eogym_sft.environment.env.SKIPPED_CALLS_NOTICE`)
     and no result."""
+    messages = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
     out = []
     for i, msg in enumerate(messages):
-        calls = (msg.get("tool_calls") or []) if msg.get("role") == "assistant" else []
-        if not calls:
+        calls = msg.get("tool_calls") if msg.get("role") == "assistant" else None
+        if not isinstance(calls, list) or not calls:
             continue
         results = []
         for later in messages[i + 1 :]:
@@ -71,7 +72,10 @@ def executed_calls(messages: list[dict]) -> list[dict]:
             results.append(later.get("content"))
         notice = SKIPPED_CALLS_NOTICE.split("{cap}")[0].format(calls=len(calls))
         ran = len(results) - 1 if results and str(results[-1]).startswith(notice) else min(len(results), len(calls))
-        out += [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])} for c in calls[:ran]]
+        for call in calls[:ran]:
+            function = call.get("function") if isinstance(call, dict) else None
+            function = function if isinstance(function, dict) else {}
+            out.append({"name": function.get("name"), "arguments": _arguments(function.get("arguments"))})
     return out
 
 

@@ -36,6 +36,9 @@ from pathlib import Path
 from ..data.images import ImageError, load_rgb, resolve_image_path
 from ..data.tool_images import ToolImageRule
 from ..safe_json import UntrustedJSONError, jsonl_lines, loads
+from ..metrics.free_running import common_prefix
+from ..metrics.tool_args import same_call, same_call_aoi
+from .tool_report import executed_calls
 
 IMAGE_BUDGET = 64 * 2**20  # bytes of embedded image data in one page
 MAX_JSON_BYTES = 64 * 2**20  # one JSON file a run holds (summary.json, run.json, trainer_state.json, a report)
@@ -402,6 +405,23 @@ def rollout_episode(record: dict, data_root: Path | None, store: ImageStore, tex
         "error": record.get("error"),
         "judge_error": record.get("judge_error"),
         "msgs": page_messages(record.get("messages"), row_images, data_root, store, texts),
+        "gold": gold_view(record.get("gold_calls"), record.get("messages")),
+    }
+
+
+def gold_view(gold, messages) -> dict | None:
+    """The episode's gold calls (its row's trace) beside the calls the tools ran, and how many leading calls
+    match: by name (``tool_exact_match``), name and arguments (``param_prefix``), with a box within IoU 0.5
+    (``param_prefix_aoi@0.5``). ``None`` without a well-formed gold list (a question-only row, an older run)."""
+    if not isinstance(gold, list) or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in gold):
+        return None
+    ran = executed_calls(messages)
+    return {
+        "gold": _flat_calls(gold),
+        "ran": _flat_calls(ran),
+        "names": common_prefix([c.get("name") for c in gold], [c["name"] for c in ran], lambda p, g: p == g),
+        "exact": common_prefix(gold, ran, same_call),
+        "aoi": common_prefix(gold, ran, same_call_aoi),
     }
 
 

@@ -75,7 +75,8 @@ def tool_in_order(gold: list[str], pred: list[str]) -> float:
     return found / len(gold)
 
 
-def _prefix(gold: list, pred: list, same) -> int:
+def common_prefix(gold: list, pred: list, same) -> int:
+    """How many leading calls of ``pred`` match ``gold`` position by position under ``same(pred, gold)``."""
     n = 0
     while n < min(len(gold), len(pred)) and same(pred[n], gold[n]):
         n += 1
@@ -83,11 +84,11 @@ def _prefix(gold: list, pred: list, same) -> int:
 
 
 def tool_exact_match(gold: list[str], pred: list[str]) -> float:
-    return _prefix(gold, pred, str.__eq__) / len(gold) if gold else 0.0
+    return common_prefix(gold, pred, str.__eq__) / len(gold) if gold else 0.0
 
 
 def param_prefix(gold: list[dict], pred: list[dict], same=same_call) -> float:
-    return _prefix(gold, pred, same) / len(gold) if gold else 1.0
+    return common_prefix(gold, pred, same) / len(gold) if gold else 1.0
 
 
 def efficiency(gold: list, pred: list) -> float:

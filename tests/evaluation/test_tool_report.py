@@ -16,6 +16,7 @@ from eogym_sft.evaluation.tool_report import (
     tool_figures,
 )
 from eogym_sft.metrics.free_running import category_f1, f1_pseudo_values
+from eogym_sft.metrics.tool_args import gold_calls
 from eogym_sft.models.loading import Arm
 
 
@@ -250,6 +251,8 @@ def test_scripted_policies_on_the_bundled_sample_through_rollout_and_evaluate(tm
     assert (paired["param_prefix"]["n"], paired["param_prefix"]["delta"]) == (2, -0.75)
     assert paired["pass@1"]["delta"] == -0.5
     report = (out / "report.txt").read_text()
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 4 and all(e["gold_calls"] == gold_calls(rows[e["source_id"]]) for e in episodes)
     assert "sloppy       2       0          1.000         0.500            0.250        0.250                0.250      0.750" in report
 
     # teacher-forced, on the damage row (decoding is the slow part): base writes a near box for the first crop, the

@@ -394,3 +394,19 @@ def test_the_pages_script_handles_any_id_question_or_arm_without_a_browser(tmp_p
     assert sorted(stops[1:]) == sorted([s, 2] for s in ODD_STRINGS) and verdicts == [["(all)", 16], ["correct", 16], ["incorrect", 0], ["unscored", 0]]
     assert run("#compare=__proto__:__proto__:0")["compare"] == ["__proto__", "base"]
     assert run("#compare=%E0%A4%A:base:0")["compare"] == ["__proto__", "base"]  # a malformed %-escape, taken as written
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+def test_a_browser_shows_the_gold_calls_beside_the_models_with_the_matched_prefix(tmp_path, data_root):
+    """The episode crops [0, 0, 0.5, 0.5]; its gold list holds a crop within IoU 0.5 of it, then a call named by
+    hostile text, which the page shows as text."""
+    record = episode("q0", "base", 0)
+    record["gold_calls"] = [{"name": "crop_optical_or_sar_image", "arguments": {"aoi": [0, 0, 0.5, 0.45]}}, {"name": HOSTILE, "arguments": {}}]
+    out = write_report([write_rollout(tmp_path / "roll", [record], data_root)], tmp_path / "report.html")
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+         "--virtual-time-budget=5000", "--dump-dom", out.as_uri() + "#episode=q0:base:0"], capture_output=True, text=True, timeout=120,
+    ).stdout
+    assert 'data-ready="1"' in dom and dom.count('<table class="gold">') == 1
+    assert "0/2 same call (param_prefix), 1/2 box within IoU 0.5 (param_prefix_aoi@0.5, ours), 1/2 same tool" in dom
+    table = dom.split('<table class="gold">')[1].split("</table>")[0]
+    assert table.count('<tr class="m-aoi">') == 1 and table.count("<tr") == 3 and "m-exact" not in table
+    assert "pwned</title>" not in dom and '<img src="x"' not in dom and "&lt;/script&gt;&lt;script&gt;document.title" in dom
