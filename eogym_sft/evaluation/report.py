@@ -12,7 +12,7 @@ from itertools import combinations
 from math import comb
 
 from ..metrics.gold_history import GOLD_HISTORY_METRICS
-from ..metrics.scoring import CI_METHOD, POSITIVE_METRICS, mean_scores, paired_stats
+from ..metrics.scoring import CI_CLIPPED, CI_METHOD, POSITIVE_METRICS, mean_scores, paired_stats
 from ..metrics.free_running import FREE_RUNNING_METRICS
 from .tool_report import paired_f1, paired_steps, question_tool_scores, step_figures, tool_figures
 
@@ -115,8 +115,10 @@ def paired_table(
         f"{'A':<12} {'B':<12} {'metric':<{wide}} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
         f"{f'95% CI, {CI_METHOD}':>22}{clustered_head} {'W/L/T':>13}",
     ]
+    if any(p["ci_method"] == CI_CLIPPED for p in paired):
+        lines.insert(len(lines) - 1, f"* {CI_CLIPPED}: the t interval passed a bound a difference of proportions cannot pass")
     for p in paired:
-        ci = "-" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"])
+        ci = "-" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"]) + ("*" if p["ci_method"] == CI_CLIPPED else "")
         se = "-" if p["se"] is None else f"{p['se']:.4f}"
         sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
         names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric']:<{wide}} {p['n']:>5}"

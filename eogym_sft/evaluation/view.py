@@ -99,17 +99,20 @@ def _counts_table(arms: dict, key: str, caption: str) -> str:
 
 
 def paired_html(paired: list[dict], unit: str) -> str:
+    """The summary's paired comparisons as the CLI prints them (:func:`eogym_sft.evaluation.report.paired_table`):
+    its own SE and 95% CI, each row naming the CI's method."""
     rows = []
     for p in paired:
-        ci = p.get("ci95_normal_approx")
+        ci, se = p.get("ci95"), p.get("se")
         rows.append([p.get("a"), p.get("b"), p.get("metric"), p.get("n"), p.get("mean_a"), p.get("mean_b"),
-                     None if p.get("delta") is None else f"{p['delta']:+.3f}", None if not ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
+                     None if p.get("delta") is None else f"{p['delta']:+.3f}", None if se is None else f"{se:.4f}",
+                     None if not ci else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]", p.get("ci_method"),
                      f"{p.get('wins')}/{p.get('losses')}/{p.get('ties')}"])
     caption = (
-        f"paired, B - A on identical {unit}; 95% CI = delta +/- 1.96 SE (normal approx.); "
-        f"W/L/T = {unit} where B is better/worse/equal"
+        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI by the row's method (paired t: delta +/- "
+        f"t(0.975, n - 1) SE, clipped to [-1, 1] where it passed a bound); W/L/T = {unit} where B is better/worse/equal"
     )
-    return html_table(["A", "B", "metric", "n", "mean A", "mean B", "delta", "95% CI", "W/L/T"], rows, caption)
+    return html_table(["A", "B", "metric", "n", "mean A", "mean B", "delta", "SE", "95% CI", "CI method", "W/L/T"], rows, caption)
 
 
 def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:

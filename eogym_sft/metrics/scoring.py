@@ -16,6 +16,9 @@ from ..data.traces import TOOL_CALL_RE, TraceError, parse_tool_call_text
 
 END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 CI_METHOD = "paired t"  # named in every report beside the interval: delta +/- t(0.975, n - 1) * SE
+# A difference of two means of values in [0, 1] (a proportion, Pass@k, a score) lies in [-1, 1]; where the t
+# interval passes a bound it is cut there, and the record says so.
+CI_CLIPPED = f"{CI_METHOD}, clipped to [-1, 1]"
 FINAL_ANSWER_RE = re.compile(r"final\s+answer\s*(?:\*\*)?\s*:\s*(?:\*\*)?", re.IGNORECASE)
 NUMBER_RE = re.compile(r"(?<![\w.])[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?![\d.]*\d)")
 THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
@@ -327,7 +330,8 @@ def paired_stats(a: list[float], b: list[float], clusters: list | None = None) -
         `dict`: ``n``, ``mean_a``, ``mean_b``, ``delta`` (mean of the differences), ``se`` (sample
         standard deviation of the differences / sqrt(n)), ``ci95`` (delta ± t SE, t the 97.5% quantile of
         Student's t with n - 1 degrees of freedom: it holds at small n, where the normal's 1.96 is too
-        narrow, e.g. 4.30 at n = 3) and ``ci_method`` (:data:`CI_METHOD`),
+        narrow, e.g. 4.30 at n = 3; for values all in [0, 1] cut at -1 and 1) and ``ci_method`` (:data:`CI_METHOD`,
+        or :data:`CI_CLIPPED` where the cut changed the interval),
         ``wins``/``losses``/``ties`` (units where B scores higher/lower/equal), and with clusters
         ``n_clusters`` and ``se_clustered`` (the cluster-robust SE of the same mean, CR1 correction).
         SEs are ``None`` when there are fewer than two units (or clusters).
@@ -338,14 +342,18 @@ def paired_stats(a: list[float], b: list[float], clusters: list | None = None) -
     diffs = [y - x for x, y in zip(a, b)]
     delta = sum(diffs) / n
     se = math.sqrt(sum((d - delta) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else None
+    ci = [delta - t_quantile_975(n - 1) * se, delta + t_quantile_975(n - 1) * se] if se is not None else None
+    method = CI_METHOD
+    if ci is not None and (ci[0] < -1 or ci[1] > 1) and all(0 <= v <= 1 for v in a + b):
+        ci, method = [max(ci[0], -1.0), min(ci[1], 1.0)], CI_CLIPPED
     out = {
         "n": n,
         "mean_a": sum(a) / n,
         "mean_b": sum(b) / n,
         "delta": delta,
         "se": se,
-        "ci95": [delta - t_quantile_975(n - 1) * se, delta + t_quantile_975(n - 1) * se] if se is not None else None,
-        "ci_method": CI_METHOD,
+        "ci95": ci,
+        "ci_method": method,
         "wins": sum(d > 1e-12 for d in diffs),
         "losses": sum(d < -1e-12 for d in diffs),
         "ties": sum(abs(d) <= 1e-12 for d in diffs),

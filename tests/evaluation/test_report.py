@@ -199,8 +199,9 @@ def test_format_turn_report_text():
         "paired, B - A on identical turns; SE = sd(diff)/sqrt(n); 95% CI, paired t = delta +/- t(0.975, n - 1) SE;",
         "SE (trace-clustered) allows for correlated turns of one trace; W/L/T = turns where B is better/worse/equal;",
         "headline metrics only: summary.json has every positive metric",
+        "* paired t, clipped to [-1, 1]: the t interval passed a bound a difference of proportions cannot pass",
         "A            B            metric                     n  mean A  mean B    delta      SE       95% CI, paired t SE (trace-cl.)         W/L/T",
-        "base         lora         turn_correct               2   0.500   1.000   +0.500  0.5000       [-5.853, +6.853]              -    1/0/1",
+        "base         lora         turn_correct               2   0.500   1.000   +0.500  0.5000      [-1.000, +1.000]*              -    1/0/1",
         "base         lora         call_match                 1   0.000   1.000   +1.000       -                      -              -    1/0/0",
         "base         lora         answer_normalized          1   1.000   1.000   +0.000       -                      -              -    0/0/1",
     ]
@@ -249,7 +250,8 @@ def test_summary_pass_at_k_and_paired_deltas_by_hand():
     assert (p1["a"], p1["b"], p1["n"], p1["wins"], p1["losses"]) == ("base", "lora", 3, 2, 1)
     assert p1["delta"] == pytest.approx(mean) and p1["se"] == pytest.approx(se)
     t2 = 4.302652729749462  # Student's t, 97.5%, 2 degrees of freedom (3 questions)
-    assert p1["ci95"] == pytest.approx([mean - t2 * se, mean + t2 * se], rel=1e-9) and p1["ci_method"] == "paired t"
+    assert mean + t2 * se > 1  # the t interval passes 1: cut there, and the record says so
+    assert p1["ci95"] == pytest.approx([mean - t2 * se, 1.0], rel=1e-9) and p1["ci_method"] == "paired t, clipped to [-1, 1]"
     assert paired["pass@3"]["n"] == 2 and paired["pass@3"]["delta"] == pytest.approx(0.5)
     assert summary["arms"]["lora"]["by_EO_task"]["Counting"]["pass@1"] == lora["pass@1"]
 

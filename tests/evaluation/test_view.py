@@ -394,6 +394,8 @@ def test_the_pages_script_handles_any_id_question_or_arm_without_a_browser(tmp_p
     assert sorted(stops[1:]) == sorted([s, 2] for s in ODD_STRINGS) and verdicts == [["(all)", 16], ["correct", 16], ["incorrect", 0], ["unscored", 0]]
     assert run("#compare=__proto__:__proto__:0")["compare"] == ["__proto__", "base"]
     assert run("#compare=%E0%A4%A:base:0")["compare"] == ["__proto__", "base"]  # a malformed %-escape, taken as written
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
 def test_a_browser_shows_the_gold_calls_beside_the_models_with_the_matched_prefix(tmp_path, data_root):
     """The episode crops [0, 0, 0.5, 0.5]; its gold list holds a crop within IoU 0.5 of it, then a call named by
@@ -410,3 +412,32 @@ def test_a_browser_shows_the_gold_calls_beside_the_models_with_the_matched_prefi
     table = dom.split('<table class="gold">')[1].split("</table>")[0]
     assert table.count('<tr class="m-aoi">') == 1 and table.count("<tr") == 3 and "m-exact" not in table
     assert "pwned</title>" not in dom and '<img src="x"' not in dom and "&lt;/script&gt;&lt;script&gt;document.title" in dom
+
+
+def test_the_pages_paired_table_is_the_summarys_and_the_clis(tmp_path, data_root):
+    """Every paired row of the page: the summary's own numbers (SE, 95% CI, its method) and the CLI's text of them."""
+    import html as html_lib
+
+    from eogym_sft.evaluation.report import paired_table
+
+    records = [episode(f"q{i}", "base", 0, answer="blue") for i in range(5)]
+    records += [episode(f"q{i}", "sft", 0, answer="red" if i else "blue") for i in range(5)]  # +0.8: its t interval passes 1
+    run = write_rollout(tmp_path / "roll", records, data_root)
+    summary = json.loads((run / "summary.json").read_text())
+    page = render(find_runs([run]))
+    table = page[page.index("<caption>paired, B - A on identical questions") :]
+    table = table[: table.index("</table>")]
+    rows = [[html_lib.unescape(c) for c in re.findall(r"<td>(.*?)</td>", row)] for row in re.findall(r"<tr>(.*?)</tr>", table)]
+    rows = [r for r in rows if r]
+    assert len(rows) == len(summary["paired"]) >= 2
+    cli = paired_table(summary["paired"])  # what format_rollout_report prints of them
+    clipped = 0
+    for row, p in zip(rows, summary["paired"]):
+        ci = "[{:+.3f}, {:+.3f}]".format(*p["ci95"]) if p["ci95"] else "-"
+        se = "-" if p["se"] is None else f"{p['se']:.4f}"
+        assert row == [p["a"], p["b"], p["metric"], str(p["n"]), f"{p['mean_a']:.3f}", f"{p['mean_b']:.3f}", f"{p['delta']:+.3f}",
+                       se, ci, p["ci_method"], f"{p['wins']}/{p['losses']}/{p['ties']}"]
+        line = next(l for l in cli if l.split()[:3] == [p["a"], p["b"], p["metric"]])
+        assert f" {se} " in line and (ci + ("*" if p["ci_method"].endswith("clipped to [-1, 1]") else "")) in line
+        clipped += p["ci_method"] == "paired t, clipped to [-1, 1]"
+    assert clipped >= 1 and rows[0][8] == "[+0.245, +1.000]" and "normal approx" not in page

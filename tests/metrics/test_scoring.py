@@ -26,10 +26,28 @@ def test_the_two_sided_mass_in_closed_form():
 
 
 def test_the_paired_ci_at_three_questions_is_students_t():
-    """diffs 0, 0, 2/3: SE 0.2222; the normal approximation's half-width was 0.436, Student's t gives 0.956."""
-    out = paired_stats([0.0, 0.0, 0.0], [0.0, 0.0, 2 / 3])
+    """diffs 0, 0, 2/3 (of values past [0, 1], so nothing is clipped): SE 0.2222; the normal approximation's
+    half-width was 0.436, Student's t gives 0.956."""
+    out = paired_stats([0.0, 0.0, 5.0], [0.0, 0.0, 5 + 2 / 3])
     low, high = out["ci95"]
     assert out["ci_method"] == "paired t" and "ci95_normal_approx" not in out
     assert (high - low) / 2 == pytest.approx(4.302652729749462 * out["se"], rel=1e-12)
     assert round((high - low) / 2, 3) == 0.956 and round(out["se"], 4) == 0.2222
     assert paired_stats([1.0], [0.0])["ci95"] is None
+
+
+@pytest.mark.parametrize("a, b, ci", [
+    ([0, 0, 0], [0, 0, 2 / 3], [2 / 9 - 4.302652729749462 * 2 / 9, 1.0]),  # passes +1
+    ([0, 0, 2 / 3], [0, 0, 0], [-1.0, -2 / 9 + 4.302652729749462 * 2 / 9]),  # passes -1
+    ([0] * 20, [1] * 19 + [0], None),  # +0.950 over 20 questions: the t interval passes +1
+])
+def test_a_difference_of_proportions_never_leaves_minus_one_to_one(a, b, ci):
+    """The probe's ``+0.953 [+0.883, +1.023]``: values in [0, 1] make a difference in [-1, 1], and so its interval;
+    where the cut happens the record names it."""
+    out = paired_stats([float(x) for x in a], [float(y) for y in b])
+    assert -1 <= out["ci95"][0] <= out["ci95"][1] <= 1 and out["ci_method"] == "paired t, clipped to [-1, 1]"
+    if ci is not None:
+        assert out["ci95"] == pytest.approx(ci, rel=1e-12)
+    assert paired_stats([0.0, 0.5, 1.0], [0.5, 0.5, 1.0])["ci_method"] == "paired t"  # inside: as it was
+    wide = paired_stats([0.0, 0.0, 2.0], [3.0, 3.0, 3.0])  # counts, not proportions: never cut
+    assert wide["ci_method"] == "paired t" and wide["ci95"][1] > 1
