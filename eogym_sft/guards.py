@@ -269,7 +269,7 @@ def adapter_base(adapter_dir: str | Path) -> str | None:
 
 def read_json_object(path: str | Path, what: str) -> dict:
     """The JSON object in the file ``path``, or ``ValueError``/``FileNotFoundError`` naming the file and what it should be."""
-    from .safe_json import UntrustedJSONError, loads
+    from .safe_json import loads_object
 
     path = Path(path)
     if not path.is_file():
@@ -277,13 +277,7 @@ def read_json_object(path: str | Path, what: str) -> dict:
     data = path.read_bytes()
     if not data.strip():
         raise ValueError(f"{path}: empty, not {what} (JSON): a run killed while writing it? Remove it or pass --overwrite")
-    try:
-        value = loads(data)
-    except UntrustedJSONError as err:
-        raise ValueError(f"{path}: damaged, not {what} ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: not {what} (a JSON object expected, got {type(value).__name__})")
-    return value
+    return loads_object(data, str(path), what)
 
 
 def check_adapter_base(adapter_dir: str | Path, model: str, allow_other_base: bool = False) -> None:

@@ -54,6 +54,18 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH):
     return value
 
 
+def loads_object(text: str | bytes, where: str, what: str) -> dict:
+    """The JSON object ``text`` holds, parsed by :func:`loads`; anything else is a one-line ``ValueError`` naming
+    ``where`` it came from (a file, a flag) and ``what`` it should be."""
+    try:
+        value = loads(text)
+    except UntrustedJSONError as err:
+        raise ValueError(f"{where}: not {what} ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: not {what} (a JSON object expected, got {type(value).__name__})")
+    return value
+
+
 def record_line(record) -> str:
     """One JSONL line of ``record``: ASCII only (``ensure_ascii``), so a lone surrogate (``"\\ud800"``, valid
     JSON) or a line separator (U+2028, U+0085) in a server's text cannot fail the write or split the line for

@@ -26,8 +26,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..models import decode_attention as split_kv
 from ..models.layout import mrope_position_ids
+from ..models.loading import unwrap_peft
 from .cuda_graphs import GraphedStep
-from .image_inputs import ImageInput, host_to, image_starts, vision_metadata
+from .image_inputs import ImageInput, host_to, image_starts, vision_keywords
 from .merged_lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, MergedLinear, merge_plan, plain_mlp, projection_kind, reads
 from .text_norms import fused_rms_norm, module_norm, norms_fuse
 
@@ -60,7 +61,7 @@ PREFILL_TOKENS = 16384
 
 def _text_parts(model):
     """``(inner Qwen3VLModel, lm_head)`` of a plain or PEFT-wrapped Qwen3-VL."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     return base.model, base.lm_head
 
 
@@ -351,7 +352,7 @@ class SlotDecoder:
     def _embed_chunk(self, chunk: list[int], images: list[ImageInput]):
         """The chunk's input embeddings with its images' features in place, where its image tokens are (an index
         tensor) and the DeepStack features, all queued without a host synchronisation: inputs come from the host
-        (:func:`host_to`, :func:`vision_metadata`) and image tokens are found there, not by a mask on the GPU."""
+        (:func:`host_to`, :func:`vision_keywords`) and image tokens are found there, not by a mask on the GPU."""
         host_ids = torch.tensor(chunk)
         embeds = self.text.embed_tokens(host_to(self.device, host_ids))[None]
         if not images:
@@ -360,7 +361,7 @@ class SlotDecoder:
         visual = self.inner.visual
         pixels = torch.cat([host_to(self.device, im.pixel_values) for im in images]).to(visual.dtype)
         grid = torch.tensor([im.grid_thw for im in images])
-        out = self.inner.get_image_features(pixels, grid, return_dict=True, **vision_metadata(visual, grid, self.device))
+        out = self.inner.get_image_features(pixels, grid, return_dict=True, **vision_keywords(visual, grid, self.device))
         image_embeds = torch.cat(out.pooler_output).to(embeds.dtype)
         if image_embeds.shape[0] != len(at):
             raise ValueError(f"{image_embeds.shape[0]} visual tokens for {len(at)} <|image_pad|> tokens")

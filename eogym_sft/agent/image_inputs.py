@@ -1,6 +1,6 @@
 """What the slot decoder's prefill takes from the host: one image as the vision tower takes it
 (:class:`ImageInput`), where each image's pads begin (:func:`image_starts`), host tensors queued to the GPU without
-waiting for it (:func:`host_to`) and the vision tower's metadata computed on the host (:func:`vision_metadata`)."""
+waiting for it (:func:`host_to`) and the vision tower's metadata computed on the host (:func:`vision_keywords`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.host_layout import VISION_DEVICE_KEYS, VisionGeometry, vision_metadata
 from ..models.layout import grid_token_count
 
 
@@ -53,30 +54,19 @@ def host_to(device, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def vision_metadata(visual, grid: torch.Tensor, device) -> dict:
+def vision_keywords(visual, grid: torch.Tensor, device) -> dict:
     """Keyword arguments for Qwen3-VL's vision tower that carry what its forward would otherwise derive from
     ``grid`` on the GPU (a host synchronisation for each ``.tolist()``, one per block for the attention's image
-    lengths), computed here on the host from the host's ``grid`` by transformers' own helpers: the position
-    embedding's interpolation taps, the rotary positions, and the image boundaries (left on the host where the
-    attention only splits by them, on ``device`` for flash's variable-length kernel). ``visual`` is the model's
-    ``Qwen3VLVisionModel``; the features equal the unassisted forward's
-    (``tests/agent/test_image_inputs.py::test_the_vision_metadata_from_the_host_gives_the_same_features``)."""
+    lengths): :func:`~eogym_sft.models.host_layout.vision_metadata` of the host's ``grid`` (the position embedding's
+    interpolation taps, the rotary positions, the image boundaries), queued to ``device`` but the boundaries, left
+    on the host where the attention only splits by them (moved for flash's variable-length kernel). ``visual`` is
+    the model's ``Qwen3VLVisionModel``; the features equal the unassisted forward's
+    (``tests/agent/test_image_inputs.py::test_the_vision_keywords_from_the_host_give_the_same_features``)."""
     from transformers.utils.generic import is_flash_attention_requested
-    from transformers.vision_utils import (
-        get_vision_attention_seqlens,
-        get_vision_interpolation_indices_and_weights,
-        get_vision_position_ids,
-    )
 
-    indices, weights = get_vision_interpolation_indices_and_weights(
-        grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
-    )
-    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, visual.config)
-    return {
-        "interp_indices": host_to(device, indices),
-        "interp_weights": host_to(device, weights),
-        "position_ids": host_to(device, get_vision_position_ids(grid, visual.spatial_merge_size)),
-        "cu_seqlens": host_to(device, cu_seqlens) if is_flash_attention_requested(visual.config) else cu_seqlens,
-        "max_seqlen": max_seqlen,
-    }
+    keywords = vision_metadata(grid, VisionGeometry.of(visual))
+    for key in VISION_DEVICE_KEYS:
+        keywords[key] = host_to(device, keywords[key])
+    if is_flash_attention_requested(visual.config):
+        keywords["cu_seqlens"] = host_to(device, keywords["cu_seqlens"])
+    return keywords

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from .. import net
 from ..config import check_types
-from ..safe_json import UntrustedJSONError, loads
+from ..safe_json import UntrustedJSONError, loads, loads_object
 from ..data.images import ImageCache, load_rgb, resolve_image_path
 from ..data.traces import parse_tool_call_text
 from ..models.layout import image_factor
@@ -141,13 +141,7 @@ def _read_config(text: str) -> dict:
     source = "--policy-config"
     if not text.lstrip().startswith("{"):
         source, text = text, Path(text).read_text()
-    try:
-        value = loads(text)
-    except UntrustedJSONError as err:
-        raise ValueError(f"{source}: not usable JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{source}: must be a JSON object")
-    return value
+    return loads_object(text, source, "a policy server's settings")
 
 
 # ---------------------------------------------------------------- the wire

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ENGINES = ("slots", "trl")
+# An episode is prompt and turns: longer than a training sample's default. GRPO and eogym-sft rollout share it.
+MAX_EPISODE_TOKENS = 16384
 
 
 @dataclass
@@ -20,7 +22,7 @@ class SlotRolloutArguments:
         metadata={"help": "slots: the slot decoder and run_episodes (KV kept across turns); trl: TRL's generate loop"},
     )
     max_episode_tokens: int = field(
-        default=16384,
+        default=MAX_EPISODE_TOKENS,
         metadata={
             "help": "an episode's token budget, image tokens included: what one slot of the slot decoder holds "
             "(the name eogym-sft rollout gives it too)"
@@ -57,7 +59,9 @@ def kv_bytes_per_token(model) -> int:
     """Bytes of keys and values one token takes in a :class:`SlotDecoder` over ``model`` (all layers)."""
     import torch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from ..models.loading import unwrap_peft
+
+    base = unwrap_peft(model)
     cfg = base.config.text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = base.lm_head.weight.dtype

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..agent.rollout_config import MAX_EPISODE_TOKENS
 from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, SampleConfig, add_dataclass_args
 from ..data.tool_images import ToolImageRule
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
@@ -116,8 +117,8 @@ class RolloutConfig(ArmsConfig):
     """Settings of a closed-loop run (the flags of ``eogym-sft rollout``); ``max_episode_tokens`` is an episode's
     token budget, image tokens included (the KV cache holds ``slots`` x ``max_episode_tokens`` tokens)."""
 
-    max_episode_tokens: int = field(  # an episode is prompt and turns: longer than a training sample's default
-        default=16384, metadata={"aliases": ["--max-length"], "help": "tokens per episode, images included (the KV cache holds --slots x this)"}
+    max_episode_tokens: int = field(
+        default=MAX_EPISODE_TOKENS, metadata={"aliases": ["--max-length"], "help": "tokens per episode, images included (the KV cache holds --slots x this)"}
     )
     tools: list[str] = field(
         default_factory=lambda: list(DEFAULT_BACKENDS),

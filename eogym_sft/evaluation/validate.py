@@ -27,16 +27,10 @@ from pathlib import Path
 import torch
 
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_predictions, token_classes
+from ..models.loading import unwrap_peft
 from .run_args import ValidateConfig, check_validate_output
 
 GROUP_FIELDS = ("EO_task", "question_type")
-
-
-def _causal_lm(model):
-    """The ``...ForConditionalGeneration`` module under a PEFT wrapper (LoRA layers are injected in it)."""
-    from peft import PeftModel
-
-    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -50,7 +44,7 @@ def supervised_scores(model, batch: dict, where: torch.Tensor | None = None) -> 
 
     ``where`` (:func:`supervised_positions` of the batch's labels, computed on the host before the batch
     moves) saves the host sync that finding them on the device costs in the middle of the forward."""
-    lm = _causal_lm(model)
+    lm = unwrap_peft(model)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     hidden = lm.model(**inputs, use_cache=False).last_hidden_state[:, :-1]
     targets = batch["labels"][:, 1:]

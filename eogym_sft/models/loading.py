@@ -54,6 +54,12 @@ def peft_quietly():
     return old_checkpointing_names_quietly(("is_gradient_checkpointing",))
 
 
+def unwrap_peft(model):
+    """The model under a PEFT wrapper (the ``...ForConditionalGeneration`` its LoRA layers are injected in), or
+    ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def lora_target_regex(targets=LORA_TARGETS) -> str:
     """A PEFT ``target_modules`` regex that matches only the language model's projections."""
     return rf".*\.language_model\..*\.({'|'.join(targets)})"

@@ -39,6 +39,7 @@ from . import grpo_slots
 from .grpo_data import EpisodeData, episode_dataset, load_episodes
 from .grpo_trl import GenerationProgress, TRLEngine, with_logits_processors
 from .packed_logps import pack_rows, packed_logps_and_entropies
+from .rewards import EpisodeReward
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,13 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
     )
     tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
-    tool_call_cost: float = field(default=0.1, metadata={"help": "cost of one tool call, invalid ones included"})
+    tool_call_cost: float = field(default=EpisodeReward.tool_call_cost, metadata={"help": "cost of one tool call, invalid ones included"})
     action_cost_scale: float = field(
-        default=0.2,
+        default=EpisodeReward.action_cost_scale,
         metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"},
     )
     max_cost_penalty: float = field(
-        default=0.2,
+        default=EpisodeReward.max_cost_penalty,
         metadata={"help": "largest share of the score the action cost may take"},
     )
     crop_iou_weight: float = field(
@@ -344,7 +345,6 @@ def build_trainer(
     from ..models.attention import NAMES as VARLEN_NAMES
     from ..agent.sampling import vision_token_ids
     from .grpo_slots import SlotEngine, text_attention_of
-    from .rewards import EpisodeReward
 
     check_chat_template(processor)
     env_class = environment_class(
@@ -354,9 +354,9 @@ def build_trainer(
     tokenizer = processor.tokenizer
     reward = EpisodeReward(
         training_args.num_generations,
-        script_args.tool_call_cost,
-        script_args.action_cost_scale,
-        script_args.max_cost_penalty,
+        tool_call_cost=script_args.tool_call_cost,
+        action_cost_scale=script_args.action_cost_scale,
+        max_cost_penalty=script_args.max_cost_penalty,
         judge=judge,
         crop_iou_weight=script_args.crop_iou_weight,
         eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id, tokenizer.pad_token_id),

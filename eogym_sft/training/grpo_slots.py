@@ -37,6 +37,7 @@ from ..agent.episodes import LoopConfig, canonical_prompt, new_episode, picture_
 from ..metrics.scoring import END_MARKERS
 from ..models.attention import NAMES as VARLEN_NAMES
 from ..models.layout import expand_image_pads_and_mask
+from ..models.loading import unwrap_peft
 from ..agent.decoder import SlotDecoder
 from ..agent.sampling import Sampling
 from ..agent.rollout_config import kv_bytes_per_token, slots_for
@@ -242,7 +243,7 @@ def completion_messages(ep, prompt_messages: int) -> list[dict]:
 
 def text_attention_of(model) -> str:
     """The attention implementation of the model's text tower (what the loss forward runs)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     return base.config.get_text_config()._attn_implementation
 
 

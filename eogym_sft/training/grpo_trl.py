@@ -12,6 +12,8 @@ from itertools import pairwise
 import torch
 from trl import GRPOTrainer
 
+from ..models.loading import unwrap_peft
+
 logger = logging.getLogger("eogym_sft.training.grpo")  # one logger for the GRPO run: its level covers every part
 
 
@@ -95,7 +97,7 @@ class GenerationProgress:
     def start(self, model, episodes: int):
         import time
 
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = unwrap_peft(model)
         self.t0 = self.last = time.perf_counter()
         self.rows = self.forwards = 0
         logger.info("GRPO: generating %d episodes", episodes)

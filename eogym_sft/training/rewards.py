@@ -1,11 +1,11 @@
 """The GRPO reward of one closed-loop episode, and the per-batch diagnostics it logs.
 
-reward = score x (1 - min(tool calls x tool_call_cost x cost_scale, max_penalty)) + crop_iou_weight x crop IoU
+reward = score x (1 - min(tool calls x tool_call_cost x action_cost_scale, max_cost_penalty)) + crop_iou_weight x crop IoU
 
 ``score`` is 1 when the episode ends with a ``Final Answer:`` that matches ``gt_answer`` (the rule-based
 normalised match of :mod:`eogym_sft.metrics.scoring`, or a judge), else 0; an episode that never answers
 scores 0, and so does a truncated one (cut before ``<|im_end|>``), whatever its cut text says: evaluation
-scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs, invalid ones included, but the cost can take at most ``max_penalty``
+scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs, invalid ones included, but the cost can take at most ``max_cost_penalty``
 of the score: the capped action cost of the GeoGuesser seed (run 3). The crop term, off by default, rewards the
 argument rather than the answer: per gold call with a box (the row's own trace), the best IoU of the episode's calls to
 that tool (:func:`eogym_sft.metrics.tool_args.crop_iou`), averaged; rows without gold boxes and truncated episodes
@@ -68,8 +68,8 @@ class EpisodeReward:
     Args:
         num_generations (`int`): episodes per question; consecutive completions form a group.
         tool_call_cost (`float`, *optional*, defaults to `0.1`): cost of one tool call.
-        cost_scale (`float`, *optional*, defaults to `0.2`): the seed's action cost scale.
-        max_penalty (`float`, *optional*, defaults to `0.2`): the largest share of the score the cost may take.
+        action_cost_scale (`float`, *optional*, defaults to `0.2`): the seed's action cost scale.
+        max_cost_penalty (`float`, *optional*, defaults to `0.2`): the largest share of the score the cost may take.
         judge (`callable`, *optional*): ``judge(question, prediction, reference) -> bool``, e.g. a
             :class:`~eogym_sft.metrics.judge.ChatJudge`; default: the normalised match.
         eos_token_ids (`tuple[int, ...]`): tokens that end a turn; a completion ending otherwise was truncated.
@@ -79,8 +79,8 @@ class EpisodeReward:
 
     num_generations: int
     tool_call_cost: float = 0.1
-    cost_scale: float = 0.2
-    max_penalty: float = 0.2
+    action_cost_scale: float = 0.2
+    max_cost_penalty: float = 0.2
     judge: object = None
     eos_token_ids: tuple = (IM_END, END_OF_TEXT)
     judge_workers: int = 8
@@ -117,7 +117,7 @@ class EpisodeReward:
         # TRL keeps a <tool_call> block that does not parse as plain text in the turn's content.
         unparsed = sum(_text(m.get("content")).count("<tool_call>") for m in turns)
         calls = parsed + unparsed
-        penalty = min(calls * self.tool_call_cost * self.cost_scale, self.max_penalty)
+        penalty = min(calls * self.tool_call_cost * self.action_cost_scale, self.max_cost_penalty)
         truncated = self.truncated(completion_ids)
         score = 0.0 if truncated else None if correct is None else float(correct)
         reward = None if score is None else score * (1 - penalty)

@@ -11,7 +11,7 @@ import torch
 from slot_decoding import noise_image, two_pictures, two_turn_ids, varied_model
 
 from eogym_sft.agent.decoder import SlotDecoder
-from eogym_sft.agent.image_inputs import ImageInput, host_to, image_input, vision_metadata
+from eogym_sft.agent.image_inputs import ImageInput, host_to, image_input, vision_keywords
 from eogym_sft.models.tiny import IMAGE_TOKEN_ID, TINY_QWEN3_VL_CONFIG, build_tiny_model
 
 
@@ -34,7 +34,7 @@ def test_an_images_token_count_follows_the_processors_merge_size(processor):
     assert want == 35  # 200x150 px scaled up to the 65,536 px floor at 48 px a side a token: 240x336 px, 15x21 patches, 5x7 tokens
 
 
-def test_the_vision_metadata_from_the_host_gives_the_same_features(model, processor):
+def test_the_vision_keywords_from_the_host_give_the_same_features(model, processor):
     """transformers' Qwen3-VL vision forward takes its grid-derived metadata by keyword (``vision_utils``' helpers pop
     them): what the decoder computes on the host gives the unassisted forward's features to the bit, and each keyword
     is used, not ignored (one made wrong changes the features), so none is derived again on the GPU."""
@@ -42,7 +42,7 @@ def test_the_vision_metadata_from_the_host_gives_the_same_features(model, proces
     pixels = torch.cat([im.pixel_values for im in images])
     grid = torch.tensor([im.grid_thw for im in images])
     visual = model.model.visual
-    meta = vision_metadata(visual, grid, torch.device("cpu"))
+    meta = vision_keywords(visual, grid, torch.device("cpu"))
     assert set(meta) == {"interp_indices", "interp_weights", "position_ids", "cu_seqlens", "max_seqlen"}
 
     def features(**kwargs):

@@ -298,3 +298,13 @@ def test_ctrl_c_stops_at_once_and_keeps_the_log_whole(tmp_path, data_root, row_f
     assert stopped < 10  # not 20 s per reply x 3 turns
     assert [e["arm"] for e in read_log(out)] == ["good", "good"]  # whole records, none of the interrupted ones
     assert out.read_bytes().endswith(b"\n")
+
+
+def test_a_policy_config_that_is_no_json_object_is_named(tmp_path):
+    from eogym_sft.agent.policy_server import policy_servers
+
+    (tmp_path / "policy.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/policy.json: not a policy server's settings \(a JSON object expected, got list\)$"):
+        policy_servers(["http://127.0.0.1:1/v1"], ["m"], [str(tmp_path / "policy.json")])
+    with pytest.raises(ValueError, match=r"^--policy-config: not a policy server's settings \(malformed_json: "):
+        policy_servers(["http://127.0.0.1:1/v1"], ["m"], ['{"concurrency": }'])
