@@ -90,3 +90,47 @@ def test_the_checker_sees_an_arrow_back_up_inside_a_function(tmp_path):
     bad.write_text("def f():\n    from ..training import grpo\n")
     assert imported_modules(bad, tmp_path) == {"eogym_sft.training"}
     assert stage_of("eogym_sft.training", owner) not in allowed[owner["models"]]
+
+
+MAX_MODULE_LINES = 500  # a module has one job: past this it has taken on a second
+
+
+def test_no_module_of_the_package_passes_500_lines():
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in sorted(PACKAGE.rglob("*.py"))}
+    long = {path: n for path, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by job): {long}"
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of ``graph`` (``{module: modules it imports}``) as ``[a, b, ..., a]``, or ``[]`` if it has none."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path, on_path, todo = [], set(), [(start, iter(sorted(graph.get(start, ()))))]
+        path.append(start)
+        on_path.add(start)
+        while todo:
+            node, children = todo[-1]
+            child = next(children, None)
+            if child is None:
+                todo.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif child in on_path:
+                return path[path.index(child):] + [child]
+            elif child not in done:
+                todo.append((child, iter(sorted(graph.get(child, ())))))
+                path.append(child)
+                on_path.add(child)
+    return []
+
+
+def test_no_import_circle_inside_the_package():
+    graph = {module_name(p): imported_modules(p) - {module_name(p)} for p in PACKAGE.rglob("*.py")}
+    circle = import_circle(graph)
+    assert not circle, "an import circle (function-level imports included): " + " -> ".join(circle)
+
+
+def test_the_circle_finder_finds_one():
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert import_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []

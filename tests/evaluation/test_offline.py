@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from PIL import Image
+from offline_rows import CROP, TOOLS, eval_cfg, write_eval_data
 
 from eogym_sft.data.encoding import render
 from eogym_sft.demo import SAMPLE_JSONL
@@ -22,18 +22,7 @@ from eogym_sft.metrics.scoring import (
     values_match,
 )
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": name, "description": name, "parameters": {"type": "object", "properties": {}}},
-    }
-    for name in ("crop_optical_or_sar_image", "get_optical_image_list")
-]
 TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
-CROP = {
-    "name": "crop_optical_or_sar_image",
-    "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg", "aoi": [0.25, 0.25, 0.75, 0.75]},
-}
 LIST = {"name": "get_optical_image_list", "arguments": {"image_url": "EO_GYM_DATA/a/b.jpg"}}
 
 
@@ -314,108 +303,9 @@ def _varied_config():
     return config
 
 
-def _row(row_id, question_image=True, crop_path="image_cache/crops/c1.png", final="Final Answer: 5.0"):
-    messages = [
-        {"role": "system", "content": "You are an expert remote-sensing analyst."},
-        {"role": "user", "content": ("<image>" if question_image else "") + "How many ships are in the harbour?"},
-        {
-            "role": "assistant",
-            "content": "I will crop the harbour.",
-            "tool_calls": [
-                {"type": "function", "function": {"name": CROP["name"], "arguments": json.dumps(CROP["arguments"])}}
-            ],
-        },
-        {"role": "tool", "content": json.dumps({"cropped_path": crop_path})},
-        {"role": "assistant", "content": final},
-    ]
-    return {
-        "id": row_id,
-        "images": ["EO_GYM_DATA/a/b.png"] if question_image else [],
-        "tools": TOOLS,
-        "messages": messages,
-        "gt_answer": "5",
-        "EO_task": "Object Counting",
-        "question_type": "ship counting",
-        "data_source": "test",
-    }
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Two good rows, one whose crop is missing, bad lines, and a row whose crop does not decode."""
-    root = tmp_path_factory.mktemp("eval_data")
-    (root / "EO_GYM_DATA/a").mkdir(parents=True)
-    (root / "image_cache/crops").mkdir(parents=True)
-    Image.new("RGB", (64, 48), (20, 90, 160)).save(root / "EO_GYM_DATA/a/b.png")
-    Image.new("RGB", (40, 40), (200, 50, 10)).save(root / "image_cache/crops/c1.png")
-    Image.effect_noise((40, 40), 60).convert("RGB").save(root / "image_cache/crops/full.png")
-    data = (root / "image_cache/crops/full.png").read_bytes()
-    (root / "image_cache/crops/broken.png").write_bytes(data[: len(data) // 2])  # a good header, truncated pixels
-    no_assistant = {"id": "r4", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}
-    lines = [
-        json.dumps(_row("r1")),
-        json.dumps(_row("r2", question_image=False, final="Let me think.\nFinal Answer: five")),
-        json.dumps(_row("r3", crop_path="image_cache/crops/missing.png")),
-        "{not json",
-        "",
-        json.dumps(no_assistant),
-        json.dumps(_row("r1")),
-        json.dumps(_row("r5", crop_path="image_cache/crops/broken.png")),
-    ]
-    path = root / "test.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return root, path
-
-
-def _cfg(data, **kw):
-    from eogym_sft.evaluation.offline import EvalConfig
-
-    root, path = data
-    return EvalConfig(**{"model": "unused", "data": [str(path)], "data_root": str(root), **kw})
-
-
-def test_read_traces_lists_every_failed_row(data):
-    from eogym_sft.evaluation.offline import read_traces
-
-    traces, failures = read_traces(_cfg(data))
-    assert [t.id for _, t in traces] == ["r1", "r2", "r3", "r5"]
-    assert [(f["source"].rsplit(":", 1)[1], f["reason"]) for f in failures] == [
-        ("4", "malformed_json"),
-        ("5", "blank_line"),
-        ("6", "no_assistant_turn"),
-        ("7", "duplicate_id"),
-    ]
-    assert len(read_traces(_cfg(data, limit=2))[0]) == 2
-
-
-def test_plan_turns_prompts_tokens_and_skips(data, processor):
-    from eogym_sft.evaluation.offline import plan_turns, read_traces
-
-    cfg = _cfg(data)
-    prompts, skipped = plan_turns(processor, read_traces(cfg)[0], cfg)
-    assert [(p.trace_id, p.turn) for p in prompts] == [
-        ("r1", 0),
-        ("r1", 1),
-        ("r2", 0),
-        ("r2", 1),
-        ("r3", 0),
-        ("r5", 0),
-        ("r5", 1),
-    ]
-    assert [(s["trace_id"], s["turn"], s["reason"]) for s in skipped] == [("r3", 1, "missing_image")]
-    first, final = prompts[0], prompts[1]
-    assert first.text.endswith("<|im_start|>assistant\n") and "How many ships" in first.text
-    assert first.reference.calls == [CROP] and not first.reference.is_final
-    assert final.reference.is_final and final.reference.gt_answer == "5" and len(final.images) == 2
-    assert prompts[0].prompt_sha256 == prompts[4].prompt_sha256  # r1 and r3 share their first prompt
-    for p in prompts[:5]:  # the token count of data prep is the processor's own length (r5's crop does not decode)
-        pictures = [Image.open(path).convert("RGB") for path in p.images] or None
-        assert p.prompt_tokens == processor(text=[p.text], images=pictures, return_tensors="pt")["input_ids"].shape[1]
-    limit = prompts[1].prompt_tokens - 1
-    cfg = _cfg(data, max_prompt_tokens=limit)
-    short, skipped = plan_turns(processor, read_traces(cfg)[0], cfg)
-    assert ("r1", 1, "prompt_too_long") in {(s["trace_id"], s["turn"], s["reason"]) for s in skipped}
-    assert all(p.prompt_tokens <= limit for p in short)
+    return write_eval_data(tmp_path_factory.mktemp("eval_data"))
 
 
 SAMPLE = SAMPLE_JSONL
@@ -427,7 +317,7 @@ def test_bundled_sample_reference_turns_score_perfectly(processor):
     template as the training target and parsed back, is a correct next action and answer."""
     from eogym_sft.evaluation.offline import plan_turns, read_traces
 
-    cfg = _cfg((SAMPLE.parent, SAMPLE))
+    cfg = eval_cfg((SAMPLE.parent, SAMPLE))
     traces, failures = read_traces(cfg)
     prompts, skipped = plan_turns(processor, traces, cfg)
     assert len(traces) == 41 and {f["reason"] for f in failures} == {
@@ -462,7 +352,7 @@ def test_score_turns_calls_the_judge_on_final_answers(data, processor):
         score_turns,
     )
 
-    cfg = _cfg(data)
+    cfg = eval_cfg(data)
     prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0][:2]  # r1: a call turn, then the final turn
     outputs = [["Final Answer: 5"], ["Let me count.\nFinal Answer: 5 ships<|im_end|>"]]
     generations = [{"outputs": o, "finished": [True], "new_tokens": [9]} for o in outputs]
@@ -555,7 +445,7 @@ def test_batching_and_base_arm_match_a_plain_model(data, models, processor):
         use_arm,
     )
 
-    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=4, batch_size=1)
+    cfg = eval_cfg(data, model=str(models / "base"), max_new_tokens=4, batch_size=1)
     prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0][:3]  # 1, 2 and no images
     plain = load_model(cfg, [Arm("base")])
     one_by_one = generate_turns(plain, processor, prompts, cfg)
@@ -582,14 +472,14 @@ def test_sampling_gives_k_outputs_and_pass_at_k(data, models, processor):
         score_turns,
     )
 
-    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=4, samples=3, temperature=1.0)
+    cfg = eval_cfg(data, model=str(models / "base"), max_new_tokens=4, samples=3, temperature=1.0)
     prompts, _ = plan_turns(processor, read_traces(cfg)[0], cfg)
     generations = generate_turns(load_model(cfg, [Arm("base")]), processor, prompts[:2], cfg)
     records = score_turns("base", prompts[:2], generations, cfg)
     assert all(len(r["outputs"]) == 3 == len(r["sample_scores"]) for r in records)
     assert "turn_correct@3" in records[0]["scores"]
     with pytest.raises(ValueError, match="temperature"):
-        _cfg(data, samples=3)
+        eval_cfg(data, samples=3)
 
 
 def test_evaluate_refuses_another_base_and_a_non_empty_output(data, models, tmp_path):
@@ -636,7 +526,7 @@ def test_the_slot_decoder_gives_the_greedy_outputs_of_generate(data, models, pro
         use_arm,
     )
 
-    cfg = _cfg(data, model=str(models / "base"), max_new_tokens=6, batch_size=2)
+    cfg = eval_cfg(data, model=str(models / "base"), max_new_tokens=6, batch_size=2)
     prompts = plan_turns(processor, read_traces(cfg)[0], cfg)[0]
     arms = [Arm("base"), Arm("one", str(models / "lora1"), "arm0")]
     model = load_model(cfg, arms)
