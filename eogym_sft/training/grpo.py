@@ -78,7 +78,7 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         metadata={"help": "largest share of the score the action cost may take"},
     )
     crop_iou_weight: float = field(
-        default=0.0,
+        default=EpisodeReward.crop_iou_weight,
         metadata={"help": "reward += crop_iou_weight x the mean IoU of the episode's best box per gold call with a box "
                   "(the row's own trace): argument quality, not only the answer; 0: off"},
     )
