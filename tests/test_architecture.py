@@ -134,3 +134,25 @@ def test_no_import_circle_inside_the_package():
 def test_the_circle_finder_finds_one():
     assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == ["a", "b", "c", "a"]
     assert import_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def upstream_rows() -> list[list[str]]:
+    """The cells of docs/architecture.md's table of upstream behaviour we rely on."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| behaviour | where we use it | the test that pins it |", 1)[1].split("\n\n", 1)[0]
+    rows = [re.split(r"(?<!\\)\|", line.strip().strip("|")) for line in table.splitlines()[1:] if line.startswith("|")]
+    return [[c.strip() for c in row] for row in rows]
+
+
+def test_the_upstream_table_names_modules_and_tests_that_exist():
+    missing = []
+    for _, where, tests in upstream_rows():
+        for path in re.findall(r"`([a-z_/]+\.py)`", where) + re.findall(r"`([a-z_/]+\.py) ", where):
+            if not (PACKAGE / path).is_file() and not (ROOT / path).is_file():
+                missing.append(path)
+        current = None
+        for file, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)`", tests):
+            current = file or current
+            if current is None or f"def {name}(" not in (ROOT / current).read_text():
+                missing.append(f"{current}::{name}")
+    assert not missing, f"docs/architecture.md's upstream table names what is not there: {missing}"
