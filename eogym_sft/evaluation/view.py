@@ -31,17 +31,14 @@ from .view_data import (
     Run,
     Texts,
     ViewError,
-    evaluation_turn,
     find_runs,
     is_number,
     read_json,
     read_jsonl,
-    rollout_episode,
     run_data_root,
-    summarize_records,
     trainer_state,
-    well_typed,
 )
+from .view_episodes import evaluation_turn, rollout_episode, summarize_records, well_typed
 
 __all__ = ["ViewError", "add_view_args", "embed_json", "find_runs", "plot_keys", "render", "run_view", "serve", "write_report"]
 

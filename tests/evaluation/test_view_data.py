@@ -175,20 +175,3 @@ def test_json_of_any_shape_depth_or_size_is_named_never_a_traceback(tmp_path, su
     for number in (2, 3, 4, 5, 6, 7, 8):
         assert f"{bad / 'episodes.jsonl'}:{number}: " in page, number
     assert '<section id="run-0">' in page and '<section id="run-3">' in page
-def test_the_gold_view_counts_the_matched_prefix_of_the_calls_the_tools_ran():
-    from eogym_sft.evaluation.view_data import gold_view
-
-    def turn(name, arguments, result="ok"):
-        call = {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-        return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": result}]
-
-    gold = [{"name": "crop", "arguments": {"aoi": [0, 0, 0.5, 0.5]}}, {"name": "crop", "arguments": {"aoi": [0.5, 0.5, 1, 1]}},
-            {"name": "count", "arguments": {"label": "car"}}]
-    messages = [{"role": "user", "content": "q"}, *turn("crop", {"aoi": [0, 0, 0.5, 0.5]}), *turn("crop", {"aoi": [0.5, 0.5, 1, 0.95]}),
-                *turn("count", {"label": "cars"}), {"role": "assistant", "content": "Final Answer: 2"}]
-    view = gold_view(gold, messages)
-    assert (view["exact"], view["aoi"], view["names"]) == (1, 2, 3)
-    assert view["gold"][0] == {"n": "crop", "a": '{"aoi": [0, 0, 0.5, 0.5]}'} and view["ran"][2] == {"n": "count", "a": '{"label": "cars"}'}
-    assert gold_view(None, messages) is None and gold_view([{"name": "x", "arguments": "text"}], messages) is None
-    junk = ["not a message", {"role": "assistant", "tool_calls": ["junk"]}, {"role": "tool", "content": "ok"}]
-    assert gold_view(gold, junk)["ran"] == [{"n": "None", "a": "null"}]
