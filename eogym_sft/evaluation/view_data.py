@@ -73,13 +73,14 @@ def read_regular(path: Path, limit: int, roots=()) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise Unreadable(f"{path}: cannot be opened ({err.strerror or err})") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > limit:  # checked before fdopen, which refuses a folder
+        os.close(fd)
         if not stat.S_ISREG(info.st_mode):
             raise Unreadable(f"{path}: not a regular file (a FIFO, socket, device or folder): not read")
-        if info.st_size > limit:
-            raise Unreadable(f"{path}: {info.st_size} bytes, over the {limit}-byte cap for it: not read")
-        os.set_blocking(fd, True)
+        raise Unreadable(f"{path}: {info.st_size} bytes, over the {limit}-byte cap for it: not read")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise Unreadable(f"{path}: over the {limit}-byte cap for it: not read")

@@ -175,3 +175,30 @@ def test_json_of_any_shape_depth_or_size_is_named_never_a_traceback(tmp_path, su
     for number in (2, 3, 4, 5, 6, 7, 8):
         assert f"{bad / 'episodes.jsonl'}:{number}: " in page, number
     assert '<section id="run-0">' in page and '<section id="run-3">' in page
+
+
+def test_read_regular_takes_only_a_regular_file_under_its_cap_inside_the_roots(tmp_path):
+    import os
+
+    from eogym_sft.evaluation.view_data import Unreadable, read_regular
+
+    inside, outside = tmp_path / "run", tmp_path / "elsewhere"
+    inside.mkdir()
+    outside.mkdir()
+    (inside / "a.json").write_text("{}")
+    (outside / "secret.json").write_text("{}")
+    (inside / "link.json").symlink_to(outside / "secret.json")
+    os.mkfifo(inside / "fifo.json")
+    assert read_regular(inside / "a.json", 2, (inside.resolve(),)) == b"{}"
+    refusals = {
+        inside / "link.json": f"leads to {outside / 'secret.json'}, outside the paths given on the command line: not read",
+        inside / "fifo.json": "not a regular file (a FIFO, socket, device or folder): not read",
+        inside: "not a regular file (a FIFO, socket, device or folder): not read",
+        inside / "missing.json": "cannot be opened (No such file or directory)",
+    }
+    for path, why in refusals.items():
+        with pytest.raises(Unreadable) as caught:
+            read_regular(path, 100, (inside.resolve(),))
+        assert str(caught.value) == f"{path}: {why}"
+    with pytest.raises(Unreadable, match=r"a.json: 2 bytes, over the 1-byte cap for it: not read$"):
+        read_regular(inside / "a.json", 1)
