@@ -282,6 +282,29 @@ def run_view(args: argparse.Namespace) -> Path:
 COMMANDS["view"] = (add_view_args, run_view, "one self-contained HTML page of rollouts, evaluations and training runs (offline)")
 
 
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    from .training.plan_command import PlanConfig
+
+    add_dataclass_args(parser, PlanConfig)
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    from .training.plan_command import PlanConfig, run_plan as plan
+
+    cfg = config_from_args(PlanConfig, args)
+    result = plan(cfg, args.recipe_argv)
+    print(json.dumps(result) if cfg.json else f"refused at launch: {result['refused']}" if result["refused"] else result["line"])
+    return result
+
+
+COMMANDS["plan"] = (
+    add_plan_args, run_plan,
+    "the memory plan a recipe chooses on a GPU of a given size (recipe flags such as --dataset_path follow), without a GPU",
+)
+# Commands that pass the flags they do not know on to a recipe's own parser.
+RECIPE_FLAGS = ("plan",)
+
+
 def chosen_command(argv: list[str]) -> str | None:
     """The subcommand named on the command line (its first word that is not an option), if any."""
     return next((word for word in argv if not word.startswith("-")), None)
@@ -323,7 +346,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     quiet_deepspeed_probe()
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in RECIPE_FLAGS:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.recipe_argv = extra
     with user_errors(f"eogym-sft {args.command}", args.debug):
         COMMANDS[args.command][1](args)
 

@@ -121,12 +121,17 @@ class BrokenInstall(RuntimeError):
     """torch, torchvision or transformers cannot be imported: an install to repair, not a bug of ours."""
 
 
+class GPUOutOfMemory(RuntimeError):
+    """A CUDA out-of-memory error in a run, told as the setting to lower (the CUDA error is its ``__cause__``)."""
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """What a user's input or setup causes (a bad flag value, a missing file, a taken output, a refused URL,
     a broken install): shown as one line. Anything else is a bug and keeps its traceback."""
     from .net import NetError
 
-    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError, BrokenInstall)
+    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError, BrokenInstall,
+            GPUOutOfMemory)
 
 
 TORCH_STACK = ("torch", "torchvision", "transformers")

@@ -22,24 +22,24 @@ from eogym_sft.guards import run_recipe  # noqa: E402 (neither imports torch nor
 from eogym_sft.quiet import quiet_deepspeed_probe  # noqa: E402
 
 
+def with_config(argv: list[str]) -> list[str]:
+    return argv if "--config" in argv else ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
+
+
 def parse_args(argv: list[str]):
-    from trl import ModelConfig, SFTConfig
+    from eogym_sft.training.sft import recipe_parser
 
-    from eogym_sft.config import EOGymScriptArguments
-    from eogym_sft.strict_yaml import RecipeParser
-
-    if "--config" not in argv:
-        argv = ["--config", str(Path(__file__).with_suffix(".yaml")), *argv]
-    # allow_abbrev=False: a mistyped flag (--max_step) is refused, not taken as the flag it begins (--max_steps)
-    parser = RecipeParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False)  # the YAML read strictly
-    return parser.parse_args_and_config(argv)
+    return recipe_parser().parse_args_and_config(with_config(argv))  # the YAML read strictly
 
 
 def main(argv: list[str]) -> str:
-    """Train as the flags (and the YAML) say; return the folder the adapter was saved to."""
+    """Train as the flags (and the YAML) say; return the folder the adapter was saved to. The memory plan chooses
+    what neither sets of per_device_train_batch_size, gradient_accumulation_steps and activation_checkpointing."""
+    from eogym_sft.training.memory_hook import config_file, settings_given
     from eogym_sft.training.sft import train
 
-    return train(*parse_args(argv))
+    argv = with_config(argv)
+    return train(*parse_args(argv), given=settings_given(argv, config_file(argv)))
 
 
 if __name__ == "__main__":

@@ -38,12 +38,9 @@ def published(script, training, model) -> None:
     assert model.model_name_or_path == "Qwen/Qwen3-VL-4B-Instruct"
     assert model.dtype == "bfloat16" and not getattr(model, "trust_remote_code", False)
     assert training.num_train_epochs == 3
-    # 4 x 16 = 64 samples a step as published, dealt into 32 token-balanced micro-batches: the same
-    # samples and token-mean loss each step (tests/training/test_trainer.py checks the split changes nothing)
-    from eogym_sft.training.sampler import accumulation_steps
-
-    assert script.samples_per_step == 4 * 16  # the step's one home; the accumulation follows the world size
-    assert training.per_device_train_batch_size == 2 and accumulation_steps(script.samples_per_step, 2, 1) == 32
+    # 4 x 16 = 64 samples a step as published, dealt into token-balanced micro-batches as many as the memory plan
+    # chooses: the same samples and token-mean loss each step (tests/training/test_trainer.py checks the split changes nothing)
+    assert script.samples_per_step == 4 * 16  # the step's one home; the accumulation follows the world size and the plan
     assert training.train_sampling_strategy == "batch_rebalance" and training.length_column_name == "n_tokens"
     assert training.learning_rate == 1e-4
     assert str(training.lr_scheduler_type) in ("cosine", "SchedulerType.COSINE")
@@ -120,10 +117,17 @@ def test_eo_gym_4b_yaml_holds_the_published_settings(recipe):
     published(*recipe.parse_args(["--config", str(REPO / "recipes" / "eo_gym_4b.yaml"), *CPU]))
 
 
+def test_eo_gym_4b_yaml_leaves_the_micro_batches_and_checkpointing_to_the_memory_plan():
+    from eogym_sft.training.memory_hook import config_file, settings_given
+
+    argv = ["--config", str(REPO / "recipes" / "eo_gym_4b.yaml")]
+    assert settings_given(argv, config_file(argv)) == frozenset()
+
+
 def test_eo_gym_4b_yaml_ships_the_speed_path(recipe):
     script, training, model = recipe.parse_args(list(CPU))
     assert training.padding_free and script.compile_layers and model.attn_implementation == "eogym_varlen_cudnn"
-    assert training.activation_checkpointing is False and training.dataloader_num_workers == 8
+    assert training.dataloader_num_workers == 8  # activation checkpointing: the memory plan's (no checkpointing where it fits)
     assert training.logging_nan_inf_filter is False  # transformers' default syncs the host after every micro-batch
 
 
@@ -168,7 +172,7 @@ def test_flags_override_the_yaml(recipe):
     assert (
         training.learning_rate == 3e-4 and model.lora_r == 8 and script.max_pixels == 4096 and training.max_steps == 5
     )
-    assert script.samples_per_step == 64 and training.per_device_train_batch_size == 2  # the rest still comes from the file
+    assert script.samples_per_step == 64 and training.train_sampling_strategy == "batch_rebalance"  # the rest still comes from the file
 
 
 def test_bad_eval_fraction_is_refused(recipe):

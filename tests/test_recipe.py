@@ -389,7 +389,7 @@ def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(first_run, tiny_mod
 def test_samples_per_step_is_resolved_from_the_world_size(first_run):
     from eogym_sft.training.sft import set_samples_per_step
 
-    script, training, _ = first_run["recipe"].parse_args(["--use_cpu", "true"])
+    script, training, _ = first_run["recipe"].parse_args(["--use_cpu", "true", "--per_device_train_batch_size", "2"])
     assert (script.samples_per_step, training.per_device_train_batch_size, training.world_size) == (64, 2, 1)
     set_samples_per_step(script, training)
     assert training.gradient_accumulation_steps == 32
@@ -483,7 +483,7 @@ def test_explicit_accumulation_that_disagrees_with_samples_per_step_is_an_error(
     script, training, _ = recipe.parse_args(["--use_cpu", "true", "--gradient_accumulation_steps", "2", "--samples_per_step", "None"])
     set_samples_per_step(script, training)
     assert training.gradient_accumulation_steps == 2  # honoured: no samples_per_step to derive it from
-    script, training, _ = recipe.parse_args(["--use_cpu", "true", "--gradient_accumulation_steps", "32"])
+    script, training, _ = recipe.parse_args(["--use_cpu", "true", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "32"])
     set_samples_per_step(script, training)
     assert training.gradient_accumulation_steps == 32  # agrees with 64 samples at 2 a micro-batch
 

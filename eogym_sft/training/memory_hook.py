@@ -12,22 +12,25 @@ import logging
 import os
 from pathlib import Path
 
-from .memory_plan import GIB, PLANNED, MicroBatch, ModelShape, Plan, Setup, budget_bytes, choose, dealt_batches
+from .memory_plan import PLANNED, MicroBatch, ModelShape, Plan, Setup, budget_bytes, choose, dealt_batches
 from .memory_plan import plan_line, run_steps, worst_case_batches
 
 logger = logging.getLogger(__name__)
 PLAN_COMMAND = "eogym-sft plan --config CONFIG --gpu-memory SIZE"
 
 
+# transformers' deprecated names of a planned setting, which set it too
+OLD_NAMES = {"gradient_checkpointing": "activation_checkpointing"}
+
+
 def settings_given(argv: list[str], config: dict | None = None) -> frozenset[str]:
     """The planned settings named in ``argv`` (``--name``, ``--name-with-dashes``, either with ``=value``) or in
-    the config file's keys: the user's, which the plan keeps."""
-    given = {name for name in PLANNED if name in (config or {})}
+    the config file's keys, under their names or transformers' old ones: the user's, which the plan keeps."""
+    names = {**{name: name for name in PLANNED}, **OLD_NAMES}
+    given = {planned for name, planned in names.items() if name in (config or {})}
     for word in argv:
         flag = word.split("=", 1)[0]
-        for name in PLANNED:
-            if flag in (f"--{name}", f"--{name.replace('_', '-')}"):
-                given.add(name)
+        given.update(planned for name, planned in names.items() if flag in (f"--{name}", f"--{name.replace('_', '-')}"))
     return frozenset(given)
 
 
@@ -61,14 +64,14 @@ def zero_stage(training_args) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0)) if isinstance(ds, dict) else 0
 
 
-def fixed_settings(training_args, samples_per_step: int | None, given: frozenset[str]) -> tuple[int | None, int | None]:
+def fixed_settings(training_args, samples_per_step: int | None, given: frozenset[str], processes: int) -> tuple[int | None, int | None]:
     """``(per_device_train_batch_size, checkpoint_every)`` the plan must keep (``None``: its to choose). Without
     ``samples_per_step`` the batch size sets the step's size, so it is never the plan's."""
     batch = None
     if "per_device_train_batch_size" in given or samples_per_step is None:
         batch = training_args.per_device_train_batch_size
     elif "gradient_accumulation_steps" in given:
-        batch = max(1, samples_per_step // (training_args.gradient_accumulation_steps * training_args.world_size))
+        batch = max(1, samples_per_step // (training_args.gradient_accumulation_steps * processes))
     every = None
     if "activation_checkpointing" in given:
         every = checkpoint_every(training_args) if training_args.activation_checkpointing else 0
@@ -104,7 +107,7 @@ def plan_for(script_args, training_args, model_args, dataset, free_bytes: float,
     else:
         steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs, training_args.dataloader_drop_last)
         batches_for = batches_from(dataset, samples, processes, steps, training_args.seed, training_args.dataloader_drop_last)
-    batch, every = fixed_settings(training_args, script_args.samples_per_step, given)
+    batch, every = fixed_settings(training_args, script_args.samples_per_step, given, processes)
     return choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch, checkpoint_every=every)
 
 
@@ -118,7 +121,7 @@ def refusal(plan: Plan, auto: Plan, given: frozenset[str], device: str) -> str |
     if not given or not auto.fits:
         return (f"no setting fits: even at one sample a micro-batch with every layer checkpointed {need} against {budget}; "
                 f"lower max_length, use a larger GPU, or see `{PLAN_COMMAND}`")
-    named = ", ".join(f"{name} {value}" for name, value in settings_of(plan).items() if name in given)
+    named = " with ".join(f"{name} {value}" for name, value in settings_of(plan).items() if name in given)
     would = ", ".join(f"{name} {value}" for name, value in settings_of(auto).items())
     return f"{named} does not fit: {need} against {budget}; {would} fits ({auto.predicted_reserved_gib:.1f} GiB); see `{PLAN_COMMAND}`"
 
@@ -136,10 +139,11 @@ def apply(plan: Plan, training_args, given: frozenset[str]) -> None:
     if "per_device_train_batch_size" not in given:
         training_args.per_device_train_batch_size = plan.per_device_train_batch_size
     if "activation_checkpointing" not in given:
-        training_args.activation_checkpointing = plan.activation_checkpointing
+        # transformers mirrors its old names (gradient_checkpointing*) only when the args are built; TRL reads them
+        training_args.activation_checkpointing = training_args.gradient_checkpointing = plan.activation_checkpointing
         if plan.checkpoint_every > 1:
-            training_args.activation_checkpointing_kwargs = {**(training_args.activation_checkpointing_kwargs or {}),
-                                                             "every_n_layers": plan.checkpoint_every}
+            kwargs = {**(training_args.activation_checkpointing_kwargs or {}), "every_n_layers": plan.checkpoint_every}
+            training_args.activation_checkpointing_kwargs = training_args.gradient_checkpointing_kwargs = kwargs
 
 
 def read_gpu() -> tuple[str, float] | None:
@@ -159,10 +163,13 @@ def read_gpu() -> tuple[str, float] | None:
 
 def plan_run(script_args, training_args, model_args, dataset, given: frozenset[str]) -> Plan | None:
     """At start, before the model loads: plan for this GPU's free memory, set the chosen settings, print the
-    plan's line; refuse (``ValueError``, one line) what cannot fit. Without CUDA, nothing is planned."""
+    plan's line; refuse (``ValueError``, one line) what cannot fit. Without CUDA there is nothing to plan against:
+    a batch size not given is one sample a micro-batch (it divides any step), the rest stays as set."""
     gpu = read_gpu()
     if gpu is None:
-        logger.info("memory plan: no CUDA device, settings as given")
+        batch, _ = fixed_settings(training_args, script_args.samples_per_step, given, training_args.world_size)
+        training_args.per_device_train_batch_size = batch or 1
+        logger.info("memory plan: no CUDA device, %d sample(s) a micro-batch", training_args.per_device_train_batch_size)
         return None
     device, free = gpu
     architecture = model_config(model_args.model_name_or_path)
@@ -177,12 +184,12 @@ def plan_run(script_args, training_args, model_args, dataset, given: frozenset[s
 
 
 def out_of_memory_message(training_args, step: int) -> str:
-    """One line for a CUDA OOM that came mid-run despite the plan: which setting to lower, and the plan command."""
-    lower = (f"per_device_train_batch_size {training_args.per_device_train_batch_size}" if training_args.per_device_train_batch_size > 1
-             else "max_length" if training_args.activation_checkpointing else "activation_checkpointing false")
-    fix = f"lower {lower}" if not lower.startswith("activation") else "set activation_checkpointing true"
-    return (f"CUDA out of memory at step {step} (the GPU held less than planned, or another process took memory): {fix}; "
+    """One line for a CUDA OOM that came mid-run despite the plan: the setting to lower, and the plan command."""
+    batch, checkpointing = training_args.per_device_train_batch_size, training_args.activation_checkpointing
+    if not checkpointing:
+        fix = "set activation_checkpointing true" + (f" or lower per_device_train_batch_size {batch}" if batch > 1 else "")
+    else:
+        fix = f"lower per_device_train_batch_size {batch}" if batch > 1 else f"lower max_length {training_args.max_length}"
+    return (f"CUDA out of memory at step {step} with per_device_train_batch_size {batch} and activation_checkpointing "
+            f"{str(bool(checkpointing)).lower()} (the GPU had less than planned, or another process took memory): {fix}; "
             f"`{PLAN_COMMAND}` shows what fits")
-
-
-__all__ = ["GIB", "plan_run", "settings_given", "out_of_memory_message"]

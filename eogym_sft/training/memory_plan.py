@@ -8,7 +8,7 @@ inputs by target), the vision tower per patch, the loss over the supervised posi
 workspace and a fixed part (CUDA workspaces, compiled graphs). It then takes the fewest micro-batches a step
 whose largest micro-batch fits, with no checkpointing if one fits, and layers recomputed only when none does
 (:func:`choose`). With a prepared dataset the micro-batches are the ones :class:`TokenBalancedSampler` will deal,
-every step of every epoch; without one, the worst case: every sample ``max_length`` tokens, all supervised.
+every step of every epoch; without one, the worst case: every sample ``max_length`` tokens (:func:`worst_case_batches`).
 
 Nothing here touches a GPU: ``eogym-sft plan`` runs it anywhere, and the recipe calls it with the free memory
 it reads at start (:mod:`eogym_sft.training.memory_hook`).
@@ -128,10 +128,11 @@ def checkpointed_layers(layers: int, every: int) -> int:
     return 0 if every == 0 else math.ceil(layers / every)
 
 
-def static_terms(shape: ModelShape, setup: Setup, cal: Calibration = CALIBRATION) -> dict[str, float]:
+def static_terms(shape: ModelShape, setup: Setup, cal: Calibration | None = None) -> dict[str, float]:
     """Bytes that do not depend on the micro-batch. LoRA weights are float32 (PEFT's), their gradients too;
     AdamW's two moments are float32; ZeRO-1 and up split the optimizer state over the processes, ZeRO-2 and up
     the gradients as well."""
+    cal = cal or CALIBRATION
     split_optimizer = setup.processes if setup.zero_stage >= 1 else 1
     split_gradients = setup.processes if setup.zero_stage >= 2 else 1
     return {
@@ -143,8 +144,9 @@ def static_terms(shape: ModelShape, setup: Setup, cal: Calibration = CALIBRATION
     }
 
 
-def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration = CALIBRATION) -> dict[str, float]:
+def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration | None = None) -> dict[str, float]:
     """Per token: what the decoder keeps until the backward, and what one recomputed layer rebuilds."""
+    cal = cal or CALIBRATION
     dropped = cal.dropped_input_bytes_per_element * shape.lora_inputs if setup.lora_dropout > 0 else 0.0
     full = cal.layer_bytes_per_token + dropped
     kept_layers = checkpointed_layers(shape.layers, setup.checkpoint_every)
@@ -154,12 +156,13 @@ def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration
     }
 
 
-def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibration = CALIBRATION) -> dict[str, float]:
+def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibration | None = None) -> dict[str, float]:
     """The named terms of one micro-batch's peak, in bytes, and the peak (``allocated``, ``reserved``).
 
     The vision tower runs first and keeps nothing; then the decoder's kept activations grow to the end of the
     forward, where the loss's logits join them; in the backward a recomputed layer and attention's workspace
     come and go one layer at a time. The peak is the larger of the tower's phase and the decoder's."""
+    cal = cal or CALIBRATION
     per_token = activation_bytes_per_token(shape, setup, cal)
     terms = dict(static_terms(shape, setup, cal))
     terms["vision_tower"] = batch.image_tokens * shape.patches_per_token * cal.vision_bytes_per_patch
@@ -174,9 +177,15 @@ def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibrat
     return terms
 
 
+# Without data, the share of a sample's tokens taken as supervised: a sample is a conversation whose prompt (system,
+# tool schemas, question, images) and tool results are never supervised. With data the plan reads each sample's count.
+WORST_SUPERVISED_SHARE = 0.5
+
+
 def worst_case_batches(samples: int, max_length: int) -> list[MicroBatch]:
-    """Without data: ``samples`` samples of ``max_length`` tokens, every token supervised and every one an image's."""
-    return [MicroBatch(samples * max_length, samples * max_length, samples * max_length, samples)]
+    """Without data: ``samples`` samples of ``max_length`` tokens, each an image's and half of them supervised."""
+    tokens = samples * max_length
+    return [MicroBatch(tokens, int(tokens * WORST_SUPERVISED_SHARE), tokens, samples)]
 
 
 @dataclass
@@ -219,13 +228,13 @@ def batch_sizes(samples_per_step: int, processes: int) -> list[int]:
     return [b for b in range(per_process, 0, -1) if per_process % b == 0]
 
 
-def evaluate(shape: ModelShape, setup: Setup, batches: list[MicroBatch], cal: Calibration = CALIBRATION) -> dict:
+def evaluate(shape: ModelShape, setup: Setup, batches: list[MicroBatch], cal: Calibration | None = None) -> dict:
     """The terms of the micro-batch with the largest predicted peak among ``batches``."""
     return max((peak_terms(shape, setup, b, cal) | {"tokens": b.tokens} for b in batches), key=lambda t: t["reserved"])
 
 
 def choose(shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, samples_per_step: int, *,
-           batch_size: int | None = None, checkpoint_every: int | None = None, cal: Calibration = CALIBRATION) -> Plan:
+           batch_size: int | None = None, checkpoint_every: int | None = None, cal: Calibration | None = None) -> Plan:
     """The fastest plan that fits ``budget_bytes``: no checkpointing before any, then the most samples a
     micro-batch. ``batches_for(b)`` lists the micro-batches of b samples (on average) a process meets over the run.
     ``batch_size`` and ``checkpoint_every`` given are kept; when nothing fits, the plan returned is the
@@ -239,8 +248,8 @@ def choose(shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, sa
             plan = make_plan(b, samples_per_step // (b * setup.processes), every, worst, budget_bytes)
             if plan.fits:
                 return plan
-            tried.append(plan)
-    return min(tried, key=lambda p: p.predicted_reserved_gib)
+            tried.append((worst["reserved"], plan))
+    return min(tried, key=lambda pair: pair[0])[1]
 
 
 def make_plan(batch: int, accumulation: int, every: int, worst: dict, budget_bytes: float) -> Plan:
@@ -253,9 +262,9 @@ def make_plan(batch: int, accumulation: int, every: int, worst: dict, budget_byt
     )
 
 
-def budget_bytes(free_bytes: float, cal: Calibration = CALIBRATION) -> float:
+def budget_bytes(free_bytes: float, cal: Calibration | None = None) -> float:
     """The part of a GPU's free memory the plan may fill."""
-    return max(0.0, free_bytes - cal.budget_margin_bytes)
+    return max(0.0, free_bytes - (cal or CALIBRATION).budget_margin_bytes)
 
 
 def dealt_batches(lengths: list[int], supervised: list[int], images: list[int], samples_per_step: int, groups: int,
@@ -282,14 +291,20 @@ def run_steps(n_samples: int, samples_per_step: int, max_steps: int, epochs: flo
     return max_steps if max_steps > 0 else math.ceil(epochs * per_epoch)
 
 
+def ordinal(n: int) -> str:
+    """>>> [ordinal(n) for n in (2, 3, 4, 11, 21)]
+    ['2nd', '3rd', '4th', '11th', '21st']"""
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
 def plan_line(plan: Plan, device: str, free_bytes: float, processes: int) -> str:
     """The one line the recipe prints at start."""
     micro = plan.gradient_accumulation_steps
     checkpointing = ("off" if not plan.checkpoint_every else
-                     "every layer" if plan.checkpoint_every == 1 else f"every {plan.checkpoint_every} layers")
+                     "every layer" if plan.checkpoint_every == 1 else f"every {ordinal(plan.checkpoint_every)} layer")
     return (
-        f"memory plan: {device}, {free_bytes / GIB:.1f} GiB free, budget {plan.budget_gib:.1f} GiB: {micro} micro-batches "
-        f"a step of {plan.per_device_train_batch_size} sample(s) on each of {processes} process(es) (largest "
+        f"memory plan: {device}, {free_bytes / GIB:.1f} GiB free, budget {plan.budget_gib:.1f} GiB: {micro} micro-batches a "
+        f"step on each of {processes} process(es), {plan.per_device_train_batch_size} sample(s) each (largest "
         f"{plan.micro_batch_tokens:,} tokens), activation checkpointing {checkpointing}, predicted peak "
         f"{plan.predicted_peak_gib:.1f} GiB allocated, {plan.predicted_reserved_gib:.1f} GiB reserved"
     )

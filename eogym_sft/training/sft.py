@@ -21,10 +21,24 @@ from ..models.vision_blocks import compile_vision_blocks
 from ..data.collator import EOGymCollator
 from .resume import CheckpointIdentity, claim_output_dir, finished, resume_point
 from .run_info import save_run
+from .memory_hook import plan_run
+from .memory_plan import PLANNED
 from .sampler import accumulation_steps
 from .trainer import EOGymSFTTrainer
 
 logger = logging.getLogger(__name__)
+
+
+def recipe_parser():
+    """The SFT recipe's parser: its YAML read strictly, TRL's three configs. TRL's ``SFTConfig`` defaults
+    transformers' old name ``gradient_checkpointing`` to true, which would turn checkpointing on (with a deprecation
+    warning) wherever nothing sets it; unset here, it is the memory plan's (:func:`.memory_hook.plan_run`)."""
+    from ..strict_yaml import RecipeParser
+
+    # allow_abbrev=False: a mistyped flag (--max_step) is refused, not taken as the flag it begins (--max_steps)
+    parser = RecipeParser((EOGymScriptArguments, SFTConfig, ModelConfig), allow_abbrev=False)
+    parser.set_defaults(gradient_checkpointing=None)
+    return parser
 
 
 def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTConfig) -> None:
@@ -169,8 +183,11 @@ def build_trainer(training_args: SFTConfig, model, collator, processor, train_da
     )
 
 
-def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> str:
-    """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder."""
+def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig, given: frozenset[str] | None = None) -> str:
+    """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder.
+
+    ``given``: which of the memory plan's settings (:data:`~.memory_plan.PLANNED`) the user set; the plan chooses
+    the others for the GPU (:func:`~.memory_hook.plan_run`). ``None``: all given, the plan only checks they fit."""
     logging.basicConfig(level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
     if not model_args.use_peft:
         raise ValueError("this recipe trains LoRA adapters: set use_peft: true")
@@ -178,7 +195,10 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     sample = script_args.sample_config(training_args.max_length)
     refuse_empty_split(script_args, training_args.seed)
     claim_output_dir(training_args, script_args.overwrite_output_dir)
-    set_samples_per_step(script_args, training_args)
+    given = frozenset(PLANNED) if given is None else given
+    batch_given = "per_device_train_batch_size" in given or script_args.samples_per_step is None
+    if batch_given:  # a split that does not divide is refused before data prep
+        set_samples_per_step(script_args, training_args)
 
     processor = load_processor(model_args.model_name_or_path, sample.max_pixels, sample.min_pixels)
     train_dataset, eval_dataset, data_stats = build_datasets(script_args, training_args, model_args, processor)
@@ -186,6 +206,9 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
     if checkpoint is not None and finished(checkpoint):
         return training_args.output_dir
+    plan_run(script_args, training_args, model_args, train_dataset, given)  # before the model loads: sized or refused
+    if not batch_given:
+        set_samples_per_step(script_args, training_args)
 
     model = build_model(script_args, training_args, model_args)
     collator = build_collator(script_args, training_args, processor, model)

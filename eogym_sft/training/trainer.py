@@ -49,11 +49,13 @@ import torch
 from transformers.trainer_pt_utils import BatchRebalanceSampler
 from trl import SFTTrainer
 
+from ..guards import GPUOutOfMemory
 from ..metrics.token_accuracy import IGNORE_INDEX, correct_argmax
 from ..models.attention import packed_arguments
 from ..models.host_layout import HostLayout, supervised_positions
 from ..models.vision_blocks import vision_tower
 from .loss import cross_entropy_with_entropy
+from .memory_hook import out_of_memory_message
 from .sampler import TokenBalancedSampler
 
 logger = logging.getLogger(__name__)
@@ -277,9 +279,12 @@ class EOGymSFTTrainer(SFTTrainer):
     def train(self, *args, **kwargs):
         """Trainer's ``train``; samples skipped after the last log are counted in the log history too, so that
         ``eogym_run.json`` and ``skipped_samples.jsonl`` agree with what was skipped. Persistent DataLoader
-        workers are stopped before it returns (:func:`stop_dataloader_workers`)."""
+        workers are stopped before it returns (:func:`stop_dataloader_workers`). A CUDA out-of-memory error is
+        raised again as :class:`~eogym_sft.guards.GPUOutOfMemory`, one line naming the setting to lower."""
         try:
             output = super().train(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise GPUOutOfMemory(out_of_memory_message(self.args, self.state.global_step)) from err
         finally:
             stop_dataloader_workers(self)
         leftover = self._flush_all_skipped()

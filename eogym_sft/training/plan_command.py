@@ -1,0 +1,96 @@
+"""``eogym-sft plan``: the memory plan a recipe would choose on a GPU of a given size, without a GPU.
+
+The recipe's own flags (``--dataset_path``, ``--per_device_train_batch_size``, ...) are read by the recipe's parser
+over its YAML, as at launch; a flag that sets a planned setting is kept, as at launch, and shown refused when it
+cannot fit. Without ``--dataset_path`` the plan is for the worst case: every sample ``max_length`` tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .memory_plan import GIB, plan_line
+
+UNITS = {"gb": 10**9, "gib": GIB, "mb": 10**6, "mib": 2**20}
+DEFAULT_CONFIG = "recipes/eo_gym_4b.yaml"
+
+
+@dataclass
+class PlanConfig:
+    """The ``eogym-sft plan`` flags (the recipe's own flags follow them, as on the recipe's command line)."""
+
+    gpu_memory: str = field(metadata={"help": "the GPU's free memory: 80GB (10^9 bytes), 79.2GiB; a plain number is GB"})
+    config: str = field(default=DEFAULT_CONFIG, metadata={"help": "the recipe's YAML (SFT, or GRPO: a YAML with num_generations)"})
+    gpus: int = field(default=1, metadata={"help": "processes (one a GPU), as accelerate launch --num_processes"})
+    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage of the launch (0: one process or DDP)"})
+    model_config: str | None = field(
+        default=None,
+        metadata={"help": "architecture config.json to plan for (default: model_name_or_path's own; offline, e.g. "
+                          "recipes/configs/qwen3_vl_4b_instruct.json)"},
+    )
+    json: bool = field(default=False, metadata={"help": "print one JSON object instead of the plan's line"})
+
+    def __post_init__(self):
+        self.gpu_bytes = parse_size(self.gpu_memory)
+        if self.gpus < 1 or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--gpus must be at least 1 and --zero-stage 0-3, got {self.gpus} and {self.zero_stage}")
+
+
+def parse_size(text: str) -> float:
+    """``80GB`` (10^9 bytes), ``79.2GiB``, ``24576MiB``; a bare number is GB.
+
+    >>> parse_size("80GB"), parse_size("1GiB"), parse_size("24")
+    (80000000000.0, 1073741824.0, 24000000000.0)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and (match[2].lower() or "gb")
+    if not match or unit not in UNITS or float(match[1]) <= 0:
+        raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GB, 79.2GiB or 24576MiB")
+    return float(match[1]) * UNITS[unit]
+
+
+def recipe_configs(config: str, recipe_argv: list[str]):
+    """The SFT recipe's three configs from ``config`` and its flags, as its own parser reads them (on a CPU)."""
+    from .sft import recipe_parser
+
+    return recipe_parser().parse_args_and_config(["--config", config, *recipe_argv, "--use_cpu", "true"])
+
+
+def train_dataset(script_args, training_args):
+    """The train split the recipe would train on, from a prepared folder (or the recipe's prepared cache)."""
+    from ..data.datasets import split_by_trace
+    from ..data.prepared import load_prepared
+
+    path = Path(script_args.dataset_path)
+    folder = path if path.is_dir() else Path(script_args.prepared_dir or Path(training_args.output_dir) / "prepared")
+    if not (folder / "stats.json").is_file():
+        raise FileNotFoundError(
+            f"--dataset_path {path}: neither a prepared folder nor prepared at {folder}: prepare it first "
+            "(eogym-sft prepare) and pass that folder"
+        )
+    dataset, _ = load_prepared(folder)
+    return split_by_trace(dataset, script_args.eval_fraction, training_args.seed)[0], str(folder)
+
+
+def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
+    """The plan as one dict (printed as JSON with ``--json``, else as the recipe's line)."""
+    from .memory_hook import config_file, model_config, plan_for, refusal, settings_given
+
+    argv = ["--config", cfg.config, *recipe_argv]
+    given = settings_given(argv, config_file(argv))
+    script, training, model = recipe_configs(cfg.config, recipe_argv)
+    with_data = any(word.split("=", 1)[0] in ("--dataset_path", "--dataset-path") for word in recipe_argv)
+    dataset, source = train_dataset(script, training) if with_data else (None, "worst case: every sample max_length tokens")
+    architecture = model_config(model.model_name_or_path, cfg.model_config)
+    args = (script, training, model, dataset, cfg.gpu_bytes, cfg.gpus, cfg.zero_stage)
+    plan = plan_for(*args, given, architecture)
+    device = f"a {cfg.gpu_memory} GPU"
+    auto = plan if plan.fits else plan_for(*args, frozenset(), architecture)
+    result = {
+        "recipe": "sft", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus, "zero_stage": cfg.zero_stage,
+        "data": source, "given": sorted(given), **plan.to_json(), "refused": refusal(plan, auto, given, device),
+        "line": plan_line(plan, device, cfg.gpu_bytes, cfg.gpus),
+    }
+    return result
