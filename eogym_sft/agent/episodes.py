@@ -94,6 +94,7 @@ class Episode:
     final_answer: str | None = None
     images_seen: list[str] = field(default_factory=list)
     sampled_ids: list[list[int]] = field(default_factory=list)  # per assistant turn, the token ids sampled (end token included)
+    slot: int | None = None  # the decoder slot the episode ran in (run_episodes): its picks are that slot's
     _pictures: dict = field(default_factory=dict, repr=False)
     _ahead: dict = field(default_factory=dict, repr=False)  # rel -> Future of its picture, started by preload
 
@@ -411,6 +412,7 @@ class EpisodeLoop:
                 slot.episode = next(self.pending, None)
                 if slot.episode is None:
                     return None
+                slot.episode.slot = s
                 prompt = self.next_prompt(slot.episode) if slot.episode.stop is None else None  # failed before it began (see new_episode)
             elif slot.goes_on is None:  # mid-turn
                 return None

@@ -37,6 +37,7 @@ from ..models.processor import images_processed_once
 from ..agent.rollout_config import SlotRolloutArguments
 from . import grpo_slots
 from .grpo_data import EpisodeData, episode_dataset, load_episodes
+from .grpo_mismatch import mismatch
 from .grpo_trl import GenerationProgress, TRLEngine, with_logits_processors
 from .packed_logps import pack_rows, packed_logps_and_entropies
 from .rewards import EpisodeReward
@@ -228,10 +229,19 @@ class EOGymGRPOTrainer(GRPOTrainer):
         self.engine = engine
         self._inputs: list[dict] | None = None
         self._loss_mask = None
+        self._loss_logps: list | None = None  # inside _compute_loss: the loss forward's log-probs (the mismatch log)
         engine.bind(self)
 
     def _generate(self, prompts):
         return self.engine.generate(self, prompts, self._inputs)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's turn, with the log-probability of each token sampled without vLLM (TRL keeps none there)."""
+        ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        recorder = getattr(self.engine, "generated", None)
+        if logprobs is None and recorder is not None:
+            logprobs = recorder.lists([len(c) for c in ids])
+        return ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
         self._inputs = inputs  # the slots engine needs each example's row, not only its prompt
@@ -246,10 +256,28 @@ class EOGymGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         """TRL's loss, its forward scoring only the tokens the loss counts (:func:`~eogym_sft.training.grpo_slots.loss_token_mask`)."""
         self._loss_mask = grpo_slots.loss_token_mask(inputs) if self.engine.packed_loss else None
+        self._loss_logps = []
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
         finally:
             self._loss_mask = None
+        self._log_mismatch(inputs, self._loss_logps[0] if self._loss_logps else None)
+        self._loss_logps = None
+        return loss
+
+    def _log_mismatch(self, inputs, loss_logps) -> None:
+        """``rollout/logp_abs_diff`` and ``rollout/k3_kl`` of the batch (:mod:`~eogym_sft.training.grpo_mismatch`)."""
+        rollout = inputs.get("sampling_per_token_logps")
+        train = inputs.get("old_per_token_logps")
+        train = loss_logps if train is None else train
+        if rollout is None or train is None:
+            return
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        found = mismatch(train, rollout, mask)
+        if found is not None:
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            metrics["rollout/logp_abs_diff"].append(found["abs_diff"])
+            metrics["rollout/k3_kl"].append(found["k3"])
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
@@ -260,11 +288,12 @@ class EOGymGRPOTrainer(GRPOTrainer):
         Overrides TRL's private method, pinned by ``tests/training/test_packed_logps.py``; TRL's own forward
         under an engine without ``packed_loss``."""
         if not self.engine.packed_loss:
-            return super()._get_per_token_logps_and_entropies(
+            out = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 pixel_values=pixel_values, image_grid_thw=image_grid_thw, num_images=num_images,
                 mm_token_type_ids=mm_token_type_ids, **other,
             )
+            return self._kept_for_mismatch(out)
         given = sorted(k for k, v in other.items() if v is not None)
         if given:
             raise ValueError(f"the packed loss forward takes Qwen-style vision inputs only, not {given}")
@@ -299,11 +328,16 @@ class EOGymGRPOTrainer(GRPOTrainer):
             logps.append(lp)
             entropies.append(ent)
             aux.append(aux_loss)
-        return (
+        return self._kept_for_mismatch((
             torch.cat(logps),
             torch.cat(entropies) if compute_entropy else None,
             torch.stack(aux).mean() if compute_aux_loss else None,
-        )
+        ))
+
+    def _kept_for_mismatch(self, out):
+        if getattr(self, "_loss_logps", None) is not None:  # inside _compute_loss: the loss forward's own
+            self._loss_logps.append(out[0])
+        return out
 
 
 @contextmanager

@@ -41,6 +41,7 @@ from ..models.loading import unwrap_peft
 from ..agent.decoder import SlotDecoder
 from ..agent.sampling import Sampling
 from ..agent.rollout_config import kv_bytes_per_token, slots_for
+from .grpo_mismatch import SampledLogps, completion_logps
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class ProcessedSampling(Sampling):
 
     processors: list = field(default_factory=list)
     decoder: TrackedDecoder | None = None
+    record: SampledLogps | None = None  # the picks' log-probabilities, per slot (grpo_mismatch)
     pad_id: int = 0
     _held: dict = field(default_factory=dict, repr=False)  # slot -> its sequence as a tensor, extended step by step
 
@@ -98,6 +100,7 @@ class ProcessedSampling(Sampling):
         return held
 
     def pick(self, logits, generated, stop_ids, generator=None, banned_ids=()):
+        own = logits  # the policy's own logits, as the loss forward scores them (the mismatch log)
         if self.processors:
             rows = self.decoder.rows
             seqs = {s: self._sequence(s) for s in rows}
@@ -112,7 +115,10 @@ class ProcessedSampling(Sampling):
             for processor in self.processors:
                 scores = processor(ids, scores)
             logits = scores[rows]
-        return super().pick(logits, generated, stop_ids, generator, banned_ids)
+        picks = super().pick(logits, generated, stop_ids, generator, banned_ids)
+        if self.record is not None:
+            self.record.add(self.decoder.rows, generated, own, picks, banned_ids)
+        return picks
 
 
 @dataclass
@@ -259,11 +265,12 @@ def eval_mode(model):
 
 def loss_token_mask(inputs: dict) -> torch.Tensor | None:
     """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
-    log-probability: without log-probs from the sampling policy (``num_iterations=1``, no vLLM), TRL takes
-    the old policy's as the current ones detached, so every other position is multiplied by 0 and is never
-    read. With them (``old_per_token_logps``), an unscored position's ratio ``exp(0 - old)`` may overflow to
-    inf, and inf * 0 is NaN: None, every completion token scored."""
-    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None or inputs.get("sampling_per_token_logps") is not None:
+    log-probability: without the old policy's log-probs (``num_iterations=1``), TRL takes the current ones
+    detached, so every other position is multiplied by 0 and is never read. With them (``old_per_token_logps``),
+    an unscored position's ratio ``exp(0 - old)`` may overflow to inf, and inf * 0 is NaN: None, every completion
+    token scored. The engines' sampled log-probs (``sampling_per_token_logps``) enter no ratio without vLLM; TRL's
+    off-policy mask reads them only as a difference, zeroed off the mask."""
+    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None:
         return None
     return inputs["completion_mask"] * inputs["tool_mask"]
 
@@ -350,10 +357,14 @@ class SlotEngine:
             decoder = TrackedDecoder(self.decoder(model, len(episodes)))
             self.sampling.decoder, self.sampling.processors, self.sampling._held = decoder, self.logits_processors, {}
             self.sampling.pad_id = processor.tokenizer.pad_token_id
+            self.sampling.record, taken = SampledLogps(args.temperature), {}
             # One picture cache for the rollout and the encoding after it: each image is decoded and processed once.
             pictures = picture_cache(processor)
-            stats = run_episodes(decoder, processor, episodes, self.sampling, cfg, ra.data_root, lambda ep: None, pictures=pictures)
-        self.sampling.decoder = None
+            stats = run_episodes(
+                decoder, processor, episodes, self.sampling, cfg, ra.data_root,
+                lambda ep: taken.__setitem__(id(ep), self.sampling.record.take(ep.slot)), pictures=pictures,
+            )
+        self.sampling.decoder = self.sampling.record = None
         slots = decoder.slots
         if not ra.rollout_keep_cache:
             self._decoder = decoder = None  # the loss forward may use the cache's memory now
@@ -394,7 +405,7 @@ class SlotEngine:
             [s.completion_ids for s in samples],
             [s.tool_mask for s in samples],
             completions,
-            None,
+            [completion_logps(s.tool_mask, taken.get(id(ep), []), ep.sampled_ids) for s, ep in zip(samples, episodes)],
             {},
             images if has_images else None,
             images if has_images else [],  # every image as a tool image: TRL builds vision inputs from our ids

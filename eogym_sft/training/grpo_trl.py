@@ -13,6 +13,7 @@ import torch
 from trl import GRPOTrainer
 
 from ..models.loading import unwrap_peft
+from .grpo_mismatch import GeneratedLogps
 
 logger = logging.getLogger("eogym_sft.training.grpo")  # one logger for the GRPO run: its level covers every part
 
@@ -134,9 +135,15 @@ class TRLEngine:
 
     def __init__(self, progress: GenerationProgress | None = None):
         self.progress = progress
+        self.generated: GeneratedLogps | None = None
 
     def bind(self, trainer) -> None:
-        pass
+        """Record each sampled token's log-probability from ``generate``'s own forwards (the mismatch log's)."""
+        from ..agent.sampling import vision_token_ids
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.generated = GeneratedLogps(trainer.temperature, vision_token_ids(trainer.processing_class.tokenizer))
+        model.generate = self.generated.wrap(model.generate, unwrap_peft(model))
 
     def generate(self, trainer, prompts, inputs):
         model = trainer.accelerator.unwrap_model(trainer.model)

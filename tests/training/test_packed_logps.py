@@ -377,7 +377,8 @@ def test_the_loss_forward_scores_only_the_tokens_the_loss_counts(setup, monkeypa
 
 def test_with_the_sampling_policys_logps_every_completion_token_is_scored():
     """``exp(0 - old)`` at an unscored position may be inf, and inf * 0 is NaN: with old log-probs
-    (``num_iterations > 1``, vLLM) the forward scores every completion token, as TRL's."""
+    (``num_iterations > 1``, vLLM) the forward scores every completion token, as TRL's. The engines' sampled
+    log-probs (the mismatch log's) enter no ratio without vLLM: the mask stays."""
     from eogym_sft.training.grpo_slots import loss_token_mask
 
     completion, tools = torch.tensor([[1, 1, 1, 0]]), torch.tensor([[1, 0, 1, 1]])
@@ -385,7 +386,7 @@ def test_with_the_sampling_policys_logps_every_completion_token_is_scored():
     assert torch.equal(loss_token_mask(base), torch.tensor([[1, 0, 1, 0]]))
     assert loss_token_mask({"completion_mask": completion}) is None
     assert loss_token_mask(base | {"old_per_token_logps": torch.zeros(1, 4)}) is None
-    assert loss_token_mask(base | {"sampling_per_token_logps": torch.zeros(1, 4)}) is None
+    assert torch.equal(loss_token_mask(base | {"sampling_per_token_logps": torch.zeros(1, 4)}), torch.tensor([[1, 0, 1, 0]]))
 
 
 def test_pack_rows_labels_exactly_the_tokens_of_the_score_mask(setup):
