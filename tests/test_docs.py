@@ -7,6 +7,7 @@ one of ``NEEDS``) or ``<!-- runs-in: PATH[::TEST] -->`` for a command another te
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -205,3 +206,61 @@ def test_sections_the_code_and_docs_cite_exist():
             if title and not any(h.startswith(title) for h in found):
                 missing.append(f"{source.relative_to(REPO)}: {name}, {title!r}")
     assert not missing, "cited sections with no such heading:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------- quoted results and their files
+
+FIGURES_BLOCK = re.compile(r"<!--\s*figures:\s*(\S+)\s*-->(.*?)<!--\s*/figures\s*-->", re.S)
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+DECIMAL = re.compile(r"(?<![\w.@])([+-]?)(\d+\.\d+)(?![\w.])")
+SECONDS = re.compile(r"(?<![\w.@])(\d+)(?:-(\d+))? s\b")
+
+
+def numbers_in(value) -> list[float]:
+    """Every number in parsed JSON, however deep."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in numbers_in(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in numbers_in(v)]
+    return [value] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def unsourced_figures(text: str, values: list[float]) -> list[str]:
+    """The figures of ``text`` (decimals as printed, sign included, and seconds) that no value of ``values`` gives."""
+    text = DATE.sub(" ", text)
+    missing = []
+    for sign, digits in DECIMAL.findall(text):
+        places = len(digits.split(".")[1])
+        shown = f"{sign}{digits}"
+        if not any(f"{v:+.{places}f}".lstrip("+" if not sign else "") == shown or f"{v:.{places}f}" == shown for v in values):
+            missing.append(shown)
+    for first, last in SECONDS.findall(text):
+        missing += [n for n in (first, last) if n and int(n) not in values]
+    return missing
+
+
+def figures_blocks() -> list[tuple[Path, str, str]]:
+    return [(doc, source, body) for doc in DOCS for source, body in FIGURES_BLOCK.findall(doc.read_text())]
+
+
+def test_every_quoted_figure_comes_from_the_results_file_its_block_names():
+    """A ``<!-- figures: FILE -->`` block quotes only numbers FILE holds (to the decimals shown): a rerun that writes
+    FILE anew fails this test until the prose says what the run said. FILE names the command that writes it."""
+    blocks = figures_blocks()
+    assert (REPO / "README.md", "bench/results/cpu_agent_demo.json") in {(doc, source) for doc, source, _ in blocks}
+    for doc, source, body in blocks:
+        results = json.loads((REPO / source).read_text())
+        script = results["command"].split()[1]
+        assert (REPO / script).is_file(), f"{source}: its command runs {script}, which is not in the repository"
+        assert unsourced_figures(body, numbers_in(results)) == [], f"{doc.name}: figures not in {source}"
+
+
+def test_the_figure_check_catches_a_drifted_figure():
+    values = numbers_in({"seeds": [{"sft": 0.78125, "delta": -0.03125, "ci95": [-0.133, 0.0702]}], "wall_s": [139, 182]})
+    assert unsourced_figures("SFT 0.781, GRPO - SFT -0.031 [-0.133, +0.070], 139-182 s a run (2026-12-02)", values) == []
+    assert unsourced_figures("SFT 0.750, GRPO - SFT +0.031 [-0.133, +0.071], 139-183 s a run", values) == ["0.750", "+0.031", "+0.071", "183"]
+
+
+def test_the_readme_quotes_no_test_count():
+    """A count of passing tests drifts with every test added: the README has none (contributing.md has a dated run)."""
+    assert re.findall(r"\d+ passed|\d+ skipped", (REPO / "README.md").read_text()) == []
