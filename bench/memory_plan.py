@@ -312,10 +312,10 @@ def main(argv=None) -> dict:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    for run in report["checks"]:
-        print(f"{run['name']}: plan {run['plan']['per_device_train_batch_size']} a micro-batch, checkpoint every "
-              f"{run['plan']['checkpoint_every']}; peak {run['measured_peak_allocated_gib']} measured, "
-              f"{run['predicted_peak_allocated_gib']} predicted (GiB allocated); {run['error'] or 'ok'}")
+    for check in report["checks"]:
+        print(f"{check['name']}: plan {check['plan']['per_device_train_batch_size']} a micro-batch, checkpoint every "
+              f"{check['plan']['checkpoint_every']}; peak {check['measured_peak_allocated_gib']} measured, "
+              f"{check['predicted_peak_allocated_gib']} predicted (GiB allocated); {check['error'] or 'ok'}")
     return report
 
 
