@@ -195,7 +195,8 @@ def add_make_task_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="data root to write: tasks.jsonl, EO_GYM_DATA/ (scenes) and image_cache/ (gold crops)")
     parser.add_argument(
         "--task", choices=list(TASKS), default="colour_grid",
-        help="colour_grid: one quadrant's colour (one crop); colour_count: how many quadrants show a colour (four crops) (docs/agent.md)",
+        help="colour_grid: one quadrant's colour (one crop); colour_pair: two quadrants' colours in order (two crops); "
+        "colour_count: how many quadrants show a colour (four crops) (docs/agent.md)",
     )
     parser.add_argument("--rows", type=number(int, 1), required=True, help="questions to write")
     parser.add_argument("--seed", type=number(int), default=0, help="which questions: the same seed writes the same bytes")

@@ -159,7 +159,7 @@ class AgentDemoConfig:
     closed-loop rollouts -> GRPO -> rejection sampling on it (docs/agent.md). The defaults are the
     CPU demo's; ``bench/h200_session.sh agent_1gpu`` runs the same loop larger."""
 
-    task: str = "colour_grid"  # eogym_sft.environment.tasks.TASKS: colour_grid (one crop) or colour_count (four)
+    task: str = "colour_grid"  # eogym_sft.environment.tasks.TASKS: colour_grid (one crop), colour_pair (two), colour_count (four)
     train_rows: int = 96  # questions trained on (SFT gold traces, GRPO prompts, rejection-sampling prompts)
     held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
     seed: int = 0

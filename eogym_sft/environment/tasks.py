@@ -1,5 +1,5 @@
-"""Two learnable EO-Gym task families whose answers only the crop tool can reveal: ``colour_grid`` and
-``colour_count`` (:data:`TASKS`; ``eogym-sft make-task --task NAME``).
+"""Three learnable EO-Gym task families whose answers only the crop tool can reveal: ``colour_grid``,
+``colour_pair`` and ``colour_count`` (:data:`TASKS`; ``eogym-sft make-task --task NAME``).
 
 Each scene is a ``SCENE_PX`` x ``SCENE_PX`` PNG split into four quadrants. Every quadrant is painted with a
 one-pixel checkerboard of a colour and its complement (``c`` and ``255 - c``), the colour drawn from
@@ -7,6 +7,8 @@ one-pixel checkerboard of a colour and its complement (``c`` and ``255 - c``), t
 
 * ``colour_grid``: the question names one quadrant and asks for its colour. Gold trace: one crop of
   that quadrant, then ``Final Answer: <colour>``.
+* ``colour_pair``: the question names two quadrants and asks for both colours, in that order. Gold trace:
+  one turn of two crops, then ``Final Answer: <colour>, <colour>``: both must be right (chance 1 in 16).
 * ``colour_count``: the question names a colour and asks how many of the four quadrants show it (0 to 4,
   each count equally likely, so no answer is right more than a fifth of the time by itself). Gold trace:
   one turn of four crops, one per quadrant, then ``Final Answer: <count>``. One crop answers nothing:
@@ -53,6 +55,9 @@ QUADRANTS = {  # name -> normalised AOI [x0, y0, x1, y1] of the crop that shows 
 DATA_SOURCE = "eogym_sft.colour_grid"
 IMAGE_DIR = "EO_GYM_DATA/colour_grid"
 SYSTEM_PROMPT = "The image is too coarse to show texture: crop the quadrant asked about, then reply: Final Answer: <colour>."
+PAIR_SYSTEM_PROMPT = (
+    "The image is too coarse to show texture: crop each of the two quadrants asked about, then reply: Final Answer: <colour>, <colour>."
+)
 COUNT_SYSTEM_PROMPT = "The image is too coarse to show texture: crop each of the four quadrants, then reply: Final Answer: <number>."
 # The real tool's name and arguments; image_url may be left out (the crop backend then crops the row's
 # only image), so that the call a model must learn is the AOI alone: a small model learns to pick one
@@ -106,6 +111,10 @@ def question_text(quadrant: str) -> str:
     return f"<image>\nWhich colour, {', '.join(COLOURS)}, is the {quadrant} quadrant?"
 
 
+def pair_question_text(first: str, second: str) -> str:
+    return f"<image>\nWhich colours, {', '.join(COLOURS)}, are the {first} and the {second} quadrants, in that order?"
+
+
 def count_question_text(colour: str) -> str:
     return f"<image>\nHow many of the four quadrants are {colour} (of {', '.join(COLOURS)})?"
 
@@ -120,6 +129,19 @@ def task_spec(seed: int, index: int) -> dict:
     return {
         "id": row_id, "image": f"{IMAGE_DIR}/{row_id}.png", "colours": colours, "quadrant": quadrant, "aois": [QUADRANTS[quadrant]],
         "question": question_text(quadrant), "answer": colours[quadrant], "question_type": quadrant,
+    }
+
+
+def pair_spec(seed: int, index: int) -> dict:
+    """The ``index``-th ``colour_pair`` question of ``seed``: two different quadrants in the order asked, their
+    gold crops in that order, the answer ``"<colour>, <colour>"`` (``question_type``: the two quadrants)."""
+    rng = random.Random(f"colour_pair:{seed}:{index}")
+    colours = {q: rng.choice(list(COLOURS)) for q in QUADRANTS}
+    first, second = rng.sample(list(QUADRANTS), 2)
+    row_id = f"cp{seed}_{index:04d}"
+    return {
+        "id": row_id, "image": f"EO_GYM_DATA/colour_pair/{row_id}.png", "colours": colours, "aois": [QUADRANTS[first], QUADRANTS[second]],
+        "question": pair_question_text(first, second), "answer": f"{colours[first]}, {colours[second]}", "question_type": f"{first}+{second}",
     }
 
 
@@ -151,8 +173,9 @@ class Task:
     episode_tokens: int
 
 
-TASKS = {  # gold traces, in the tiny model's tokens: call turn 40, episode about 150 | call turn 157, episode about 690
+TASKS = {  # gold traces, in the tiny model's tokens: call turn 40, episode about 150 | 80, about 345 | 157, about 690
     "colour_grid": Task("colour_grid", task_spec, SYSTEM_PROMPT, turn_tokens=48, episode_tokens=512),
+    "colour_pair": Task("colour_pair", pair_spec, PAIR_SYSTEM_PROMPT, turn_tokens=96, episode_tokens=640),
     "colour_count": Task("colour_count", count_spec, COUNT_SYSTEM_PROMPT, turn_tokens=176, episode_tokens=768),
 }
 

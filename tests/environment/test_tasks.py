@@ -132,7 +132,7 @@ def _files(root):
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("task_name", ["colour_grid", "colour_count"])
+@pytest.mark.parametrize("task_name", ["colour_grid", "colour_pair", "colour_count"])
 def test_make_task_writes_the_same_bytes_for_a_seed(tmp_path, task_name):
     """The crop names are in the gold tool results: two runs (in two folders, at two times) write
     byte-equal JSONL, scenes and crops."""
@@ -145,7 +145,7 @@ def test_make_task_writes_the_same_bytes_for_a_seed(tmp_path, task_name):
             os.utime(scene, ns=(1, time.time_ns() + 10**9 * (run == "a")))  # scenes of the first run look older or newer
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert a == b and "tasks.jsonl" in a and sum(k.startswith("EO_GYM_DATA/") for k in a) == 4
-    assert sum(k.startswith("image_cache/crops/") for k in a) == (4 if task_name == "colour_grid" else 16)
+    assert sum(k.startswith("image_cache/crops/") for k in a) == {"colour_grid": 4, "colour_pair": 8, "colour_count": 16}[task_name]
 
 
 def test_rows_stream_to_a_temporary_file_and_a_stopped_run_leaves_no_jsonl(tmp_path, monkeypatch):
@@ -183,6 +183,45 @@ def test_make_task_refuses_an_unknown_task(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["make-task", "--task", "nope", "--output", str(tmp_path), "--rows", "1"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- colour_pair: two crops, two colours in order
+
+
+def test_pair_gold_traces_crop_the_two_quadrants_asked_in_order(tmp_path):
+    """Each gold call re-run through the crop backend returns the gold result, and the colours read back from the
+    two crops, in the order asked, are the answer."""
+    from eogym_sft.environment.tasks import pair_spec
+
+    path = write_task(tmp_path, 12, seed=2, task="colour_pair")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for index, row in enumerate(rows):
+        spec = pair_spec(2, index)
+        first, second = row["question_type"].split("+")
+        assert first != second and row["messages"][1]["content"].endswith(f"are the {first} and the {second} quadrants, in that order?")
+        assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "tool", "tool", "assistant"]
+        calls = [json.loads(c["function"]["arguments"]) for c in row["messages"][2]["tool_calls"]]
+        assert calls == [{"aoi": QUADRANTS[first]}, {"aoi": QUADRANTS[second]}]
+        env = EOGymEnvironment(row, tmp_path, backends=("crop",))
+        seen = []
+        for call, gold in zip(calls, row["messages"][3:5]):
+            result = env.call("crop_optical_or_sar_image", call)
+            assert result.ok and result.text == gold["content"]
+            seen.append(read_colour(np.array(Image.open(tmp_path / json.loads(result.text)["cropped_path"]).convert("RGB"))))
+        assert seen == [spec["colours"][first], spec["colours"][second]]
+        assert row["gt_answer"] == f"{seen[0]}, {seen[1]}" and row["messages"][-1]["content"] == f"Final Answer: {row['gt_answer']}"
+    assert len({r["question_type"] for r in rows}) > 6  # the ordered pairs vary
+
+
+def test_a_pair_is_right_only_with_both_colours_in_order():
+    from eogym_sft.metrics.scoring import extract_final_answer, normalize_answer
+
+    def right(text, gt):
+        answer = extract_final_answer(text)
+        return answer is not None and normalize_answer(answer) == normalize_answer(gt)
+
+    assert right("Final Answer: green, blue", "green, blue") and right("Final Answer: Green blue", "green, blue")
+    assert not right("Final Answer: blue, green", "green, blue") and not right("Final Answer: green", "green, blue")
 
 
 # ---------------------------------------------------------------- colour_count: four crops, one count
