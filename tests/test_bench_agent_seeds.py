@@ -37,6 +37,9 @@ def test_seed_row_reads_pass_at_1_and_pass_at_k_and_keeps_a_failed_seed():
                    "grpo_pass_k": 0.625, "pass_k_delta": 0.125, "pass_k_ci95": [-0.05, 0.3], "reward_by_part": [0.1, 0.2],
                    "entropy_by_part": [0.05, 0.04], "picked": None, "wall_s": 9.0}
     assert agent_seeds.seed_row(5, {"failed": 1, "wall_s": 2.0}) == {"seed": 5, "failed": 1, "wall_s": 2.0}
+    with_base = _report(0.25, 0.5, 0.25, [0.1, 0.4], 0.5, 0.625, [-0.05, 0.3], [0.1, 0.2])
+    with_base["arms"]["base"] = {"pass@1": 0.0}
+    assert agent_seeds.seed_row(3, with_base) == row | {"base": 0.0}
 
 
 def test_criteria_count_issue_64s_checks_and_a_failed_seed_fails_them():
@@ -60,10 +63,10 @@ def test_criteria_count_issue_64s_checks_and_a_failed_seed_fails_them():
 
 
 def test_a_headline_takes_report_seeds_only_and_the_roles_are_written_before_any_seed_runs(tmp_path, monkeypatch):
-    assert agent_seeds.protocol("colour_grid", list(range(10, 20)), True)["role"] == "report"
+    assert agent_seeds.protocol("colour_grid", list(range(30, 40)), True)["role"] == "report"
     assert agent_seeds.protocol("colour_grid", [0, 1], False)["role"] == "tuning"
-    assert agent_seeds.protocol("colour_grid", [8, 12], False)["role"] == "mixed"
-    for seeds in (list(range(9, 19)), list(range(10, 19)), [0, 1, 2]):
+    assert agent_seeds.protocol("colour_grid", [8, 32], False)["role"] == "mixed"
+    for seeds in (list(range(29, 39)), list(range(30, 39)), list(range(10, 20))):
         with pytest.raises(ValueError, match="--headline needs at least 10 of colour_grid's report seeds"):
             agent_seeds.protocol("colour_grid", seeds, True)
     for roles in agent_seeds.SEED_ROLES.values():
