@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 
+from .demo_arguments import argument_figures, argument_lines, teacher_forced
+
 SAMPLE_DIR = Path(__file__).resolve().with_name("sample")  # the bundled sample: data root and JSONL
 SAMPLE_JSONL = SAMPLE_DIR / "eogym_sample.jsonl"
 
@@ -417,7 +419,9 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
 
     summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, cfg.held_out_base, overwrite)
     lap("held-out rollouts")
-    report = agent_report(summary, rewards, rft_info, seconds, cfg) | {"picked": picked or None}
+    forced = teacher_forced(cfg, model_dir, held_out, root, arms, output / "evaluation", overwrite)
+    lap("held-out teacher-forced")
+    report = agent_report(summary, rewards, rft_info, seconds, cfg, forced) | {"picked": picked or None}
     write_text_atomic(output / "agent_report.json", json.dumps(report, indent=2) + "\n")
     print(format_agent_report(report, output))
     from .evaluation.view import write_report
@@ -446,14 +450,13 @@ def rejection_data(sampling_dir: Path, gold: Path, sampled: int) -> tuple[Path |
 ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes", "stop_reasons")
 
 
-def agent_report(summary: dict, rewards: list[float], rft: dict | None, seconds: dict, cfg: AgentDemoConfig) -> dict:
-    """``agent_report.json``: per arm the rollout report's overall figures, the paired deltas over
-    held-out questions, GRPO's reward per step, the rejection-sampling counts and each stage's seconds."""
-    k = cfg.samples
-    arms = {}
+def agent_report(summary: dict, rewards: list[float], rft: dict | None, seconds: dict, cfg: AgentDemoConfig, forced: dict | None = None) -> dict:
+    """``agent_report.json``: per arm the rollout's overall and argument figures (``forced``: the teacher-forced summary),
+    the paired deltas over held-out questions, GRPO's reward per step, the rejection-sampling counts and stage seconds."""
+    k, arms = cfg.samples, {}
     for name, entry in summary["arms"].items():
         overall = entry["overall"]
-        arms[name] = {f: overall.get(f) for f in ARM_FIELDS} | {f"pass@{k}": overall.get(f"pass@{k}")}
+        arms[name] = {f: overall.get(f) for f in ARM_FIELDS} | {f"pass@{k}": overall.get(f"pass@{k}")} | argument_figures(name, overall, forced)
     return {
         "arms": arms,
         "paired": summary["paired"],
@@ -474,7 +477,7 @@ def format_agent_report(report: dict, output: Path) -> str:
         cells = [a["pass@1"], a[f"pass@{k}"], a["mean_score"], a["tool_any"], a["calls_per_episode"]]
         lines.append(f"  {name:<6}" + "".join(f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}" for v, w in zip(cells, (8, 8, 8, 10, 10))))
     methods = sorted({p["ci_method"] for p in report["paired"]})
-    lines.append(f"  paired over questions (B - A, 95% CI, {', '.join(methods)}):")
+    lines += [*argument_lines(report["arms"]), f"  paired over questions (B - A, 95% CI, {', '.join(methods)}):"]
     for p in report["paired"]:
         if p["metric"] in ("pass@1", "tool_any"):
             ci = p["ci95"]

@@ -212,7 +212,10 @@ def test_the_report_covers_every_arm_and_stage_and_a_rerun_is_refused(learned):
     assert set(report["arms"]) == {"base", "sft", "grpo"} and report["rejection_sampling"] is None
     assert all(a["questions"] == cfg.held_out_rows and a["episodes"] == cfg.held_out_rows * cfg.samples for a in report["arms"].values())
     assert json.loads((output / "agent_report.json").read_text())["arms"] == report["arms"]
-    assert set(report["seconds"]) == {"task and model", "sft", "grpo", "held-out rollouts", "total"}
+    assert set(report["seconds"]) == {"task and model", "sft", "grpo", "held-out rollouts", "held-out teacher-forced", "total"}
+    assert all(a[f] is not None for a in report["arms"].values() for f in ("param_prefix", "param_prefix_aoi@0.5", "arg_acc_aoi@0.5"))
+    assert report["arms"]["base"]["arg_acc_aoi@0.5"] == 0.0  # a random model calls nothing
+    assert (output / "evaluation/summary.json").is_file()
     with pytest.raises(FileExistsError, match="--overwrite"):
         run_agent_demo(output, cfg=cfg)
 
@@ -322,7 +325,7 @@ def test_the_same_config_gives_the_same_agent_report(tmp_path):
     for run in ("a", "b"):
         run_agent_demo(tmp_path / run, cfg=AgentDemoConfig(**SMALLEST_RUN))
         report = json.loads((tmp_path / run / "agent_report.json").read_text())
-        assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "total"}
+        assert set(report["seconds"]) == {"task and model", "sft", "grpo", "rejection sampling", "held-out rollouts", "held-out teacher-forced", "total"}
         reports.append({k: v for k, v in report.items() if k != "seconds"})
     assert reports[0] == reports[1]
     assert (tmp_path / "a" / "task" / "train.jsonl").read_bytes() == (tmp_path / "b" / "task" / "train.jsonl").read_bytes()
