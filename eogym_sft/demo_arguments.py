@@ -39,7 +39,8 @@ def argument_figures(arm: str, rollout_overall: dict, forced: dict | None) -> di
 
 def argument_lines(arms: dict) -> list[str]:
     """The demo report's table of :data:`ARGUMENT_FIELDS`, one row per arm."""
-    lines = ["  arguments against the gold calls (docs/evaluation.md, section 17):", f"  {'arm':<6}" + "".join(f"{f:>22}" for f in ARGUMENT_FIELDS)]
+    lines = ["  arguments against the gold calls (docs/evaluation.md, section 17):"]
+    lines.append(f"  {'arm':<6}" + "".join(f"{f:>22}" for f in ARGUMENT_FIELDS))
     for name, a in arms.items():
         lines.append(f"  {name:<6}" + "".join(f"{a.get(f):>22.3f}" if a.get(f) is not None else f"{'-':>22}" for f in ARGUMENT_FIELDS))
     return lines

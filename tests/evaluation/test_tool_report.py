@@ -59,7 +59,8 @@ def episode(arm, q, *calls, correct=True):
             "judge_error": None, "EO_task": "Counting", "question_type": "qt"}
 
 
-CROP, NEAR, DETECT = (GOLD[0]["name"], GOLD[0]["arguments"]), (GOLD[0]["name"], {"aoi": [0, 0, 0.5, 0.45]}), (GOLD[1]["name"], GOLD[1]["arguments"])
+CROP, DETECT = (GOLD[0]["name"], GOLD[0]["arguments"]), (GOLD[1]["name"], GOLD[1]["arguments"])
+NEAR = (GOLD[0]["name"], {"aoi": [0, 0, 0.5, 0.45]})
 
 
 def test_question_and_arm_figures_by_hand():
@@ -228,7 +229,8 @@ def test_scripted_policies_on_the_bundled_sample_through_rollout_and_evaluate(tm
         asked = "".join(p.get("text", "") for p in body["messages"][1]["content"])
         row = next(i for i, q in questions.items() if q in asked)
         content, calls = scripts[body["model"]][row][sum(m["role"] == "assistant" for m in body["messages"])]
-        tool_calls = [{"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for k, (n, a) in enumerate(calls)]
+        tool_calls = [{"id": f"c{k}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+                      for k, (n, a) in enumerate(calls)]
         return reply({"content": content, **({"tool_calls": tool_calls} if calls else {})}, "tool_calls" if calls else "stop")
 
     out = tmp_path / "rollout"
