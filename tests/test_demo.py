@@ -287,8 +287,11 @@ def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):
     assert (cfg.sft_steps, cfg.sft_learning_rate, cfg.seed, cfg.task) == (7, 0.001, 3, "colour_count")
     assert (cfg.max_new_tokens, cfg.completion_tokens) == (176, 768)  # the task's budgets
     assert config() == AgentDemoConfig()  # no flag: the agent demo's own defaults, not the SFT demo's 16 steps
-    with pytest.raises(SystemExit, match="eogym-sft demo --agent: .*must be at least 1"):
+    with pytest.raises(SystemExit) as stop:  # refused as the flag is parsed (eogym_sft.config.number)
         config("--steps", "0")
+    assert stop.value.code == 2
+    with pytest.raises(ValueError, match="must be at least 1"):
+        AgentDemoConfig(sft_steps=0)
 
 
 def test_demo_refuses_agent_only_flags_without_agent(tmp_path):
@@ -330,7 +333,8 @@ def test_the_same_config_gives_the_same_agent_report(tmp_path):
     assert reports[0] == reports[1]
     assert (tmp_path / "a" / "task" / "train.jsonl").read_bytes() == (tmp_path / "b" / "task" / "train.jsonl").read_bytes()
     episodes = [(tmp_path / run / "rollout" / "episodes.jsonl").read_text().splitlines() for run in ("a", "b")]
-    strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k != "source"} for x in lines]  # source: the folder's path
+    # source: the folder's path; run_identity: digests of the run's files, whose configs name the folder
+    strip = lambda lines: [{k: v for k, v in json.loads(x).items() if k not in ("source", "run_identity")} for x in lines]
     assert len(episodes[0]) == 6 and strip(episodes[0]) == strip(episodes[1])
 
 

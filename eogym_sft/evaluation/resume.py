@@ -90,15 +90,21 @@ def resume_key(cfg) -> dict:
 
 
 IDENTITY = "run_identity"  # the field of an episode record that says which run wrote it
-IDENTITY_PARTS = {"model": ("model", "model_fingerprint"), "adapter": ("adapters", "adapter_fingerprints"), "policy": ("policies",)}
+# Where the run's files are, not what they hold (the fingerprints and hashes say that): left out of the identity.
+WHERE = ("model", "adapters", "adapter_fingerprints", "data", "data_root", "data_sha256", "policies", "model_fingerprint")
 
 
 def run_identity(key: dict) -> dict:
-    """What each episode record carries of the run that wrote it: a short digest of its model, adapters, policies
-    and every other setting of :func:`resume_key` (data hashes included)."""
-    taken = {field for fields in IDENTITY_PARTS.values() for field in fields}
-    parts = {name: {f: key.get(f) for f in fields} for name, fields in IDENTITY_PARTS.items()}
-    parts["settings"] = {k: v for k, v in key.items() if k not in taken}
+    """What each episode record carries of the run that wrote it: a short digest of its model's files, its adapters'
+    (by arm name), its policies and every other setting of :func:`resume_key` (the data by content)."""
+    adapters = sorted((spec.partition("=")[0] if "=" in spec else "", json.dumps(fp, sort_keys=True))
+                      for spec, fp in (key.get("adapter_fingerprints") or {}).items())
+    parts = {
+        "model": key.get("model_fingerprint"),
+        "adapter": adapters,
+        "policy": key.get("policies"),
+        "settings": {**{k: v for k, v in key.items() if k not in WHERE}, "data": sorted((key.get("data_sha256") or {}).values())},
+    }
     return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16] for name, value in parts.items()}
 
 

@@ -137,6 +137,9 @@ def finished(checkpoint: Path) -> bool:
 def refuse_used_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """A new run does not write into a folder that holds checkpoints or an adapter of an earlier run."""
     folder = Path(output_dir)
+    log = folder / "skipped_samples.jsonl"  # appended to as the run goes: never through a link to another file
+    if log.is_symlink() and (resuming or not overwrite):  # --overwrite_output_dir removes the link itself
+        raise FileExistsError(f"{log} is a symbolic link: a run's log is never written through a link; remove it or pick another --output_dir")
     earlier = checkpoints(folder) + [p for p in (folder / "adapter_model.safetensors", folder / "eogym_run.json") if p.exists()]
     if earlier and not (overwrite or resuming):
         raise FileExistsError(

@@ -277,7 +277,8 @@ def test_paired_stats_by_hand():
     assert out["delta"] == pytest.approx(0.2)
     assert out["se"] == pytest.approx(math.sqrt(0.14))
     t4 = 2.7764451051977934  # Student's t, 97.5%, 4 degrees of freedom
-    assert out["ci95"] == pytest.approx([0.2 - t4 * math.sqrt(0.14), 0.2 + t4 * math.sqrt(0.14)], rel=1e-9)
+    assert out["ci95"] == pytest.approx([0.2 - t4 * math.sqrt(0.14), 1.0], rel=1e-9)  # 0.2 + t4 SE = 1.239: cut at 1
+    assert out["ci_method"] == "paired t, clipped to [-1, 1]"
     assert (out["wins"], out["losses"], out["ties"]) == (2, 1, 2)
     assert out["se_clustered"] == pytest.approx(0.36)
 

@@ -269,6 +269,20 @@ IDENTITY_CHANGES = {  # each part of a run's identity, and a change of it that k
 }
 
 
+def test_the_identity_is_what_the_files_hold_not_where_they_are():
+    """The same model, adapter and data under other paths are the same run; other data content is another run."""
+    from eogym_sft.evaluation.resume import run_identity
+
+    key = {"model": "/a/model", "model_fingerprint": {"w.safetensors": "9:abc"}, "adapters": ["sft=/a/sft"],
+           "adapter_fingerprints": {"sft=/a/sft": {"adapter_model.safetensors": "9:def"}}, "data": ["/a/q.jsonl"],
+           "data_root": "/a", "data_sha256": {"/a/q.jsonl": "f00d"}, "policies": [], "temperature": 0.0}
+    moved = {**key, "model": "/b/model", "adapters": ["sft=/b/sft"], "adapter_fingerprints": {"sft=/b/sft": {"adapter_model.safetensors": "9:def"}},
+             "data": ["/b/q.jsonl"], "data_root": "/b", "data_sha256": {"/b/q.jsonl": "f00d"}}
+    assert run_identity(moved) == run_identity(key)
+    other = run_identity({**key, "data_sha256": {"/a/q.jsonl": "beef"}})
+    assert [p for p in other if other[p] != run_identity(key)[p]] == ["settings"]
+
+
 @pytest.mark.parametrize("part", list(IDENTITY_CHANGES))
 def test_a_log_of_another_run_with_the_same_questions_and_arms_is_refused_naming_what_differs(tmp_path, part):
     from eogym_sft.evaluation.resume import read_episodes, run_identity

@@ -115,3 +115,19 @@ def test_overwrite_starts_new_run_records(tmp_path):
     (tmp_path / "eogym_run.json").write_text("{}")
     clear_earlier_run(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_skipped_samples_log_that_is_a_link_is_refused_before_the_run(tmp_path):
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text("mine\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "skipped_samples.jsonl").symlink_to(elsewhere)
+    for overwrite, resuming in ((False, False), (True, True), (False, True)):
+        with pytest.raises(FileExistsError, match=r"skipped_samples.jsonl is a symbolic link: a run's log is never written through a link"):
+            refuse_used_output_dir(out, overwrite=overwrite, resuming=resuming)
+    from eogym_sft.training.resume import clear_earlier_run
+
+    refuse_used_output_dir(out, overwrite=True, resuming=False)  # a new run: clear_earlier_run removes the link itself
+    clear_earlier_run(out)
+    assert not (out / "skipped_samples.jsonl").exists() and elsewhere.read_text() == "mine\n"
