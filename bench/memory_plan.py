@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from transformers.trainer_pt_utils import BatchRebalanceSampler  # noqa: E402
 
+from eogym_sft.models import memory as mm  # noqa: E402
 from eogym_sft.training import memory_plan as mp  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,9 +90,9 @@ class Meter:
         loss = self.inner(model, inputs, *args, **kwargs)
         after = self._peaks()
         seen = [after] + ([self._vision["before"], self._vision["peak"]] if self._vision else [])
-        record = {**sizes, "peak_allocated_gib": max(a for a, _ in seen) / mp.GIB, "peak_reserved_gib": max(r for _, r in seen) / mp.GIB}
+        record = {**sizes, "peak_allocated_gib": max(a for a, _ in seen) / mm.GIB, "peak_reserved_gib": max(r for _, r in seen) / mm.GIB}
         if self._vision:
-            record["vision_increment_gib"] = (self._vision["peak"][0] - self._vision["base"]) / mp.GIB
+            record["vision_increment_gib"] = (self._vision["peak"][0] - self._vision["base"]) / mm.GIB
         self.records.append(record)
         return loss
 
@@ -160,11 +161,11 @@ def measure(ctx: dict, name: str, **settings) -> dict:
         for handle in meter.handles:
             handle.remove()
         restore(base, trainer.model)
-    setup = mp.Setup(1, 0, settings["dropout"], settings["every"])
+    setup = mm.Setup(1, 0, settings["dropout"], settings["every"])
     for record in meter.records:
-        batch = mp.MicroBatch(record["tokens"], record["supervised"], record["image_tokens"], record["samples"])
-        terms = mp.peak_terms(ctx["shape"], setup, batch)
-        record.update(predicted_allocated_gib=terms["allocated"] / mp.GIB, predicted_reserved_gib=terms["reserved"] / mp.GIB)
+        batch = mm.MicroBatch(record["tokens"], record["supervised"], record["image_tokens"], record["samples"])
+        terms = mm.peak_terms(ctx["shape"], setup, batch)
+        record.update(predicted_allocated_gib=terms["allocated"] / mm.GIB, predicted_reserved_gib=terms["reserved"] / mm.GIB)
     return {"name": name, "settings": {k: v for k, v in settings.items() if k != "groups"}, "wall_s": time.perf_counter() - started,
             "error": error, "micro_batches": meter.records}
 
@@ -212,7 +213,7 @@ def check(ctx: dict, gpu_gb: float | None, steps: int) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory if DEVICE == "cuda" else 80 * GB
     cap = total if gpu_gb is None else min(total, gpu_gb * GB)
     batches_for = mp_batches(ctx, steps)
-    plan = mp.choose(ctx["shape"], mp.Setup(1, 0, RECIPE["lora_dropout"]), batches_for, mp.budget_bytes(cap), 64)
+    plan = mp.choose(ctx["shape"], mm.Setup(1, 0, RECIPE["lora_dropout"]), batches_for, mm.budget_bytes(cap), 64)
     if DEVICE == "cuda":
         torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
@@ -237,39 +238,39 @@ def mp_batches(ctx: dict, steps: int):
     return batches_from(ctx["dataset"], 64, 1, steps, RECIPE["seed"], False)
 
 
-def fit(report: dict) -> mp.Calibration:
+def fit(report: dict) -> mm.Calibration:
     """Calibration constants fitted to a report's calibration points (least squares on the allocated peaks)."""
     import numpy as np
 
-    shape = mp.ModelShape(**report["shape"])
-    cal = mp.CALIBRATION
+    shape = mm.ModelShape(**report["shape"])
+    cal = mm.CALIBRATION
     rows, targets = [], []
     points = [(run["settings"], r) for run in report["calibration"] for r in run["micro_batches"]]
     for settings, r in points:
         if settings["every"] == 0:
-            static = sum(v for k, v in mp.static_terms(shape, mp.Setup(1, 0, settings["dropout"]), cal).items() if k != "fixed")
+            static = sum(v for k, v in mm.static_terms(shape, mm.Setup(1, 0, settings["dropout"]), cal).items() if k != "fixed")
             dropped = shape.lora_inputs if settings["dropout"] > 0 else 0
             loss = r["supervised"] * shape.vocab * cal.loss_bytes_per_logit
             rows.append([1.0, r["tokens"] * shape.layers, r["tokens"] * shape.layers * dropped])
-            targets.append(r["peak_allocated_gib"] * mp.GIB - static - loss)
+            targets.append(r["peak_allocated_gib"] * mm.GIB - static - loss)
     fixed, per_layer, per_dropped = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
-    cal = mp.Calibration(**{**cal.__dict__, "fixed_bytes": float(fixed), "layer_bytes_per_token": float(per_layer),
+    cal = mm.Calibration(**{**cal.__dict__, "fixed_bytes": float(fixed), "layer_bytes_per_token": float(per_layer),
                             "dropped_input_bytes_per_element": float(per_dropped)})
     kept = []
     for settings, r in points:
         if settings["every"] == 1:
-            terms = mp.peak_terms(shape, mp.Setup(1, 0, settings["dropout"], 1), mp.MicroBatch(r["tokens"], r["supervised"], r["image_tokens"]), cal)
+            terms = mm.peak_terms(shape, mm.Setup(1, 0, settings["dropout"], 1), mm.MicroBatch(r["tokens"], r["supervised"], r["image_tokens"]), cal)
             rest = terms["allocated"] - terms["decoder_activations"]
-            kept.append((r["peak_allocated_gib"] * mp.GIB - rest) / (r["tokens"] * shape.layers))
+            kept.append((r["peak_allocated_gib"] * mm.GIB - rest) / (r["tokens"] * shape.layers))
     ratios = [r["peak_reserved_gib"] / r["peak_allocated_gib"] for _, r in points if r["peak_allocated_gib"]]
-    vision = [r["vision_increment_gib"] * mp.GIB / (r["image_tokens"] * shape.patches_per_token) for _, r in points if r.get("image_tokens")]
-    return mp.Calibration(**{**cal.__dict__, "checkpointed_layer_bytes_per_token": float(np.mean(kept)) if kept else cal.checkpointed_layer_bytes_per_token,
+    vision = [r["vision_increment_gib"] * mm.GIB / (r["image_tokens"] * shape.patches_per_token) for _, r in points if r.get("image_tokens")]
+    return mm.Calibration(**{**cal.__dict__, "checkpointed_layer_bytes_per_token": float(np.mean(kept)) if kept else cal.checkpointed_layer_bytes_per_token,
                              "reserved_over_allocated": max(ratios, default=cal.reserved_over_allocated),
                              "vision_bytes_per_patch": max(vision, default=cal.vision_bytes_per_patch)})
 
 
 def context(base, cfg: dict, dataset, root, processor, workdir: Path) -> dict:
-    shape = mp.ModelShape.of(cfg, RECIPE["lora_target_modules"], RECIPE["lora_r"])
+    shape = mm.ModelShape.of(cfg, RECIPE["lora_target_modules"], RECIPE["lora_r"])
     max_length = min(RECIPE["max_length"], max(dataset["n_tokens"]))
     return {"base": base, "cfg": cfg, "dataset": dataset, "root": root, "processor": processor, "workdir": workdir,
             "shape": shape, "max_length": max_length}
@@ -278,7 +279,7 @@ def context(base, cfg: dict, dataset, root, processor, workdir: Path) -> dict:
 def run(ctx: dict, checks: list[float | None], check_steps: int) -> dict:
     """The calibration points, then the checks (GPU sizes in GB, ``None`` the card's own)."""
     report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": dt.datetime.now(dt.UTC).isoformat(),
-              "torch": torch.__version__, "shape": ctx["shape"].__dict__, "calibration_used": mp.CALIBRATION.__dict__}
+              "torch": torch.__version__, "shape": ctx["shape"].__dict__, "calibration_used": mm.CALIBRATION.__dict__}
     started = time.perf_counter()
     report["calibration"] = calibration(ctx)
     report["checks"] = [check(ctx, size, check_steps) for size in checks]

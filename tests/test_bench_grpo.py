@@ -47,7 +47,7 @@ def test_the_recipe_arm_is_the_yamls_defaults_for_one_step(tmp_path):
     script, training, _ = arm_settings(args, "recipe", "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
     assert training.max_steps == 1 and script.rollout_engine == "slots"
     assert (training.per_device_train_batch_size, training.gradient_accumulation_steps, training.num_generations) == (8, 2, 8)
-    assert (training.max_completion_length, script.rollout_turn_tokens, script.rollout_cache_gib) == (6144, 1024, 40.0)
+    assert (training.max_completion_length, script.rollout_turn_tokens, script.rollout_cache_gib) == (6144, 1024, None)
     _, forced, _ = arm_settings(args, "trl", "rows.jsonl", str(tmp_path), str(tmp_path / "out"))
     assert forced.max_tool_calling_iterations == args.calls + 1 and forced.max_steps == args.warmup + args.steps
     # --recipe-args come last: they override the bench's own flags on every arm

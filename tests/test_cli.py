@@ -206,6 +206,7 @@ NUMBER_FLAGS_OF = {  # every command with number flags, and what it needs beside
     "demo": [],
     "make-task": ["--output", "o", "--rows", "1"],
     "view": ["run"],
+    "plan": ["--gpu-memory", "80GB"],
 }
 
 

@@ -35,7 +35,7 @@ def test_the_yaml_opens_with_the_launch_command_and_holds_the_seeds_settings():
     assert (script.action_cost_scale, script.max_cost_penalty, script.tool_call_cost) == (0.2, 0.2, 0.1)
     assert (script.max_pixels, script.tool_backends, script.sft_adapter, script.tool_images) == (1003520, "crop,replay", None, "produced")
     assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (16, 32, 0.05)
-    assert (script.rollout_engine, script.max_episode_tokens, script.rollout_cache_gib) == ("slots", 16384, 40.0)
+    assert (script.rollout_engine, script.max_episode_tokens, script.rollout_cache_gib) == ("slots", 16384, None)  # sized to the GPU
     assert (script.rollout_turn_tokens, script.rollout_keep_cache, script.rollout_cuda_graphs) == (1024, True, True)
     assert model.attn_implementation == "eogym_varlen_cudnn"  # the packed loss forward of the slots engine
 

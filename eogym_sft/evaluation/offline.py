@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from copy import copy
 from pathlib import Path
 
 from ..data.prepare import DROP_SHARE, check_reason_share
@@ -107,13 +108,16 @@ def generate_turns(
     ``{"error": problem}`` for a prompt with an image that passed the header check but does not decode
     (the same prompts fail in every arm, so pairing is unaffected).
     """
+    from ..agent.rollout_config import CPU_BATCH
+
     images = images or ImageCache()
     gen_config = generation_config(cfg, processor.tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: -prompts[i].prompt_tokens)
     results: list = [None] * len(prompts)
-    for b, start in enumerate(range(0, len(order), cfg.batch_size)):
+    size = cfg.batch_size or CPU_BATCH  # run_arms sizes it to the GPU; called directly, the former default
+    for b, start in enumerate(range(0, len(order), size)):
         ready, pictures = [], []
-        for i in order[start : start + cfg.batch_size]:
+        for i in order[start : start + size]:
             p = prompts[i]
             try:
                 pictures += [images.get(path) for path in p.images]
@@ -129,7 +133,7 @@ def generate_turns(
             for i, gen in zip(ready, gens):
                 results[i] = gen
         if bar is not None:
-            bar.update(len(order[start : start + cfg.batch_size]))
+            bar.update(len(order[start : start + size]))
     return results
 
 
@@ -138,14 +142,28 @@ def greedy(cfg: EvalConfig) -> bool:
     return cfg.temperature <= 0 and cfg.samples == 1
 
 
+def turn_length(prompts: list[TurnPrompt], cfg: EvalConfig) -> int:
+    """Tokens a slot holds: the longest prompt and its turn."""
+    return max((p.prompt_tokens for p in prompts), default=1) + cfg.max_new_tokens + 2
+
+
+def sized_batch(model, prompts: list[TurnPrompt], arms: list[Arm], cfg: EvalConfig) -> int:
+    """Prompts decoded at once: ``batch_size`` if given (refused if it does not fit), else as many as the GPU holds."""
+    from ..agent.rollout_config import CPU_BATCH, sized_slots
+
+    adapters = any(arm.adapter for arm in arms)
+    return sized_slots(model, len(prompts), turn_length(prompts, cfg), cfg.batch_size, adapters, "--batch-size", CPU_BATCH)
+
+
 def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
     """A :class:`~eogym_sft.agent.decoder.SlotDecoder` for ``prompts``: ``batch_size`` slots, each
     long enough for the longest prompt and its turn; its decode step replayed from CUDA graphs on a GPU."""
     from ..agent.decoder import SlotDecoder
+    from ..agent.rollout_config import CPU_BATCH
 
-    longest = max((p.prompt_tokens for p in prompts), default=1)
     device = next(model.parameters()).device
-    return SlotDecoder(model, max(1, min(cfg.batch_size, len(prompts))), longest + cfg.max_new_tokens + 2, cuda_graphs=device.type == "cuda")
+    slots = max(1, min(cfg.batch_size or CPU_BATCH, len(prompts)))
+    return SlotDecoder(model, slots, turn_length(prompts, cfg), cuda_graphs=device.type == "cuda")
 
 
 def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig, bar=None) -> list[dict]:
@@ -285,6 +303,8 @@ def run_arms(
     """
     from tqdm.auto import tqdm
 
+    cfg = copy(cfg)  # the caller's config stays as given; the run records the batch it chose
+    cfg.batch_size = sized_batch(model, prompts, arms, cfg)
     records, timing, images, failed, decoder = [], {}, ImageCache(), {}, None
     bar = tqdm(total=len(prompts) * len(arms), unit="turn", desc="evaluate", disable=not progress)
     for arm in arms:

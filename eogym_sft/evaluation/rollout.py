@@ -27,6 +27,7 @@ from ..metrics.judge import ChatJudge, judge_all, load_judge
 from ..metrics.scoring import normalize_answer
 from ..metrics.tool_args import gold_calls
 from ..agent.decoder import SlotDecoder
+from ..agent.rollout_config import CPU_SLOTS, sized_slots
 from ..agent.sampling import Sampling
 from . import ranks
 from ..agent.episodes import (
@@ -205,6 +206,7 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
     settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
     settings["world_size"] = group.world
+    settings["slots_used"] = local.slots  # what ran: --slots, or what the GPU held (None: no local arm ran)
     counts = {
         "rows_in": len(rows) + len(failures),
         "rows_failed": len(failures),
@@ -234,7 +236,7 @@ class _LocalArms:
 
     def __init__(self, cfg: RolloutConfig, arms: list, device, dtype, graphs: bool, most_episodes: int):
         self.cfg, self.arms, self.device, self.dtype, self.graphs = cfg, arms, device, dtype, graphs
-        self.slots = min(cfg.slots, max(1, most_episodes))
+        self.most_episodes, self.slots = max(1, most_episodes), None  # sized once the model is loaded
         self.model = self.decoder = None
 
     def run(self, name: str, processor, episodes, sampling, loop, on_done, bar) -> dict:
@@ -242,6 +244,8 @@ class _LocalArms:
 
         if self.model is None:
             self.model = load_inference_model(self.cfg.model, self.arms, self.device, self.dtype)
+            adapters = any(arm.adapter for arm in self.arms)
+            self.slots = sized_slots(self.model, self.most_episodes, self.cfg.max_episode_tokens, self.cfg.slots, adapters, "--slots", CPU_SLOTS)
             self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_episode_tokens, cuda_graphs=self.graphs)
         arm = next(a for a in self.arms if a.name == name)
         with use_arm(self.model, arm):

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..agent.rollout_config import MAX_EPISODE_TOKENS
+from ..agent.rollout_config import CPU_BATCH, CPU_SLOTS, MAX_EPISODE_TOKENS
+
+VALIDATE_BATCHES = (32, 16, 8, 4, 2, 1)  # samples a forward validate tries, most first
 from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, SampleConfig, add_dataclass_args
 from ..data.tool_images import ToolImageRule
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
@@ -101,12 +103,16 @@ class EvalConfig(ArmsConfig):
     max_prompt_tokens: int = field(
         default=SampleConfig.max_length, metadata={"aliases": ["--max-length"], "help": "skip turns whose prompt is longer (image tokens included)"}
     )
-    batch_size: int = field(default=8, metadata={"help": "prompts per generate() call"})
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "prompts decoded at once (default: as many as the GPU holds beside the model, a prefill and the merged "
+                          f"LoRA weights; {CPU_BATCH} off CUDA)"},
+    )
     num_tolerance: float = field(default=1e-6, metadata={"help": "numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)"})
 
     def __post_init__(self):
         super().__post_init__()
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.num_tolerance < 0:
             raise ValueError(f"num_tolerance must be >= 0, got {self.num_tolerance}")
@@ -129,7 +135,11 @@ class RolloutConfig(ArmsConfig):
         default=None, metadata={"flag": "--pass-k", "metavar": "K", "help": "report Pass@k for these k (default: 1 and --samples)"}
     )
     max_turns: int = field(default=8, metadata={"help": "assistant turns per episode"})
-    slots: int = field(default=32, metadata={"help": "episodes decoded at once"})
+    slots: int | None = field(
+        default=None,
+        metadata={"help": "episodes decoded at once (default: as many as the GPU holds beside the model, a prefill and the "
+                          f"merged LoRA weights, at most one per episode; {CPU_SLOTS} off CUDA)"},
+    )
     cuda_graphs: bool = field(
         default=True, metadata={"help": "replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)"}
     )
@@ -147,7 +157,7 @@ class RolloutConfig(ArmsConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if min(self.max_turns, self.slots, self.max_episode_tokens) < 1:
+        if min(self.max_turns, 1 if self.slots is None else self.slots, self.max_episode_tokens) < 1:
             raise ValueError("max_turns, slots and max_episode_tokens must be at least 1")
         self.ks = sorted(set(self.ks or [1, self.samples]))
         if self.ks[0] < 1 or self.ks[-1] > self.samples:
@@ -175,7 +185,11 @@ class ValidateConfig(SampleConfig):
     data: str = field(metadata={"help": "prepared folder, or EO-Gym JSONL (prepared on the way in)"})
     data_root: str = field(default=".", metadata=DATA_ROOT)
     output: str = field(metadata={"help": "report.json to write"})
-    batch_size: int = field(default=8, metadata={"help": "samples packed into one forward"})
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": f"samples packed into one forward (default: the most, up to {VALIDATE_BATCHES[0]}, whose largest batch the "
+                          f"GPU holds beside the model; {CPU_BATCH} off CUDA)"},
+    )
     num_proc: int = field(default=1, metadata={"help": "data-prep workers when --data is JSONL"})
     device: str = field(default="auto", metadata=DEVICE)
     dtype: str = field(default="auto", metadata=DTYPE)
@@ -202,7 +216,7 @@ class ValidateConfig(SampleConfig):
         super().__post_init__()
         if not self.include_base and not self.adapters:
             raise ValueError("nothing to score: no base arm and no adapters")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if self.dataloader_workers < 0:
             raise ValueError("dataloader_workers must be 0 or more")

@@ -289,6 +289,37 @@ def scoring_collator(processor, max_length: int, data_root: str, attention: str,
     )
 
 
+def sized_batch(model, dataset, requested: int | None, device) -> int:
+    """Samples a forward: ``requested`` if its largest batch fits (refused if not), else the most of
+    :data:`VALIDATE_BATCHES` whose largest batch the GPU holds beside the model; off CUDA ``requested`` or
+    :data:`CPU_BATCH`. One line says what it chose."""
+    from ..agent.rollout_config import CPU_BATCH, usable_bytes
+    from ..models.memory import GIB, MicroBatch, forward_bytes
+    from .run_args import VALIDATE_BATCHES
+
+    usable = usable_bytes(device)
+    if usable is None:
+        return requested or CPU_BATCH
+    config = unwrap_peft(model).config
+    vocab, merge = config.get_text_config().vocab_size, config.vision_config.spatial_merge_size ** 2
+    columns = [list(dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if torch.distributed.is_initialized() else (0, 1)
+    mine = list(range(rank, len(dataset), world))
+
+    def largest(b: int) -> float:
+        chunks = [mine[k : k + b] for k in range(0, len(mine), b)] or [[]]
+        return max(forward_bytes(MicroBatch(*(sum(col[i] for i in chunk) for col in columns)), vocab, merge) for chunk in chunks)
+
+    for b in [requested] if requested else VALIDATE_BATCHES:
+        if largest(b) <= usable:
+            print(f"memory plan: {usable / GIB:.1f} GiB free beside the model: {b} samples a forward (largest "
+                  f"{largest(b) / GIB:.1f} GiB predicted)")
+            return b
+    asked = f"--batch-size {requested}" if requested else "one sample a forward"
+    raise ValueError(f"{asked} does not fit: its largest batch is predicted to need {largest(requested or 1) / GIB:.1f} GiB of the "
+                     f"{usable / GIB:.1f} GiB free beside the model: lower --batch-size or --max-length")
+
+
 def validate(cfg: ValidateConfig) -> dict:
     """Score every arm on ``cfg.data``; write and return the report."""
     from ..data.datasets import load_or_prepare, split_by_trace
@@ -317,11 +348,12 @@ def validate(cfg: ValidateConfig) -> dict:
     if compiled:
         compile_language_layers(model)
     workers, timing, skipped = dataloader_workers(cfg.dataloader_workers), {}, []
-    models = score_arms(model, arms, collator, dataset, cfg.batch_size, device, skipped=skipped, stats=timing, workers=workers)
+    batch_size = sized_batch(model, dataset, cfg.batch_size, device)
+    models = score_arms(model, arms, collator, dataset, batch_size, device, skipped=skipped, stats=timing, workers=workers)
     report = {
         "model": cfg.model, "adapters": {a.name: a.adapter for a in arms if a.adapter}, "data": cfg.data,
         "held_out_fraction": cfg.held_out_fraction, "samples": len(dataset), "samples_skipped": len(skipped), "skipped": skipped,
-        "attn_implementation": attention, "batch_size": cfg.batch_size, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "attn_implementation": attention, "batch_size": batch_size, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
         "compiled_layers": compiled, "dataloader_workers": workers,
         "models": models, "timing": timing,
     }

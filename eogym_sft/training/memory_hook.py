@@ -12,8 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from .memory_plan import PLANNED, MicroBatch, ModelShape, Plan, Setup, budget_bytes, choose, dealt_batches
-from .memory_plan import plan_line, run_steps, worst_case_batches
+from ..models.memory import MicroBatch, ModelShape, Setup, budget_bytes
+from .memory_plan import PLANNED, Plan, choose, dealt_batches, plan_line, run_steps, worst_case_batches
 
 logger = logging.getLogger(__name__)
 PLAN_COMMAND = "eogym-sft plan --config CONFIG --gpu-memory SIZE"
@@ -181,6 +181,36 @@ def plan_run(script_args, training_args, model_args, dataset, given: frozenset[s
     apply(plan, training_args, given)
     logger.info(plan_line(plan, device, free, training_args.world_size))
     return plan
+
+
+def lora_targets(model) -> tuple[list[str], int]:
+    """The projection names LoRA wraps in ``model`` and its rank."""
+    wrapped = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    ranks = [a.weight.shape[0] for _, m in wrapped for a in m.lora_A.values()]
+    return sorted({name for name, _ in wrapped}), max(ranks, default=0)
+
+
+def grpo_loss_batch(args, rollout_args, shared_prompts: bool) -> MicroBatch:
+    """GRPO's largest loss micro-batch: ``per_device_train_batch_size`` episodes of at most ``max_episode_tokens``
+    each, of which ``max_completion_length`` are the model's; with shared prompts the prompt counts once. Nothing is
+    counted for the loss's logits: TRL's fused LM head keeps no vocabulary-wide ones."""
+    episodes, episode, completion = args.per_device_train_batch_size, rollout_args.max_episode_tokens, args.max_completion_length
+    completion = min(completion, episode)
+    tokens = (episode - completion) + episodes * completion if shared_prompts else episodes * episode
+    return MicroBatch(tokens, 0, tokens, episodes)
+
+
+def grpo_loss_reserve(model, args, rollout_args, processes: int, shared_prompts: bool) -> float:
+    """Bytes GRPO's loss forward and backward take beside the loaded weights (:func:`grpo_loss_batch`)."""
+    from ..models.memory import peak_terms
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    targets, rank = lora_targets(model)
+    shape = ModelShape.of(base.config.to_dict(), targets, rank)
+    dropout = max((d.p for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values() if hasattr(d, "p")), default=0.0)
+    setup = Setup(processes, zero_stage(args), dropout, checkpoint_every(args))
+    terms = peak_terms(shape, setup, grpo_loss_batch(args, rollout_args, shared_prompts))
+    return terms["reserved"] - terms["frozen_weights"]
 
 
 def out_of_memory_message(training_args, step: int) -> str:

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .memory_plan import GIB, plan_line
+from ..models.memory import GIB
+from .memory_plan import ordinal, plan_line
 
 UNITS = {"gb": 10**9, "gib": GIB, "mb": 10**6, "mib": 2**20}
 DEFAULT_CONFIG = "recipes/eo_gym_4b.yaml"
@@ -22,9 +23,9 @@ class PlanConfig:
     """The ``eogym-sft plan`` flags (the recipe's own flags follow them, as on the recipe's command line)."""
 
     gpu_memory: str = field(metadata={"help": "the GPU's free memory: 80GB (10^9 bytes), 79.2GiB; a plain number is GB"})
-    config: str = field(default=DEFAULT_CONFIG, metadata={"help": "the recipe's YAML (SFT, or GRPO: a YAML with num_generations)"})
-    gpus: int = field(default=1, metadata={"help": "processes (one a GPU), as accelerate launch --num_processes"})
-    zero_stage: int = field(default=2, metadata={"help": "DeepSpeed ZeRO stage of the launch (0: one process or DDP)"})
+    config: str = field(default=DEFAULT_CONFIG, metadata={"help": "the recipe's YAML: SFT, or GRPO (a YAML that sets num_generations)"})
+    gpus: int = field(default=1, metadata={"min": 1, "help": "processes (one a GPU), as accelerate launch --num_processes"})
+    zero_stage: int = field(default=2, metadata={"max": 3, "help": "DeepSpeed ZeRO stage of the launch (0: one process or DDP)"})
     model_config: str | None = field(
         default=None,
         metadata={"help": "architecture config.json to plan for (default: model_name_or_path's own; offline, e.g. "
@@ -79,6 +80,8 @@ def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     from .memory_hook import config_file, model_config, plan_for, refusal, settings_given
 
     argv = ["--config", cfg.config, *recipe_argv]
+    if "num_generations" in config_file(argv):
+        return grpo_plan(cfg, recipe_argv)
     given = settings_given(argv, config_file(argv))
     script, training, model = recipe_configs(cfg.config, recipe_argv)
     with_data = any(word.split("=", 1)[0] in ("--dataset_path", "--dataset-path") for word in recipe_argv)
@@ -94,3 +97,62 @@ def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
         "line": plan_line(plan, device, cfg.gpu_bytes, cfg.gpus),
     }
     return result
+
+
+def grpo_configs(config: str, recipe_argv: list[str]):
+    """The GRPO recipe's three configs, as its own parser reads them (on a CPU)."""
+    from trl import GRPOConfig, ModelConfig
+
+    from ..strict_yaml import RecipeParser
+    from .grpo import GRPOScriptArguments
+
+    parser = RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig), allow_abbrev=False)
+    return parser.parse_args_and_config(["--config", config, *recipe_argv, "--use_cpu", "true"])
+
+
+def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
+    """GRPO on a GPU of ``cfg.gpu_bytes``: the loss micro-batches as set, and the slot decoder's KV cache sized as the
+    recipe sizes it at its first step (beside the weights, the loss micro-batch, a prefill and the merged LoRA weights)."""
+    from ..agent.decoder import PREFILL_TOKENS
+    from ..agent.rollout_config import fitting_slots, slots_for
+    from ..models.attention import NAMES as VARLEN_NAMES
+    from ..models.memory import ModelShape, Setup, budget_bytes, generation_reserve, peak_terms
+    from .grpo_slots import KEEP_OR_LOWER
+    from .memory_hook import checkpoint_every, grpo_loss_batch, model_config
+
+    script, training, model = grpo_configs(cfg.config, recipe_argv)
+    architecture = model_config(model.model_name_or_path, cfg.model_config)
+    shape = ModelShape.of(architecture, model.lora_target_modules or (), model.lora_r)
+    text = architecture["text_config"]
+    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"] * shape.weight_bytes
+    batch = grpo_loss_batch(training, script, model.attn_implementation in VARLEN_NAMES)
+    terms = peak_terms(shape, Setup(cfg.gpus, cfg.zero_stage, model.lora_dropout, checkpoint_every(training)), batch)
+    loss = terms["reserved"] - terms["frozen_weights"] if script.rollout_keep_cache else 0.0
+    generation = generation_reserve(shape.patches_per_token, PREFILL_TOKENS, shape.targeted_weights * shape.weight_bytes)
+    reserve = generation["merged_weights"] + max(generation["prefill"], loss) + generation["margin"]  # loss and prefill: apart
+    usable = cfg.gpu_bytes - terms["frozen_weights"]
+    episodes = training.per_device_train_batch_size * (training.steps_per_generation or training.gradient_accumulation_steps)
+    refused, slots = None, 0
+    try:
+        if script.rollout_cache_gib is None:
+            slots = fitting_slots(episodes, script.max_episode_tokens, per_token, usable, reserve, KEEP_OR_LOWER)
+        else:
+            slots = slots_for(episodes, script.max_episode_tokens, per_token, script.rollout_cache_gib)
+    except ValueError as err:
+        refused = str(err)
+    cache = slots * script.max_episode_tokens * per_token
+    peak = terms["frozen_weights"] + loss + generation["merged_weights"] + cache
+    every = checkpoint_every(training)
+    line = (f"memory plan (GRPO): a {cfg.gpu_memory} GPU: KV cache {slots} slots of {script.max_episode_tokens:,} tokens "
+            f"({cache / GIB:.1f} GiB) for {episodes} episodes a generation, loss micro-batches of {training.per_device_train_batch_size} "
+            f"episodes (at most {batch.tokens:,} tokens), activation checkpointing {'off' if not every else 'every layer' if every == 1 else f'every {ordinal(every)} layer'}, "
+            f"predicted peak {peak / GIB:.1f} GiB")
+    return {
+        "recipe": "grpo", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus, "zero_stage": cfg.zero_stage,
+        "slots": slots, "kv_cache_gib": round(cache / GIB, 2), "prefill_tokens": PREFILL_TOKENS, "episodes_per_generation": episodes,
+        "per_device_train_batch_size": training.per_device_train_batch_size,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps, "activation_checkpointing": bool(every),
+        "checkpoint_every": every, "micro_batch_tokens": batch.tokens, "predicted_peak_gib": round(peak / GIB, 2),
+        "loss_gib": round(loss / GIB, 2), "merged_lora_gib": round(generation["merged_weights"] / GIB, 2),
+        "budget_gib": round(budget_bytes(cfg.gpu_bytes) / GIB, 2), "fits": refused is None, "refused": refused, "line": line,
+    }

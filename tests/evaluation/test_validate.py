@@ -208,3 +208,30 @@ def test_compiled_layers_give_the_eager_numbers_on_every_arm(arms_dir, varlen_ar
     got = score_arms(compiled, arms, collator, examples, batch_size=2, progress=False)
     assert got == want
     assert len(graphs) == len(arms)  # base (adapters off) and the adapter; 3 batches of other lengths each
+
+
+def test_the_batch_is_the_most_samples_whose_largest_forward_fits(monkeypatch, capsys):
+    """On a GPU (its free memory faked): the most of 32, 16, ... samples a forward whose largest batch fits; a
+    --batch-size that does not fit is refused in one line."""
+    from datasets import Dataset
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from eogym_sft.agent import rollout_config
+    from eogym_sft.evaluation.validate import sized_batch
+    from eogym_sft.models import memory as mm
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
+
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(TINY_QWEN3_VL_CONFIG))
+    vocab = model.config.text_config.vocab_size
+    monkeypatch.setattr(mm, "CALIBRATION", mm.Calibration(1000, 10, 1, 0, 1.0, 0))
+    data = Dataset.from_dict({"n_tokens": [100] * 40, "n_trained_tokens": [1] * 40, "n_image_tokens": [0] * 40})
+    per_sample = 100 * 1000 + vocab * 8  # a decoder layer's 1,000 bytes a token, the logits of 1 supervised position
+    monkeypatch.setattr(rollout_config, "usable_bytes", lambda device: 10 * per_sample)
+    assert sized_batch(model, data, None, "cuda") == 8  # 16 would need 16 samples' bytes
+    assert capsys.readouterr().out.startswith("memory plan: 0.0 GiB free beside the model: 8 samples a forward")
+    assert sized_batch(model, data, 2, "cuda") == 2
+    with pytest.raises(ValueError, match=r"^--batch-size 16 does not fit: its largest batch is predicted to need 0.0 GiB of the "
+                                         r"0.0 GiB free beside the model: lower --batch-size or --max-length$"):
+        sized_batch(model, data, 16, "cuda")
+    monkeypatch.setattr(rollout_config, "usable_bytes", lambda device: None)
+    assert sized_batch(model, data, None, "cpu") == 8 and sized_batch(model, data, 3, "cpu") == 3

@@ -13,6 +13,7 @@ import torch
 
 from eogym_sft.guards import GPUOutOfMemory, user_errors
 from eogym_sft.training import memory_hook as hook
+from eogym_sft.models import memory as mm
 from eogym_sft.training import memory_plan as mp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,8 +55,8 @@ def fake_gpu(monkeypatch):
     from datasets import Dataset
 
     config = json.loads((REPO / "recipes/configs/qwen3_vl_4b_instruct.json").read_text())
-    monkeypatch.setattr(mp, "CALIBRATION", mp.Calibration(100_000, 5_000, 50_000, 1 * mp.GIB, 1.0, 0))
-    monkeypatch.setattr(hook, "read_gpu", lambda: ("Fake GPU", 80 * mp.GIB))
+    monkeypatch.setattr(mm, "CALIBRATION", mm.Calibration(100_000, 5_000, 50_000, 1 * mm.GIB, 1.0, 0))
+    monkeypatch.setattr(hook, "read_gpu", lambda: ("Fake GPU", 80 * mm.GIB))
     monkeypatch.setattr(hook, "model_config", lambda name, override=None: config)
     return Dataset.from_dict({"n_tokens": [4000] * 64, "n_trained_tokens": [400] * 64, "n_image_tokens": [2000] * 64})
 
@@ -103,7 +104,7 @@ def test_a_request_that_cannot_fit_is_refused_before_the_model_loads(fake_gpu, m
         f"is predicted to need 93.8 GiB against a budget of 80.0 GiB on Fake GPU; {fits}; {PLAN_HINT}"
     )
     assert training.per_device_train_batch_size == 4  # nothing was changed
-    monkeypatch.setattr(hook, "read_gpu", lambda: ("Fake GPU", 5 * mp.GIB))
+    monkeypatch.setattr(hook, "read_gpu", lambda: ("Fake GPU", 5 * mm.GIB))
     with pytest.raises(ValueError) as refused:
         hook.plan_run(*run_args(), fake_gpu, frozenset())
     assert str(refused.value) == (
@@ -179,3 +180,11 @@ def test_upstream_checkpointing_names_keep_their_shape():
     assert args.gradient_checkpointing is True  # not mirrored after __post_init__: apply() sets both
     source = inspect.getsource(launch.prepare_deepspeed_cmd_env)
     assert 'current_env["ACCELERATE_USE_DEEPSPEED"] = "true"' in source and '"ACCELERATE_DEEPSPEED_ZERO_STAGE"' in source
+
+
+def test_grpo_plans_its_loss_micro_batch_with_the_prompt_shared_once():
+    args = SimpleNamespace(per_device_train_batch_size=8, max_completion_length=6144)
+    rollout = SimpleNamespace(max_episode_tokens=16384)
+    assert hook.grpo_loss_batch(args, rollout, shared_prompts=True) == mm.MicroBatch(10240 + 8 * 6144, 0, 10240 + 8 * 6144, 8)
+    assert hook.grpo_loss_batch(args, rollout, shared_prompts=False).tokens == 8 * 16384
+    assert hook.grpo_loss_batch(SimpleNamespace(per_device_train_batch_size=2, max_completion_length=99999), rollout, True).tokens == 2 * 16384

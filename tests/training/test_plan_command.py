@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from eogym_sft import cli
+from eogym_sft.models import memory as mm
 from eogym_sft.training import memory_plan as mp
 from eogym_sft.training import plan_command
 
 REPO = Path(__file__).resolve().parents[2]
 ARCH = str(REPO / "recipes/configs/qwen3_vl_4b_instruct.json")
-CAL = mp.Calibration(100_000, 5_000, 50_000, 1 * mp.GIB, 1.0, 0)
+CAL = mm.Calibration(100_000, 5_000, 50_000, 1 * mm.GIB, 1.0, 0)
 
 
 def plan(capsys, *argv) -> str:
@@ -30,7 +31,7 @@ def test_sizes_read_as_their_units():
 
 
 def test_without_data_the_plan_is_for_max_length_samples(capsys, monkeypatch):
-    monkeypatch.setattr(mp, "CALIBRATION", CAL)
+    monkeypatch.setattr(mm, "CALIBRATION", CAL)
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json"))
     # 8,192 tokens a sample, half supervised: one sample 9.76 + 42.09 decoder + 4.64 loss GiB; two do not fit
     assert (out["per_device_train_batch_size"], out["gradient_accumulation_steps"], out["activation_checkpointing"]) == (1, 64, False)
@@ -43,7 +44,7 @@ def test_without_data_the_plan_is_for_max_length_samples(capsys, monkeypatch):
 
 
 def test_the_recipes_flags_are_kept_and_refused_when_they_cannot_fit(capsys, monkeypatch):
-    monkeypatch.setattr(mp, "CALIBRATION", CAL)
+    monkeypatch.setattr(mm, "CALIBRATION", CAL)
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json", "--per_device_train_batch_size", "4", "--gpus", "2"))
     assert out["given"] == ["per_device_train_batch_size"] and out["gpus"] == 2
     assert (out["per_device_train_batch_size"], out["gradient_accumulation_steps"], out["activation_checkpointing"]) == (4, 8, True)
@@ -54,7 +55,7 @@ def test_the_recipes_flags_are_kept_and_refused_when_they_cannot_fit(capsys, mon
 def test_with_data_the_plan_reads_the_samples_the_sampler_will_deal(capsys, monkeypatch, tmp_path):
     from datasets import Dataset
 
-    monkeypatch.setattr(mp, "CALIBRATION", CAL)
+    monkeypatch.setattr(mm, "CALIBRATION", CAL)
     data = Dataset.from_dict({"n_tokens": [4000] * 64, "n_trained_tokens": [400] * 64, "n_image_tokens": [2000] * 64})
     monkeypatch.setattr(plan_command, "train_dataset", lambda script, training: (data, str(tmp_path)))
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json", "--dataset_path", str(tmp_path)))
@@ -93,3 +94,19 @@ def test_the_docs_table_is_the_plans_output():
     text = (REPO / "docs" / "training.md").read_text()
     block = text.split("<!-- plan-table -->\n", 1)[1].split("\n<!-- /plan-table -->", 1)[0]
     assert block.strip() == plan_table(), "regenerate docs/training.md's plan table:\n" + plan_table()
+
+
+def test_the_grpo_plan_sizes_the_kv_cache_beside_the_loss_micro_batch(capsys, monkeypatch):
+    monkeypatch.setattr(mm, "CALIBRATION", CAL)
+    grpo = str(REPO / "recipes" / "eo_gym_4b_grpo.yaml")
+    out = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "80GiB", "--json"))
+    # 8 episodes, the prompt once: 10,240 + 8 x 6,144 tokens, every layer recomputed -> 20.83 GiB beside the weights;
+    # beside them too the merged LoRA copies (6.77 GiB); the rest holds 19 slots of 2.25 GiB, 16 episodes need 16
+    assert out["recipe"] == "grpo" and out["micro_batch_tokens"] == 59392 and out["activation_checkpointing"] is True
+    assert (out["slots"], out["kv_cache_gib"], out["episodes_per_generation"], out["prefill_tokens"]) == (16, 36.0, 16, 16384)
+    assert (out["loss_gib"], out["merged_lora_gib"], out["predicted_peak_gib"], out["refused"]) == (20.83, 6.77, 71.87, None)
+    assert json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "48GB", "--json"))["slots"] == 3
+    refused = plan(capsys, "--config", grpo, "--gpu-memory", "24GB")
+    assert refused.startswith("refused at launch: one slot of 16,384 tokens (2.25 GiB each) does not fit") and "rollout_keep_cache false" in refused
+    fixed = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "80GiB", "--json", "--rollout_cache_gib", "20"))
+    assert fixed["slots"] == 8  # 20 GiB // 2.25
