@@ -48,3 +48,16 @@ def test_every_kind_of_output_gets_the_users_umask(tmp_path, mask):
         log.write({"arm": "a", "source_id": "q", "sample": 0})
     written.append(tmp_path / "episodes.jsonl")
     assert {p.name: mode(p) for p in written} == {p.name: 0o640 for p in written}
+
+
+def test_the_view_page_gets_the_users_umask(tmp_path, mask):
+    """The probe's case: ``eogym-sft view`` wrote its page 0600."""
+    import json
+
+    from eogym_sft.evaluation.view import write_report
+
+    run = tmp_path / "roll"
+    run.mkdir()
+    record = {"id": "q:base:0", "arm": "base", "source_id": "q", "sample": 0, "messages": []}
+    (run / "episodes.jsonl").write_text(json.dumps(record) + "\n")
+    assert mode(write_report([run], tmp_path / "report.html")) == 0o640
