@@ -38,22 +38,36 @@ def token_logps(logits: torch.Tensor, picks, temperature: float, banned_ids=()) 
 
 
 class SampledLogps:
-    """The slot decoder's picks' log-probabilities, per slot, turn by turn (a pick at a turn's first token starts
-    a new turn); :meth:`take` hands a finished episode its slot's turns."""
+    """The slot decoder's picks' log-probabilities, kept on the device while the rollout runs (no host sync a
+    step) and read once at its end: :meth:`done` marks where an episode left its slot, :meth:`turns` gives each
+    marked episode the turns its slot sampled since the last mark (a pick at a turn's first token starts a turn)."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
-        self.turns: dict[int, list[list[float]]] = {}
+        self.events: list[tuple] = []  # ("pick", slots, generated, logps on the device) or ("done", slot, key)
 
     def add(self, slots, generated, logits, picks, banned_ids=()) -> None:
-        for slot, n, value in zip(slots, generated, token_logps(logits, picks, self.temperature, banned_ids).tolist()):
-            turns = self.turns.setdefault(slot, [])
-            if n == 0 or not turns:
-                turns.append([])
-            turns[-1].append(value)
+        self.events.append(("pick", list(slots), list(generated), token_logps(logits, picks, self.temperature, banned_ids)))
 
-    def take(self, slot: int | None) -> list[list[float]]:
-        return self.turns.pop(slot, []) if slot is not None else []
+    def done(self, slot: int | None, key) -> None:
+        self.events.append(("done", slot, key))
+
+    def turns(self) -> dict:
+        """``{key: [[logp, ...] per turn]}`` of every episode marked :meth:`done`."""
+        picks = [e[3] for e in self.events if e[0] == "pick"]
+        values = iter(torch.cat(picks).tolist() if picks else [])
+        open_turns: dict[int, list[list[float]]] = {}
+        out = {}
+        for event in self.events:
+            if event[0] == "done":
+                out[event[2]] = open_turns.pop(event[1], []) if event[1] is not None else []
+                continue
+            for slot, n in zip(event[1], event[2]):
+                turns = open_turns.setdefault(slot, [])
+                if n == 0 or not turns:
+                    turns.append([])
+                turns[-1].append(next(values))
+        return out
 
 
 def completion_logps(tool_mask: list[int], turns: list[list[float]], sampled_ids: list[list[int]]) -> list[float]:

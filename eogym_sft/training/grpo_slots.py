@@ -389,14 +389,15 @@ class SlotEngine:
             decoder = TrackedDecoder(self.decoder(model, len(episodes)))
             self.sampling.decoder, self.sampling.processors, self.sampling._held = decoder, self.logits_processors, {}
             self.sampling.pad_id = processor.tokenizer.pad_token_id
-            self.sampling.record, taken = SampledLogps(args.temperature), {}
+            self.sampling.record = record = SampledLogps(args.temperature)
             # One picture cache for the rollout and the encoding after it: each image is decoded and processed once.
             pictures = picture_cache(processor)
             stats = run_episodes(
                 decoder, processor, episodes, self.sampling, cfg, ra.data_root,
-                lambda ep: taken.__setitem__(id(ep), self.sampling.record.take(ep.slot)), pictures=pictures,
+                lambda ep: record.done(ep.slot, id(ep)), pictures=pictures,
             )
         self.sampling.decoder = self.sampling.record = None
+        taken = record.turns()
         slots = decoder.slots
         if not ra.rollout_keep_cache:
             self._decoder = decoder = None  # the loss forward may use the cache's memory now

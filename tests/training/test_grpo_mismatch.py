@@ -35,16 +35,21 @@ def test_sampled_turns_are_paired_with_the_trained_tokens_in_order():
     record.add([3, 5], [0, 0], logits, [1, 2])  # both slots start a turn
     record.add([3], [1], logits, [0])
     record.add([3], [0], logits, [2])  # slot 3's second turn
+    record.done(3, "a")  # episode a leaves slot 3; episode c takes it
+    record.add([3, 5], [0, 1], logits, [1, 1])
+    record.done(5, "b")
+    record.done(3, "c")
+    record.done(None, "d")  # never placed in a slot
     q = torch.tensor(0.25).log().item()  # float32, as recorded
-    assert record.turns == {3: [[q, q], [q]], 5: [[q]]}
-    turns = record.take(3)
-    assert record.take(3) == [] and record.take(None) == [] and list(record.turns) == [5]
+    turns = record.turns()
+    assert turns == {"a": [[q, q], [q]], "b": [[q, q]], "c": [[q]], "d": []}
     # the completion: turn 1 (2 tokens), a tool result (2 tokens), turn 2 cut to nothing more than its 1 token
-    assert completion_logps([1, 1, 0, 0, 1], turns, [[1, 0], [2]]) == [q, q, 0.0, 0.0, q]
+    assert completion_logps([1, 1, 0, 0, 1], turns["a"], [[1, 0], [2]]) == [q, q, 0.0, 0.0, q]
     # a turn that failed mid-way is recorded but not sampled: dropped; a cut last token only shortens the end
-    assert completion_logps([1, 1, 0], turns, [[1, 0]]) == [q, q, 0.0]
-    lost = completion_logps([1, 0, 1], turns, [[1, 0, 0], [2]])  # lengths disagree: never paired wrongly
+    assert completion_logps([1, 1, 0], turns["a"], [[1, 0]]) == [q, q, 0.0]
+    lost = completion_logps([1, 0, 1], turns["a"], [[1, 0, 0], [2]])  # lengths disagree: never paired wrongly
     assert math.isnan(lost[0]) and lost[1] == 0.0 and math.isnan(lost[2])
+    assert SampledLogps(1.0).turns() == {}
 
 
 def test_generate_logps_come_from_its_own_forwards():
