@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..models.memory import MicroBatch, ModelShape, Setup, budget_bytes
-from .memory_plan import PLANNED, Plan, choose, dealt_batches, plan_line, run_steps, worst_case_batches
+from .memory_plan import EVAL_BATCHES, PLANNED, Plan, choose, choose_eval, dealt_batches, eval_batches, plan_line, run_steps, worst_case_batches
 
 logger = logging.getLogger(__name__)
 PLAN_COMMAND = "eogym-sft plan --config CONFIG --gpu-memory SIZE"
@@ -97,18 +97,26 @@ def batches_from(dataset, samples_per_step: int, processes: int, steps: int, see
 
 
 def plan_for(script_args, training_args, model_args, dataset, free_bytes: float, processes: int, zero: int,
-             given: frozenset[str], architecture: dict) -> Plan:
+             given: frozenset[str], architecture: dict, eval_dataset=None) -> Plan:
     """The plan for this run on a GPU with ``free_bytes`` free: the settings not ``given`` chosen, the given kept."""
     shape = ModelShape.of(architecture, model_args.lora_target_modules or (), model_args.lora_r)
     setup = Setup(processes, zero, model_args.lora_dropout)
     samples = script_args.samples_per_step or training_args.per_device_train_batch_size * processes * training_args.gradient_accumulation_steps
+    max_length = training_args.max_length or 8192
     if dataset is None:
-        batches_for = lambda b: worst_case_batches(b, training_args.max_length or 8192)  # noqa: E731
+        batches_for = lambda b: worst_case_batches(b, max_length)  # noqa: E731
     else:
         steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs, training_args.dataloader_drop_last)
         batches_for = batches_from(dataset, samples, processes, steps, training_args.seed, training_args.dataloader_drop_last)
     batch, every = fixed_settings(training_args, script_args.samples_per_step, given, processes)
-    return choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch, checkpoint_every=every)
+    plan = choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch, checkpoint_every=every)
+    eval_given = training_args.per_device_eval_batch_size if "per_device_eval_batch_size" in given else None
+    if eval_dataset is None:
+        eval_for = lambda b: worst_case_batches(b, max_length)  # noqa: E731
+    else:
+        columns = [list(eval_dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
+        eval_for = lambda b: eval_batches(*columns, b)  # noqa: E731
+    return choose_eval(plan, shape, setup, eval_for, budget_bytes(free_bytes), eval_given)
 
 
 def refusal(plan: Plan, auto: Plan, given: frozenset[str], device: str) -> str | None:
@@ -117,6 +125,8 @@ def refusal(plan: Plan, auto: Plan, given: frozenset[str], device: str) -> str |
     if plan.fits:
         return None
     need = f"its largest micro-batch ({plan.micro_batch_tokens:,} tokens) is predicted to need {plan.predicted_reserved_gib:.1f} GiB"
+    if plan.predicted_reserved_gib <= plan.budget_gib:  # training fits: the evaluation batch does not
+        need = f"its largest evaluation batch is predicted to need {plan.predicted_eval_peak_gib:.1f} GiB allocated"
     budget = f"a budget of {plan.budget_gib:.1f} GiB on {device}"
     if not given or not auto.fits:
         return (f"no setting fits: even at one sample a micro-batch with every layer checkpointed {need} against {budget}; "
@@ -131,6 +141,7 @@ def settings_of(plan: Plan) -> dict:
         "per_device_train_batch_size": plan.per_device_train_batch_size,
         "gradient_accumulation_steps": plan.gradient_accumulation_steps,
         "activation_checkpointing": str(plan.activation_checkpointing).lower(),
+        "per_device_eval_batch_size": plan.per_device_eval_batch_size,
     }
 
 
@@ -138,6 +149,8 @@ def apply(plan: Plan, training_args, given: frozenset[str]) -> None:
     """Set the settings the plan chose (those not given) on ``training_args``."""
     if "per_device_train_batch_size" not in given:
         training_args.per_device_train_batch_size = plan.per_device_train_batch_size
+    if "per_device_eval_batch_size" not in given and plan.per_device_eval_batch_size:
+        training_args.per_device_eval_batch_size = plan.per_device_eval_batch_size
     if "activation_checkpointing" not in given:
         # transformers mirrors its old names (gradient_checkpointing*) only when the args are built; TRL reads them
         training_args.activation_checkpointing = training_args.gradient_checkpointing = plan.activation_checkpointing
@@ -161,7 +174,7 @@ def read_gpu() -> tuple[str, float] | None:
     return torch.cuda.get_device_name(), float(free)
 
 
-def plan_run(script_args, training_args, model_args, dataset, given: frozenset[str]) -> Plan | None:
+def plan_run(script_args, training_args, model_args, dataset, given: frozenset[str], eval_dataset=None) -> Plan | None:
     """At start, before the model loads: plan for this GPU's free memory, set the chosen settings, print the
     plan's line; refuse (``ValueError``, one line) what cannot fit. Without CUDA there is nothing to plan against:
     a batch size not given is one sample a micro-batch (it divides any step), the rest stays as set."""
@@ -169,13 +182,15 @@ def plan_run(script_args, training_args, model_args, dataset, given: frozenset[s
     if gpu is None:
         batch, _ = fixed_settings(training_args, script_args.samples_per_step, given, training_args.world_size)
         training_args.per_device_train_batch_size = batch or 1
+        if "per_device_eval_batch_size" not in given:
+            training_args.per_device_eval_batch_size = EVAL_BATCHES[0]
         logger.info("memory plan: no CUDA device, %d sample(s) a micro-batch", training_args.per_device_train_batch_size)
         return None
     device, free = gpu
     architecture = model_config(model_args.model_name_or_path)
     args = (script_args, training_args, model_args, dataset, free, training_args.world_size, zero_stage(training_args))
-    plan = plan_for(*args, given, architecture)
-    message = refusal(plan, plan if plan.fits else plan_for(*args, frozenset(), architecture), given, device)
+    plan = plan_for(*args, given, architecture, eval_dataset)
+    message = refusal(plan, plan if plan.fits else plan_for(*args, frozenset(), architecture, eval_dataset), given, device)
     if message:
         raise ValueError(message)
     apply(plan, training_args, given)

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from ..models.memory import GIB, Calibration, MicroBatch, ModelShape, Setup, budget_bytes, peak_terms
 
 # The settings the plan chooses when they are not given (on the command line or in the config file).
-PLANNED = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing")
+PLANNED = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "per_device_eval_batch_size")
+# Samples an evaluation batch may hold, most first (evaluation is a forward without gradients: its batch changes no figure)
+EVAL_BATCHES = (4, 2, 1)
 # Activation checkpointing, least recompute first: off, every 2nd decoder layer, every layer.
 CHECKPOINT_CHOICES = (0, 2, 1)
 
@@ -48,6 +50,8 @@ class Plan:
     budget_gib: float
     fits: bool
     terms_gib: dict = field(default_factory=dict)
+    per_device_eval_batch_size: int | None = None  # chosen by :func:`choose_eval`
+    predicted_eval_peak_gib: float | None = None
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -97,6 +101,31 @@ def choose(shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, sa
                 return plan
             tried.append((worst["reserved"], plan))
     return min(tried, key=lambda pair: pair[0])[1]
+
+
+def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, batch_size: int | None = None,
+                cal: Calibration | None = None) -> Plan:
+    """``plan`` with its evaluation batch: ``batch_size`` if given, else the most of :data:`EVAL_BATCHES` samples whose
+    largest forward fits beside the training state (``batches_for(b)``: the evaluation batches of b samples). A
+    given one that does not fit, or none, makes the plan not fit."""
+    from ..models.memory import CALIBRATION, forward_bytes, static_terms
+
+    cal = cal or CALIBRATION
+    static = sum(static_terms(shape, setup, cal).values()) - cal.budget_margin_bytes  # forward_bytes adds the margin
+    peak = 0.0
+    for b in [batch_size] if batch_size else EVAL_BATCHES:
+        peak = max(static + forward_bytes(batch, shape.vocab, shape.patches_per_token, cal) for batch in batches_for(b))
+        if peak * cal.reserved_over_allocated <= budget_bytes:
+            break
+    plan.per_device_eval_batch_size, plan.predicted_eval_peak_gib = b, round(peak / GIB, 2)
+    plan.fits = plan.fits and peak * cal.reserved_over_allocated <= budget_bytes
+    return plan
+
+
+def eval_batches(tokens: list[int], supervised: list[int], images: list[int], b: int) -> list[MicroBatch]:
+    """The evaluation batches of ``b`` consecutive samples (the evaluation loader's order; ranks take whole batches)."""
+    starts = range(0, len(tokens), b)
+    return [MicroBatch(sum(tokens[i:i + b]), sum(supervised[i:i + b]), sum(images[i:i + b]), len(tokens[i:i + b])) for i in starts]
 
 
 def make_plan(batch: int, accumulation: int, every: int, worst: dict, budget_bytes: float) -> Plan:
@@ -152,4 +181,5 @@ def plan_line(plan: Plan, device: str, free_bytes: float, processes: int) -> str
         f"step on each of {processes} process(es), {plan.per_device_train_batch_size} sample(s) each (largest "
         f"{plan.micro_batch_tokens:,} tokens), activation checkpointing {checkpointing}, predicted peak "
         f"{plan.predicted_peak_gib:.1f} GiB allocated, {plan.predicted_reserved_gib:.1f} GiB reserved"
+        + (f"; evaluation batches of {plan.per_device_eval_batch_size} sample(s)" if plan.per_device_eval_batch_size else "")
     )

@@ -60,7 +60,7 @@ def recipe_configs(config: str, recipe_argv: list[str]):
 
 
 def train_dataset(script_args, training_args):
-    """The train split the recipe would train on, from a prepared folder (or the recipe's prepared cache)."""
+    """The train and evaluation splits the recipe would use, from a prepared folder (or the recipe's prepared cache)."""
     from ..data.datasets import split_by_trace
     from ..data.prepared import load_prepared
 
@@ -72,7 +72,8 @@ def train_dataset(script_args, training_args):
             "(eogym-sft prepare) and pass that folder"
         )
     dataset, _ = load_prepared(folder)
-    return split_by_trace(dataset, script_args.eval_fraction, training_args.seed)[0], str(folder)
+    train, held_out = split_by_trace(dataset, script_args.eval_fraction, training_args.seed)
+    return train, held_out, str(folder)
 
 
 def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
@@ -85,12 +86,12 @@ def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     given = settings_given(argv, config_file(argv))
     script, training, model = recipe_configs(cfg.config, recipe_argv)
     with_data = any(word.split("=", 1)[0] in ("--dataset_path", "--dataset-path") for word in recipe_argv)
-    dataset, source = train_dataset(script, training) if with_data else (None, "worst case: every sample max_length tokens")
+    dataset, held_out, source = train_dataset(script, training) if with_data else (None, None, "worst case: every sample max_length tokens")
     architecture = model_config(model.model_name_or_path, cfg.model_config)
     args = (script, training, model, dataset, cfg.gpu_bytes, cfg.gpus, cfg.zero_stage)
-    plan = plan_for(*args, given, architecture)
+    plan = plan_for(*args, given, architecture, held_out)
     device = f"a {cfg.gpu_memory} GPU"
-    auto = plan if plan.fits else plan_for(*args, frozenset(), architecture)
+    auto = plan if plan.fits else plan_for(*args, frozenset(), architecture, held_out)
     result = {
         "recipe": "sft", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus, "zero_stage": cfg.zero_stage,
         "data": source, "given": sorted(given), **plan.to_json(), "refused": refusal(plan, auto, given, device),

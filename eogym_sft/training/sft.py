@@ -206,7 +206,7 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
     if checkpoint is not None and finished(checkpoint):
         return training_args.output_dir
-    plan_run(script_args, training_args, model_args, train_dataset, given)  # before the model loads: sized or refused
+    plan_run(script_args, training_args, model_args, train_dataset, given, eval_dataset)  # before the model loads: sized or refused
     if not batch_given:
         set_samples_per_step(script_args, training_args)
 

@@ -23,7 +23,7 @@ PLAN_HINT = "see `eogym-sft plan --config CONFIG --gpu-memory SIZE`"
 
 def test_settings_given_on_the_command_line_or_in_the_config_are_the_users():
     argv = ["--config", "x.yaml", "--per_device_train_batch_size", "2", "--activation-checkpointing=true", "--per_device_eval_batch_size", "8"]
-    assert hook.settings_given(argv) == {"per_device_train_batch_size", "activation_checkpointing"}
+    assert hook.settings_given(argv) == {"per_device_train_batch_size", "activation_checkpointing", "per_device_eval_batch_size"}
     assert hook.settings_given(["--gradient_accumulation_steps=4"], {"activation_checkpointing": False}) == {
         "gradient_accumulation_steps", "activation_checkpointing"}
     assert hook.settings_given(["--per_device_train_batch_sizes", "2"], {"learning_rate": 1e-4}) == frozenset()
@@ -79,7 +79,8 @@ def test_the_plan_sets_what_was_not_given_and_prints_one_line(fake_gpu, caplog):
     assert (training.per_device_train_batch_size, training.activation_checkpointing, training.gradient_checkpointing) == (2, False, False)
     assert [r.getMessage() for r in caplog.records] == [
         "memory plan: Fake GPU, 80.0 GiB free, budget 80.0 GiB: 32 micro-batches a step on each of 1 process(es), 2 sample(s) "
-        "each (largest 8,000 tokens), activation checkpointing off, predicted peak 51.8 GiB allocated, 51.8 GiB reserved"
+        "each (largest 8,000 tokens), activation checkpointing off, predicted peak 51.8 GiB allocated, 51.8 GiB reserved; "
+        "evaluation batches of 4 sample(s)"
     ]
 
 
@@ -95,7 +96,8 @@ def test_a_given_batch_keeps_and_the_plan_recomputes_layers_to_fit_it(fake_gpu):
 
 
 def test_a_request_that_cannot_fit_is_refused_before_the_model_loads(fake_gpu, monkeypatch):
-    fits = "per_device_train_batch_size 2, gradient_accumulation_steps 32, activation_checkpointing false fits (51.8 GiB)"
+    fits = ("per_device_train_batch_size 2, gradient_accumulation_steps 32, activation_checkpointing false, "
+            "per_device_eval_batch_size 4 fits (51.8 GiB)")
     script, training, model = run_args(per_device_train_batch_size=4, activation_checkpointing=False)
     with pytest.raises(ValueError) as refused:
         hook.plan_run(script, training, model, fake_gpu, frozenset({"per_device_train_batch_size", "activation_checkpointing"}))

@@ -91,3 +91,17 @@ def test_the_plan_line():
         "0.0 GiB reserved"
     )
     assert mm.budget_bytes(79.5 * mm.GIB, CAL) == 79.5 * mm.GIB - 300 and mm.budget_bytes(100, CAL) == 0.0
+
+
+
+def test_the_evaluation_batch_is_the_most_samples_whose_forward_fits_beside_the_training_state():
+    assert mp.eval_batches([10, 20, 30, 40, 50], [1, 2, 3, 4, 5], [0, 0, 0, 0, 9], 2) == [
+        mm.MicroBatch(30, 3, 0, 2), mm.MicroBatch(70, 7, 0, 2), mm.MicroBatch(50, 5, 9, 1)]
+    plan = mp.choose(SHAPE, mm.Setup(), per_b, 150_000, 8, cal=CAL)
+    # beside the training state (4,600 - the margin 300): b x (50 x 100 + 10 x 10 x 8) + the margin, x 1.5 reserved
+    for budget, chosen in ((150_000, 4), (40_000, 2), (20_000, 1)):
+        plan = mp.choose_eval(plan, SHAPE, mm.Setup(), per_b, budget, cal=CAL)
+        assert (plan.per_device_eval_batch_size, plan.fits) == (chosen, True), budget
+    assert plan.predicted_eval_peak_gib == round((4300 + 5800 + 300) / mm.GIB, 2)
+    refused = mp.choose_eval(plan, SHAPE, mm.Setup(), per_b, 40_000, batch_size=4, cal=CAL)
+    assert (refused.per_device_eval_batch_size, refused.fits) == (4, False)  # given, kept, and it does not fit

@@ -57,7 +57,7 @@ def test_with_data_the_plan_reads_the_samples_the_sampler_will_deal(capsys, monk
 
     monkeypatch.setattr(mm, "CALIBRATION", CAL)
     data = Dataset.from_dict({"n_tokens": [4000] * 64, "n_trained_tokens": [400] * 64, "n_image_tokens": [2000] * 64})
-    monkeypatch.setattr(plan_command, "train_dataset", lambda script, training: (data, str(tmp_path)))
+    monkeypatch.setattr(plan_command, "train_dataset", lambda script, training: (data, data.select(range(8)), str(tmp_path)))
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json", "--dataset_path", str(tmp_path)))
     assert (out["per_device_train_batch_size"], out["micro_batch_tokens"], out["predicted_peak_gib"], out["data"]) == (2, 8000, 51.77, str(tmp_path))
 
@@ -77,14 +77,15 @@ def test_other_commands_still_refuse_flags_they_do_not_know(capsys):
 def plan_table() -> str:
     """docs/training.md's table: ``plan`` for the recipe on one GPU of each size, in the worst case."""
     rows = ["| GPU memory | micro-batches a step | samples a micro-batch | activation checkpointing | largest micro-batch | "
-            "predicted peak, GiB allocated / reserved |", "|---|---|---|---|---|---|"]
+            "predicted peak, GiB allocated / reserved | evaluation batch |", "|---|---|---|---|---|---|---|"]
     line = None
     for size in ("24GB", "48GB", "80GB", "141GB"):
         out = plan_command.run_plan(plan_command.PlanConfig(gpu_memory=size, model_config=ARCH), [])
         every = out["checkpoint_every"]
         checkpointing = "off" if not every else "every layer" if every == 1 else f"every {mp.ordinal(every)} layer"
         rows.append(f"| {size[:-2]} GB | {out['gradient_accumulation_steps']} | {out['per_device_train_batch_size']} | {checkpointing} | "
-                    f"{out['micro_batch_tokens']:,} tokens | {out['predicted_peak_gib']:.1f} / {out['predicted_reserved_gib']:.1f} |")
+                    f"{out['micro_batch_tokens']:,} tokens | {out['predicted_peak_gib']:.1f} / {out['predicted_reserved_gib']:.1f} | "
+                    f"{out['per_device_eval_batch_size']} |")
         line = out["line"] if size == "80GB" else line
     command = f"eogym-sft plan --gpu-memory 80GB --model-config {Path(ARCH).relative_to(REPO)}"
     return "\n".join([*rows, "", f"`{command}` prints:", "", f"    {line}"])
