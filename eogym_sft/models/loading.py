@@ -123,6 +123,9 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     compiled as constants: under ``dynamic=True`` alone Dynamo makes each an input, then specializes the
     ones the layer branches on and traces the whole layer again, which doubled tracing and AOTAutograd's
     time (docs/benchmarks.md). They are the same in every layer.
+
+    A layer that runs checkpointed (activation checkpointing, every layer or every N-th) compiles with Inductor's
+    random ops left as aten's (:func:`layer_call`): see there why.
     """
     layers = [module for name, module in model.named_modules() if DECODER_LAYER_RE.search(name)]
     if not layers:
@@ -131,11 +134,32 @@ def compile_language_layers(model, **compile_kwargs) -> int:
     compile_kwargs.setdefault("dynamic", True)
     for layer in layers:
         layer.compile(**compile_kwargs)
-        # Module.compile keeps the compiled call here; the setting applies while a layer runs (and compiles),
+        # Module.compile keeps the compiled call here; the settings apply while a layer runs (and compiles),
         # not to the rest of the process. tests/models/test_loading.py fails if a layer is traced twice, or if torch
-        # stops calling this attribute or applying the setting.
-        layer._compiled_call_impl = torch._dynamo.config.patch(specialize_float=True)(layer._compiled_call_impl)
+        # stops calling this attribute or applying the settings.
+        layer._compiled_call_impl = layer_call(layer, layer._compiled_call_impl)
     return len(layers)
+
+
+def layer_call(layer, compiled):
+    """``compiled`` (a decoder layer's compiled call) with float attributes as constants, and, while ``layer`` is
+    checkpointed, Inductor's ``fallback_random``.
+
+    Inside a checkpointed region Inductor replaces LoRA's dropout by a ``rand`` of the layer's symbolic token
+    count, to be drawn again when the backward recomputes the layer; torch 2.11's partitioner then leaves that
+    size out of the backward graph and fails (``BackendCompilerFailed: ... Node add_N was invalid, but is
+    output``) on every step with checkpointing and dropout. Kept as aten's dropout, its size comes from its input,
+    and AOTAutograd still saves the RNG state for the recompute, so the backward draws the forward's mask
+    (tests/models/test_loading.py). A layer that is not checkpointed compiles as before, with Inductor's random
+    numbers: its runs are unchanged. The layer's flag is read at each call (the Trainer sets it after compiling),
+    and Dynamo guards on it, so both kinds of layer keep a graph of their own."""
+    constant_floats = torch._dynamo.config.patch(specialize_float=True)(compiled)
+    checkpointed = torch._inductor.config.patch(fallback_random=True)(constant_floats)
+
+    def call(*args, **kwargs):
+        return (checkpointed if layer.gradient_checkpointing else constant_floats)(*args, **kwargs)
+
+    return call
 
 
 @dataclass

@@ -315,6 +315,61 @@ def test_compile_language_layers_sets_constant_floats_only_inside_the_layers(pro
     assert torch._dynamo.config.specialize_float == before
 
 
+def test_checkpointed_layers_compile_with_atens_dropout_and_the_others_as_before(processor_at_cap):
+    """With every 2nd layer checkpointed (transformers counts the vision blocks first: the tiny tower's 2, then
+    decoder layer 0 checkpointed, layer 1 not), each layer's graph compiles with ``fallback_random`` on exactly
+    when it holds a checkpointed region, and it is back off outside the layers: a run without checkpointing
+    compiles as it did before, with Inductor's random numbers."""
+    from eogym_sft.models.loading import compile_language_layers
+    from eogym_sft.models.tiny import build_tiny_model
+
+    seen = []
+
+    def recording_backend(graph, example_inputs):
+        checkpointed = any(node.target is torch.ops.higher_order.tag_activation_checkpoint for node in graph.graph.nodes)
+        seen.append((checkpointed, torch._inductor.config.fallback_random))
+        return graph.forward
+
+    before = torch._inductor.config.fallback_random
+    model = apply_lora(_varlen(build_tiny_model(seed=3)), dropout=0.1).train()
+    torch._dynamo.reset()
+    compile_language_layers(model, backend=recording_backend)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    model(**_packed_batch(processor_at_cap), use_cache=False).loss.backward()
+    torch._dynamo.reset()
+    assert sorted(seen) == [(False, False), (True, True)]
+    assert torch._inductor.config.fallback_random == before
+
+
+@pytest.mark.slow(25)
+def test_checkpointed_inductor_layers_with_dropout_give_eager_checkpointings_loss_and_gradients(processor_at_cap):
+    """Activation checkpointing with LoRA dropout through Inductor: the masks are eager's (aten's dropout on the
+    same generator), and the backward, which recomputes each layer, draws the forward's masks again, so the loss
+    and LoRA gradients are eager checkpointing's. With Inductor's own random ops the masks differ, and torch 2.11
+    failed to compile the layer at all (models/loading.py, ``layer_call``)."""
+    from helpers import perturb_lora_b
+
+    from eogym_sft.models.loading import compile_language_layers
+    from eogym_sft.models.tiny import build_tiny_model
+
+    batch = _packed_batch(processor_at_cap)
+    runs = []
+    torch._dynamo.reset()
+    for compiled in (False, True):
+        model = perturb_lora_b(apply_lora(_varlen(build_tiny_model(seed=3)), dropout=0.5), seed=3).train()
+        if compiled:
+            compile_language_layers(model)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(7)
+        runs.append(_loss_and_grads(model, batch))
+    torch._dynamo.reset()
+    (eager_loss, eager_grads), (loss, grads) = runs
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=1e-6)
+    assert eager_grads.keys() == grads.keys() and len(grads) == 2 * 7 * 2  # 2 layers, 7 projections, A and B
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_compile_language_layers_needs_decoder_layers():
     from eogym_sft.models.loading import compile_language_layers
 
