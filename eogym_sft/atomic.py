@@ -15,7 +15,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_lines_atomic(path: str | os.PathLike, pieces) -> None:
-    """Replace ``path`` by the concatenation of the strings ``pieces`` (an iterable, written as it comes) atomically."""
+    """Replace ``path`` by the concatenation of the strings ``pieces`` (an iterable, written as it comes)
+    atomically."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

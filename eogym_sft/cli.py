@@ -20,13 +20,15 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     from .data.prepare import PrepConfig
 
     parser.add_argument("--input", nargs="+", required=True, help="EO-Gym JSONL file(s)")
-    parser.add_argument("--model", required=True, help="hub id or local folder whose processor and chat template are used")
+    parser.add_argument("--model", required=True,
+                        help="hub id or local folder whose processor and chat template are used")
     parser.add_argument("--output", required=True, help="folder for dataset/, manifest.jsonl and stats.json")
     add_dataclass_args(parser, ImageConfig)  # the processor carries the pixel settings, PrepConfig the rest
     add_dataclass_args(parser, PrepConfig)
     parser.add_argument("--num-proc", type=number(int, 1), default=1, help="worker processes")
     parser.add_argument(
-        "--allow-drops", action="store_true", help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
+        "--allow-drops", action="store_true",
+        help="go on when more than half of the rows are dropped for one reason (refused otherwise)"
     )
     add_overwrite_arg(parser)
 
@@ -52,9 +54,11 @@ def run_prepare(args: argparse.Namespace) -> dict:
 
 
 def add_tiny_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", required=True, help="folder to write the tiny random Qwen3-VL and its processor to")
+    parser.add_argument("--output", required=True,
+                        help="folder to write the tiny random Qwen3-VL and its processor to")
     parser.add_argument("--seed", type=number(int), default=0)
-    parser.add_argument("--config", help="architecture config JSON (default: the tiny one), e.g. recipes/configs/qwen3_vl_4b_instruct.json")
+    parser.add_argument("--config", help="architecture config JSON (default: the tiny one), e.g. "
+                                         "recipes/configs/qwen3_vl_4b_instruct.json")
     parser.add_argument("--dtype", default="float32", help="weight dtype, e.g. bfloat16 for the 4B architecture")
     parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster for 4B)")
     add_overwrite_arg(parser)
@@ -77,7 +81,8 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_validate(args: argparse.Namespace) -> dict:
-    from .evaluation.run_args import ValidateConfig, check_validate_output, refuse_foreign_adapters, refuse_missing_inputs
+    from .evaluation.run_args import (ValidateConfig, check_validate_output, refuse_foreign_adapters,
+                                      refuse_missing_inputs)
 
     cfg = config_from_args(ValidateConfig, args)
     refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
@@ -103,7 +108,8 @@ def run_evaluate(args: argparse.Namespace) -> dict:
     cfg = config_from_args(EvalConfig, args)
     refuse_foreign_adapters(cfg.adapters, cfg.model, cfg.allow_other_base)
     refuse_missing_inputs(cfg.data, "eogym-sft evaluate")
-    check_output(cfg.output, "eogym-sft evaluate", cfg.overwrite, "evaluation", inputs=arm_inputs(cfg.data, cfg.adapters))
+    check_output(cfg.output, "eogym-sft evaluate", cfg.overwrite, "evaluation",
+                 inputs=arm_inputs(cfg.data, cfg.adapters))
     check_model_source(cfg.model)
     check_torch_stack()
     from .evaluation.offline import evaluate
@@ -118,12 +124,14 @@ def add_rollout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_rollout(args: argparse.Namespace) -> dict:
-    from .evaluation.run_args import RolloutConfig, refuse_foreign_adapters, refuse_missing_inputs, refuse_taken_run_folder
+    from .evaluation.run_args import (RolloutConfig, refuse_foreign_adapters, refuse_missing_inputs,
+                                      refuse_taken_run_folder)
 
     refuse_missing_inputs(args.data, "eogym-sft rollout")  # before the policy client below, which imports torch
     refuse_taken_run_folder(args.output, args.overwrite, "eogym-sft rollout")
     policies = []
-    if args.policy_url or args.policy_model or args.policy_config:  # the policy client imports torch: only when asked for
+    # the policy client imports torch: only when asked for
+    if args.policy_url or args.policy_model or args.policy_config:
         check_torch_stack()
         from .agent.policy_server import policy_servers
 
@@ -140,27 +148,33 @@ def run_rollout(args: argparse.Namespace) -> dict:
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default="runs/demo", help="folder for the tiny model, prepared data, adapter and report")
+    parser.add_argument("--output", default="runs/demo",
+                        help="folder for the tiny model, prepared data, adapter and report")
     from .demo import LEARNING_RATE, STEPS, AgentDemoConfig
     from .environment.tasks import TASKS
 
     agent = AgentDemoConfig()
     parser.add_argument(
-        "--steps", type=number(int, 1), default=argparse.SUPPRESS, help=f"SFT optimizer steps (of 2 samples); default {STEPS}, with --agent {agent.sft_steps}"
+        "--steps", type=number(int, 1), default=argparse.SUPPRESS,
+        help=f"SFT optimizer steps (of 2 samples); default {STEPS}, with --agent {agent.sft_steps}"
     )
     parser.add_argument(
         "--learning-rate", type=number(float), default=argparse.SUPPRESS,
-        help=f"SFT learning rate, high so that a few steps move a small random model; default {LEARNING_RATE}, with --agent {agent.sft_learning_rate}",
+        help=f"SFT learning rate, high so that a few steps move a small random model; default {LEARNING_RATE}, with "
+             f"--agent {agent.sft_learning_rate}",
     )
     parser.add_argument(
         "--agent", action="store_true",
-        help="the agent demo instead: SFT -> closed-loop rollouts -> GRPO -> rejection sampling on a task only the crop tool solves (docs/agent.md)",
+        help="the agent demo instead: SFT -> closed-loop rollouts -> GRPO -> rejection sampling on a task only the "
+             "crop tool solves (docs/agent.md)",
     )
     parser.add_argument(
         "--seed", type=number(int), default=argparse.SUPPRESS,
-        help=f"with --agent: the questions, the model's weights and every sampled episode (default {agent.seed}); the same seed, the same report",
+        help=f"with --agent: the questions, the model's weights and every sampled episode (default {agent.seed}); the "
+             "same seed, the same report",
     )
-    parser.add_argument("--task", choices=sorted(TASKS), default=argparse.SUPPRESS, help=f"with --agent: the task (default {agent.task})")
+    parser.add_argument("--task", choices=sorted(TASKS), default=argparse.SUPPRESS,
+                        help=f"with --agent: the task (default {agent.task})")
     add_overwrite_arg(parser)
 
 
@@ -182,29 +196,37 @@ def run_demo(args: argparse.Namespace) -> dict:
     from .demo import run_demo as run
 
     if args.agent:
-        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite, agent_demo_config(args))
+        return run_agent_demo("runs/agent_demo" if args.output == "runs/demo" else args.output, args.overwrite,
+                              agent_demo_config(args))
     agent_only = [f"--{flag}" for flag in ("seed", "task") if flag in vars(args)]
     if agent_only:
         raise SystemExit(f"eogym-sft demo: {' and '.join(agent_only)} apply only to the agent demo: add --agent")
-    return run(args.output, vars(args).get("steps", STEPS), vars(args).get("learning_rate", LEARNING_RATE), args.overwrite)
+    return run(args.output, vars(args).get("steps", STEPS), vars(args).get("learning_rate", LEARNING_RATE),
+               args.overwrite)
 
 
 def add_make_task_args(parser: argparse.ArgumentParser) -> None:
     from .environment.tasks import TASKS
 
-    parser.add_argument("--output", required=True, help="data root to write: tasks.jsonl, EO_GYM_DATA/ (scenes) and image_cache/ (gold crops)")
+    parser.add_argument("--output", required=True,
+                        help="data root to write: tasks.jsonl, EO_GYM_DATA/ (scenes) and image_cache/ (gold crops)")
     parser.add_argument(
         "--task", choices=list(TASKS), default="colour_grid",
-        help="colour_grid: one quadrant's colour (one crop); colour_pair: two quadrants' colours in order (two crops); "
+        help="colour_grid: one quadrant's colour (one crop); colour_pair: two quadrants' colours in order (two "
+             "crops); "
         "colour_count: how many quadrants show a colour (four crops) (docs/agent.md)",
     )
     parser.add_argument("--rows", type=number(int, 1), required=True, help="questions to write")
-    parser.add_argument("--seed", type=number(int), default=0, help="which questions: the same seed writes the same bytes")
-    parser.add_argument("--start", type=number(int), default=0, help="index of the first question (disjoint ranges give disjoint splits)")
-    parser.add_argument("--name", type=file_name, default="tasks.jsonl", help="file name (not a path) of the JSONL under --output")
+    parser.add_argument("--seed", type=number(int), default=0,
+                        help="which questions: the same seed writes the same bytes")
+    parser.add_argument("--start", type=number(int), default=0,
+                        help="index of the first question (disjoint ranges give disjoint splits)")
+    parser.add_argument("--name", type=file_name, default="tasks.jsonl",
+                        help="file name (not a path) of the JSONL under --output")
     parser.add_argument(
         "--overwrite", action="store_true",
-        help="replace --output/--name if it exists (refused otherwise); other files under --output stay, the scenes of these rows are rewritten",
+        help="replace --output/--name if it exists (refused otherwise); other files under --output stay, the scenes "
+             "of these rows are rewritten",
     )
 
 
@@ -232,14 +254,18 @@ def run_episodes(args: argparse.Namespace) -> dict:
 
 
 def add_tool_call_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-root", default=".", help="folder holding EO_GYM_DATA/ and image_cache/ (crops are written under it)")
+    parser.add_argument("--data-root", default=".",
+                        help="folder holding EO_GYM_DATA/ and image_cache/ (crops are written under it)")
     parser.add_argument("--tools", default="crop", help="backends to chain, first that answers wins: crop,replay,http")
-    parser.add_argument("--row", nargs=2, metavar=("FILE.jsonl", "ID"), help="take the tool schemas and the replay trace from this row")
+    parser.add_argument("--row", nargs=2, metavar=("FILE.jsonl", "ID"),
+                        help="take the tool schemas and the replay trace from this row")
     parser.add_argument("--http-url", help="tool server URL for the http backend (shape: docs/environment.md)")
-    parser.add_argument("--http-config", default="{}", help='other HttpToolServer fields as JSON, e.g. \'{"result_field": "data", "timeout_s": 10}\'')
+    parser.add_argument("--http-config", default="{}",
+                        help='other HttpToolServer fields as JSON, e.g. \'{"result_field": "data", "timeout_s": 10}\'')
     parser.add_argument("--tool-images", default=TOOL_IMAGES, help="which result images are attached, as in data prep")
     parser.add_argument("name", help="tool name, e.g. crop_optical_or_sar_image")
-    parser.add_argument("arguments", help='arguments as JSON, e.g. \'{"image_url": "EO_GYM_DATA/..", "aoi": [0.25, 0.25, 0.75, 0.75]}\'')
+    parser.add_argument("arguments", help='arguments as JSON, e.g. \'{"image_url": "EO_GYM_DATA/..", "aoi": [0.25, '
+                                          '0.25, 0.75, 0.75]}\'')
 
 
 def run_tool_call(args: argparse.Namespace) -> None:
@@ -256,15 +282,22 @@ def run_tool_call(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {
-    "demo": (add_demo_args, run_demo, "prepare the bundled sample, train a tiny Qwen3-VL a few steps on CPU, validate"),
+    "demo": (add_demo_args, run_demo,
+             "prepare the bundled sample, train a tiny Qwen3-VL a few steps on CPU, validate"),
     "prepare": (add_prepare_args, run_prepare, "EO-Gym JSONL -> Qwen3-VL training samples"),
-    "tiny-model": (add_tiny_args, run_tiny, "write a random-weight Qwen3-VL (tiny by default) with a real offline processor"),
-    "validate": (add_validate_args, run_validate, "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
-    "evaluate": (add_evaluate_args, run_evaluate, "score a base model and LoRA adapters turn by turn on reference traces"),
+    "tiny-model": (add_tiny_args, run_tiny,
+                   "write a random-weight Qwen3-VL (tiny by default) with a real offline processor"),
+    "validate": (add_validate_args, run_validate,
+                 "loss and token accuracy of an adapter (and its base) on EO-Gym data"),
+    "evaluate": (add_evaluate_args, run_evaluate,
+                 "score a base model and LoRA adapters turn by turn on reference traces"),
     "tool-call": (add_tool_call_args, run_tool_call, "run one EO-Gym tool call by hand and print its result as JSON"),
-    "rollout": (add_rollout_args, run_rollout, "closed-loop episodes (tools executed) of a base model and LoRA adapters; Pass@k"),
-    "make-task": (add_make_task_args, run_make_task, "write colour_grid questions: a task only the crop tool solves (docs/agent.md)"),
-    "episodes": (add_episodes_args, run_episodes, "keep the rollout episodes a rejection-sampling round trains on (correct|incorrect|all)"),
+    "rollout": (add_rollout_args, run_rollout,
+                "closed-loop episodes (tools executed) of a base model and LoRA adapters; Pass@k"),
+    "make-task": (add_make_task_args, run_make_task,
+                  "write colour_grid questions: a task only the crop tool solves (docs/agent.md)"),
+    "episodes": (add_episodes_args, run_episodes,
+                 "keep the rollout episodes a rejection-sampling round trains on (correct|incorrect|all)"),
 }
 
 
@@ -280,7 +313,8 @@ def run_view(args: argparse.Namespace) -> Path:
     return run(args)
 
 
-COMMANDS["view"] = (add_view_args, run_view, "one self-contained HTML page of rollouts, evaluations and training runs (offline)")
+COMMANDS["view"] = (add_view_args, run_view,
+                    "one self-contained HTML page of rollouts, evaluations and training runs (offline)")
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -294,13 +328,15 @@ def run_plan(args: argparse.Namespace) -> dict:
 
     cfg = config_from_args(PlanConfig, args)
     result = plan(cfg, args.recipe_argv)
-    print(json.dumps(result) if cfg.json else f"refused at launch: {result['refused']}" if result["refused"] else result["line"])
+    print(json.dumps(result) if cfg.json else "refused at launch: "
+                                              f"{result['refused']}" if result["refused"] else result["line"])
     return result
 
 
 COMMANDS["plan"] = (
     add_plan_args, run_plan,
-    "the memory plan a recipe chooses on a GPU of a given size (recipe flags such as --dataset_path follow), without a GPU",
+    "the memory plan a recipe chooses on a GPU of a given size (recipe flags such as --dataset_path follow), without "
+    "a GPU",
 )
 # Commands that pass the flags they do not know on to a recipe's own parser.
 RECIPE_FLAGS = ("plan",)
@@ -332,13 +368,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     formatter = HelpFormatter
     # allow_abbrev=False: a mistyped flag (--max-turn) is refused, not taken as the flag it begins
     parser = Parser(
-        prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter, allow_abbrev=False
+        prog="eogym-sft", description="LoRA SFT of Qwen3-VL on EO-Gym tool-use traces", formatter_class=formatter,
+        allow_abbrev=False
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: EOGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = chosen_command(argv)
     for name, (add_args, _, help_text) in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter, allow_abbrev=False)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=formatter,
+                                        allow_abbrev=False)
         if name == chosen:
             add_args(command_parser)
     return parser

@@ -4,8 +4,8 @@
 (:class:`ImageConfig`) and the token budget of a sample (:class:`TokenBudget`). The flags of data prep,
 training and ``validate`` read it from here; from then on the processor that
 :func:`eogym_sft.models.processor.load_processor` builds from it is the one carrier of the pixel cap (data
-prep, the collator and the saved adapter read it there). ``evaluate`` and ``rollout`` take :class:`ImageConfig` and budgets of their own
-(``max_prompt_tokens``, ``max_episode_tokens``).
+prep, the collator and the saved adapter read it there). ``evaluate`` and ``rollout`` take :class:`ImageConfig` and
+budgets of their own (``max_prompt_tokens``, ``max_episode_tokens``).
 The recipe's own arguments are :class:`EOGymScriptArguments`; the rest are TRL's ``SFTConfig`` (whose
 ``max_length`` is the token budget and ``padding_free`` the packing switch, the collator's names)
 and ``ModelConfig``.
@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 # Which tool-result images the model sees unless told otherwise (a ToolImageRule spec, docs/data.md):
 # the images a tool produced, not those it was given.
 TOOL_IMAGES = "produced"
-TOOL_IMAGES_HELP = "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"
+TOOL_IMAGES_HELP = (
+    "which tool-result images the model sees: produced, attach or text, then TOOL=MODE overrides (docs/data.md)"
+)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class TokenBudget:
 
     max_length: int = field(
         default=8192,
-        metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)", "aliases": ["--max-tokens"]},
+        metadata={"help": "token budget per sample, image tokens included (longer traces are split by data prep)",
+                  "aliases": ["--max-tokens"]},
     )
 
     def __post_init__(self):
@@ -64,10 +67,13 @@ class SampleConfig(TokenBudget, ImageConfig):
 
 @dataclass
 class OutputDirConfig:
-    """What a training run may do with an ``output_dir`` that holds an earlier run (:mod:`eogym_sft.training.resume`)."""
+    """What a training run may do with an ``output_dir`` that holds an earlier run
+    (:mod:`eogym_sft.training.resume`)."""
 
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they are removed)"}
+        default=False,
+        metadata={"help": "start a new run in an output_dir that holds an earlier run's checkpoints or adapter (they "
+                          "are removed)"}
     )
 
 
@@ -77,16 +83,21 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
 
     dataset_path: str = field(
         default="data/eo_gym/train.jsonl",
-        metadata={"help": "a folder made by `eogym-sft prepare`, or EO-Gym JSONL (comma-separated for several), prepared on the way in"},
+        metadata={"help": "a folder made by `eogym-sft prepare`, or EO-Gym JSONL (comma-separated for several), "
+                          "prepared on the way in"},
     )
     data_root: str = field(default="data/eo_gym", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
     prepared_dir: str | None = field(
-        default=None, metadata={"help": "where JSONL input is prepared to (default: <output_dir>/prepared); reused when settings match"}
+        default=None,
+        metadata={"help": "where JSONL input is prepared to (default: <output_dir>/prepared); reused when settings "
+                          "match"}
     )
-    eval_fraction: float = field(default=0.02, metadata={"help": "share of traces held out for evaluation, split by trace id"})
+    eval_fraction: float = field(default=0.02,
+                                 metadata={"help": "share of traces held out for evaluation, split by trace id"})
     overlong: str = field(default="split", metadata={"help": "over-long traces: split (at assistant turns) or drop"})
     tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
-    prep_num_proc: int = field(default=8, metadata={"help": "data-prep worker processes (at most the CPUs this process may use)"})
+    prep_num_proc: int = field(default=8,
+                               metadata={"help": "data-prep worker processes (at most the CPUs this process may use)"})
     allow_drops: bool = field(
         default=False,
         metadata={
@@ -104,7 +115,8 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
     )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "regional torch.compile of each language-model decoder layer and each vision block and patch merger (GPU; compiles during the first steps)"},
+        metadata={"help": "regional torch.compile of each language-model decoder layer and each vision block and "
+                          "patch merger (GPU; compiles during the first steps)"},
     )
 
     def __post_init__(self):
@@ -116,7 +128,8 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
 
     def sample_config(self, max_length: int | None) -> SampleConfig:
         """The run's :class:`SampleConfig`: these pixel settings and ``SFTConfig.max_length``."""
-        return SampleConfig(max_pixels=self.max_pixels, min_pixels=self.min_pixels, max_length=max_length or SampleConfig.max_length)
+        return SampleConfig(max_pixels=self.max_pixels, min_pixels=self.min_pixels,
+                            max_length=max_length or SampleConfig.max_length)
 
 
 # ---------------------------------------------------------------- values against their fields' types
@@ -133,7 +146,8 @@ def fits(value, hint) -> bool:
         return any(value == a and type(value) is type(a) for a in args)
     if origin is list or hint is list:
         element = args[0] if args else typing.Any
-        one = bool(args) and not isinstance(value, (list, dict)) and fits(value, element)  # one value, as a flag gives it
+        # one value, as a flag gives it
+        one = bool(args) and not isinstance(value, (list, dict)) and fits(value, element)
         return (isinstance(value, list) and all(fits(v, element) for v in value)) or one
     if origin is dict or hint is dict:
         inner = args[1] if len(args) == 2 else typing.Any
@@ -166,7 +180,8 @@ def describe(hint) -> str:
         return "a mapping"
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return "one of " + ", ".join(repr(m.value) for m in hint)
-    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number", str: "a string"}
+    words = {type(None): "null", bool: "true or false", int: "a whole number", float: "a finite number",
+             str: "a string"}
     return words.get(hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -202,7 +217,8 @@ def number(kind: type, low: float = 0, high: float | None = None):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {'whole number' if kind is int else 'number'}: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"not a {'whole number' if kind is int else 'number'}: "
+                                             f"{text!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (high is not None and value > high):
@@ -252,5 +268,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> No
 def config_from_args(config_type: type, args: argparse.Namespace, **given):
     """``config_type`` built from the flags :func:`add_dataclass_args` made (and ``given``, for fields off the
     command line): its ``__post_init__`` checks them all before a command touches anything."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_type) if f.init and hasattr(args, f.name)}
+    values = {f.name: getattr(args,
+                              f.name) for f in dataclasses.fields(config_type) if f.init and hasattr(args, f.name)}
     return config_type(**{**values, **given})

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ARGUMENT_FIELDS = ("param_prefix", "param_prefix_aoi@0.5", "arg_acc_aoi@0.5")  # closed loop, closed loop, teacher-forced
+# closed loop, closed loop, teacher-forced
+ARGUMENT_FIELDS = ("param_prefix", "param_prefix_aoi@0.5", "arg_acc_aoi@0.5")
 
 
-def teacher_forced(cfg, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path, overwrite: bool) -> dict:
+def teacher_forced(cfg, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path,
+                   overwrite: bool) -> dict:
     """The summary of ``eogym-sft evaluate`` of the demo's arms on ``data``'s gold traces: greedy, every turn's
     prompt the gold history, every turn of every question decoded side by side."""
     from .evaluation.offline import EvalConfig, evaluate
@@ -19,8 +21,10 @@ def teacher_forced(cfg, model_dir: Path, data: Path, data_root: Path, adapters: 
     return evaluate(
         EvalConfig(
             model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
-            include_base=cfg.held_out_base, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.held_out_rows * cfg.max_turns,
-            max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32", overwrite=overwrite,
+            include_base=cfg.held_out_base, max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.held_out_rows * cfg.max_turns,
+            max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
+            overwrite=overwrite,
         ),
         progress=False,
     )
@@ -42,5 +46,9 @@ def argument_lines(arms: dict) -> list[str]:
     lines = ["  arguments against the gold calls (docs/evaluation.md, section 17):"]
     lines.append(f"  {'arm':<6}" + "".join(f"{f:>22}" for f in ARGUMENT_FIELDS))
     for name, a in arms.items():
-        lines.append(f"  {name:<6}" + "".join(f"{a.get(f):>22.3f}" if a.get(f) is not None else f"{'-':>22}" for f in ARGUMENT_FIELDS))
+        lines.append(
+            "  "
+            f"{name:<6}"
+            + "".join(f"{a.get(f):>22.3f}" if a.get(f) is not None else f"{'-':>22}" for f in ARGUMENT_FIELDS)
+        )
     return lines

@@ -37,6 +37,6 @@ def pick_checkpoint(run_dir: str | Path, score_arms) -> tuple[Path, dict]:
     summary = score_arms([f"step{step}={path}" for step, path in found.items()], f"validation_{Path(run_dir).name}")
     scores = {step: summary["arms"][f"step{step}"]["overall"]["pass@1"] for step in found}
     step = best_step(scores)
-    print(f"[agent demo] {Path(run_dir).name}: validation Pass@1 by step " + ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
-          + f": step {step} goes on", flush=True)
+    steps = ", ".join(f"{s} {v:.3f}" for s, v in scores.items())
+    print(f"[agent demo] {Path(run_dir).name}: validation Pass@1 by step {steps}: step {step} goes on", flush=True)
     return found[step], {"step": step, "pass@1": scores}

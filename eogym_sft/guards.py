@@ -43,7 +43,8 @@ def refuse_output_over_input(output: str | Path, inputs, command: str) -> None:
         if same or out in source.parents:
             where = "is" if same else "holds"
             raise FileExistsError(
-                f"{command}: the output {output} {where} the input {given}: writing it would destroy the input; pick another output"
+                f"{command}: the output {output} {where} the input {given}: writing it would destroy the input; pick "
+                "another output"
             )
 
 
@@ -78,7 +79,8 @@ RUN_RECORDS = {
 
 
 def run_owning(path: str | Path) -> tuple[str, Path, str] | None:
-    """``(kind, run folder, its record's name)`` of the run ``path`` belongs to (itself, for a run's folder), or None."""
+    """``(kind, run folder, its record's name)`` of the run ``path`` belongs to (itself, for a run's folder), or
+    None."""
     path = Path(path)
     folders = ([path] if path.is_dir() and not path.is_symlink() else []) + [path.parent, path.parent.parent]
     for folder in folders:
@@ -96,7 +98,8 @@ def check_output(output: str | Path, command: str, overwrite: bool, kind: str, i
     path = Path(output)
     refuse_output_over_input(path, inputs, command)
     if path.is_symlink():
-        raise FileExistsError(f"{command}: {path} is a symbolic link: an output is never written through one; pick another output")
+        raise FileExistsError(f"{command}: {path} is a symbolic link: an output is never written through one; pick "
+                              "another output")
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return
     refuse_nonempty_output(path, overwrite, command)
@@ -105,16 +108,18 @@ def check_output(output: str | Path, command: str, overwrite: bool, kind: str, i
     owner = run_owning(path)
     if owner and owner[0] != kind:
         raise FileExistsError(
-            f"{command}: {path} belongs to the {owner[0]} in {owner[1]} (it holds {owner[2]}): an output never replaces "
-            "a run's files, even with --overwrite; pick another output"
+            f"{command}: {path} belongs to the {owner[0]} in {owner[1]} (it holds {owner[2]}): an output never "
+            "replaces a run's files, even with --overwrite; pick another output"
         )
     folders = [Path(p).resolve() for p in inputs if Path(p).is_dir()]
     if path.is_file() and any(folder in path.resolve().parents for folder in folders):
-        raise FileExistsError(f"{command}: {path} is a file of an input folder this command reads: pick another output")
+        raise FileExistsError(f"{command}: {path} is a file of an input folder this command reads: pick another "
+                              "output")
 
 
 # OS faults a user fixes (space, permissions, a read-only mount): one line naming the file, no traceback.
-USER_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.ENAMETOOLONG})
+USER_OS_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                            errno.ENAMETOOLONG})
 
 
 class BrokenInstall(RuntimeError):
@@ -130,7 +135,8 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     a broken install): shown as one line. Anything else is a bug and keeps its traceback."""
     from .net import NetError
 
-    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError, NetError, BrokenInstall,
+    return (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+            NetError, BrokenInstall,
             GPUOutOfMemory)
 
 
@@ -160,8 +166,8 @@ def check_torch_stack() -> None:
                     installed.append(f"{package} not installed")
             cause = (str(err).strip().splitlines() or [""])[0][:200]
             raise BrokenInstall(
-                f"importing {name} failed ({type(err).__name__}: {cause}); installed: {', '.join(installed)}. torch and "
-                f"torchvision must be a matching pair: reinstall both from one index, e.g. on CPU `{CPU_ROUTE}` "
+                f"importing {name} failed ({type(err).__name__}: {cause}); installed: {', '.join(installed)}. torch "
+                f"and torchvision must be a matching pair: reinstall both from one index, e.g. on CPU `{CPU_ROUTE}` "
                 "(README, the CPU route), then `pip install -e .`"
             ) from err
 
@@ -188,13 +194,15 @@ def check_model_source(name: str, connect_timeout_s: float = 3.0) -> None:
         raise ModelUnreachable(f"--model {name}: no such folder, and not a hub id (org/name)") from None
     hint = "offline, --model must be a local folder (a downloaded snapshot, or one written by `eogym-sft tiny-model`)"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ModelUnreachable(f"--model {name}: no such folder and not in the hub cache, and HF_HUB_OFFLINE is set: {hint}")
+        raise ModelUnreachable(f"--model {name}: no such folder and not in the hub cache, and HF_HUB_OFFLINE is set: "
+                               f"{hint}")
     endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
     try:
         socket.create_connection((endpoint.hostname, port), timeout=connect_timeout_s).close()
     except OSError as err:
-        raise ModelUnreachable(f"--model {name}: no such folder, and {endpoint.hostname} cannot be reached ({err}): {hint}") from None
+        raise ModelUnreachable(f"--model {name}: no such folder, and {endpoint.hostname} cannot be reached ({err}): "
+                               f"{hint}") from None
 
 
 @contextlib.contextmanager
@@ -210,7 +218,8 @@ def user_errors(command: str, debug: bool = False):
     except KeyboardInterrupt:
         if debug:
             raise
-        print(f"{command}: interrupted (outputs written so far are whole; a rollout's rerun continues it)", file=sys.stderr)
+        print(f"{command}: interrupted (outputs written so far are whole; a rollout's rerun continues it)",
+              file=sys.stderr)
         raise SystemExit(130) from None
     except BrokenPipeError:  # stdout closed early (``| head``): the outputs are written; say nothing more on it
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -273,7 +282,8 @@ def adapter_base(adapter_dir: str | Path) -> str | None:
 
 
 def read_json_object(path: str | Path, what: str) -> dict:
-    """The JSON object in the file ``path``, or ``ValueError``/``FileNotFoundError`` naming the file and what it should be."""
+    """The JSON object in the file ``path``, or ``ValueError``/``FileNotFoundError`` naming the file and what it should
+    be."""
     from .safe_json import loads_object
 
     path = Path(path)
@@ -281,14 +291,16 @@ def read_json_object(path: str | Path, what: str) -> dict:
         raise FileNotFoundError(f"{path}: no such file ({what})")
     data = path.read_bytes()
     if not data.strip():
-        raise ValueError(f"{path}: empty, not {what} (JSON): a run killed while writing it? Remove it or pass --overwrite")
+        raise ValueError(f"{path}: empty, not {what} (JSON): a run killed while writing it? Remove it or pass "
+                         "--overwrite")
     return loads_object(data, str(path), what)
 
 
 def check_adapter_base(adapter_dir: str | Path, model: str, allow_other_base: bool = False) -> None:
     """Refuse an adapter trained on another base than ``model``, naming both."""
     trained_on = adapter_base(adapter_dir)
-    if not trained_on or allow_other_base or same_base(trained_on, model):  # unrecorded (built in memory): nothing to check
+    # unrecorded (built in memory): nothing to check
+    if not trained_on or allow_other_base or same_base(trained_on, model):
         return
     raise ValueError(
         f"adapter {adapter_dir} was trained on {trained_on!r} but --model is {model!r}: pass the base it was "
@@ -300,7 +312,8 @@ def run_recipe(name: str, main, argv: list[str]) -> None:
     """Run a recipe's ``main(argv)`` as the CLI runs a command: a user error (a bad setting, a missing file, a
     broken install) is one line and exit status 1; a bare ``--debug`` (no value: transformers' ``--debug OPTION``
     keeps its meaning) or ``EOGYM_DEBUG=1`` shows the traceback."""
-    debug = [i for i, word in enumerate(argv) if word == "--debug" and (i + 1 == len(argv) or argv[i + 1].startswith("--"))]
+    debug = [i for i, word in enumerate(argv)
+             if word == "--debug" and (i + 1 == len(argv) or argv[i + 1].startswith("--"))]
     argv = [word for i, word in enumerate(argv) if i not in debug]
     with user_errors(name, bool(debug)):
         check_torch_stack()

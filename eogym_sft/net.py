@@ -34,7 +34,9 @@ RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 READ_CHUNK = 1 << 16
 SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-api-key", "api-key"})
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
-_QUERY_TOKEN = re.compile(r"(?i)([?&;](?:[a-z0-9_-]*(?:key|token|secret|password|passwd|signature|sig|auth))=)[^&#\s\"']*")
+_QUERY_TOKEN = re.compile(
+    r"(?i)([?&;](?:[a-z0-9_-]*(?:key|token|secret|password|passwd|signature|sig|auth))=)[^&#\s\"']*"
+)
 _AUTH_VALUE = re.compile(r"\b([Bb]earer|BEARER|Basic)\s+[A-Za-z0-9._~+/=-]{8,}")  # an Authorization value quoted back
 
 
@@ -172,7 +174,8 @@ def quoted(value, limit: int = 80) -> str:
 
 def _connection(parts: urllib.parse.SplitResult, timeout: float) -> http.client.HTTPConnection:
     if parts.scheme == "https":
-        return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout, context=ssl.create_default_context())
+        return http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout,
+                                           context=ssl.create_default_context())
     return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
 
 
@@ -203,7 +206,8 @@ def _cut_off(sock: socket.socket, fired: threading.Event) -> None:
     _shut(sock)
 
 
-def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_bytes: int, cancel: Cancel | None = None) -> bytes:
+def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_bytes: int,
+             cancel: Cancel | None = None) -> bytes:
     """One request that ends by the monotonic ``deadline``: a watchdog shuts the socket at the deadline, since socket
     timeouts only bound each read."""
     conn = _connection(parts, max(0.001, deadline - time.monotonic()))
@@ -223,7 +227,8 @@ def _attempt(parts, url: str, data: bytes, headers: dict, deadline: float, max_b
         status = response.status
         if 300 <= status < 400:
             target = response.getheader("Location")
-            raise RedirectRefused(f"{url} redirected ({status}) to {short(target or '<no Location>')}: redirects are not followed", target)
+            raise RedirectRefused(f"{url} redirected ({status}) to {short(target or '<no Location>')}: redirects are "
+                                  "not followed", target)
         body = _read_capped(response, max_bytes, url)
         if fired.is_set() or (response.length or 0) > 0:  # cut off by the watchdog, or closed early
             raise _Retryable("the reply was cut short")
@@ -248,7 +253,8 @@ def post(
     url: str, data: bytes, headers: dict | None = None, deadline_s: float = 60.0, max_bytes: int = 16 << 20,
     retries: int = 2, backoff_s: float = 0.5, cancel: Cancel | None = None,
 ) -> bytes:
-    """POST ``data`` to ``url`` under the module's rules; the reply's body, or a :class:`NetError` (secrets redacted)."""
+    """POST ``data`` to ``url`` under the module's rules; the reply's body, or a :class:`NetError` (secrets
+    redacted)."""
     try:
         return _post(url, data, dict(headers or {}), deadline_s, max_bytes, retries, backoff_s, cancel)
     except NetError as err:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from . import __version__
 
-PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "deepspeed", "qwen-vl-utils", "liger-kernel")
+PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "deepspeed", "qwen-vl-utils",
+            "liger-kernel")
 
 
 def _git(root: Path, *args: str) -> str:

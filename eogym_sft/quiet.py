@@ -10,7 +10,8 @@ from contextlib import contextmanager
 DEEPSPEED_PROBE = "Setting accelerator to CPU"
 # transformers 5.24 renamed gradient checkpointing to activation checkpointing; PEFT (when it wraps a model) and TRL
 # (around every generation of GRPO) still use the old names: a FutureWarning each, about nothing our settings do.
-OLD_CHECKPOINTING_NAMES = ("is_gradient_checkpointing", "gradient_checkpointing_disable", "gradient_checkpointing_enable")
+OLD_CHECKPOINTING_NAMES = ("is_gradient_checkpointing", "gradient_checkpointing_disable",
+                           "gradient_checkpointing_enable")
 # TRL's notice on every GRPOTrainer given an `environment_factory`, which the GRPO recipe is built on (docs/rl.md)
 TRL_EXPERIMENTAL_ENVIRONMENT = "You are using 'environment_factory', which is an experimental feature"
 

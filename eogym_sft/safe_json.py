@@ -15,7 +15,8 @@ MAX_DEPTH = 64  # EO-Gym rows nest about 6 deep; 64 leaves room and stays far be
 
 
 class UntrustedJSONError(ValueError):
-    """Text that is not acceptable JSON; ``reason`` is ``malformed_json``, ``json_too_deep`` or ``json_number_too_long``."""
+    """Text that is not acceptable JSON; ``reason`` is ``malformed_json``, ``json_too_deep`` or
+    ``json_number_too_long``."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -44,7 +45,8 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH):
     except json.JSONDecodeError as err:
         raise UntrustedJSONError("malformed_json", f"{err.msg} at column {err.colno}") from None
     except RecursionError:
-        raise UntrustedJSONError("json_too_deep", f"nested deeper than the parser can go (limit {max_depth})") from None
+        raise UntrustedJSONError("json_too_deep",
+                                 f"nested deeper than the parser can go (limit {max_depth})") from None
     except UnicodeDecodeError as err:  # bytes given
         raise UntrustedJSONError("malformed_json", f"invalid UTF-8 at byte {err.start}") from None
     except ValueError as err:  # int digit limit: "Exceeds the limit (4300 digits) for integer string conversion"

@@ -73,12 +73,19 @@ def _expanded(node, depth: int, sizes: dict, active: set) -> int:
     if id(node) in active:
         raise _Refused(node.start_mark.line + 1, None, "an alias refers to a value that holds it (an endless value)")
     active.add(id(node))
-    children = [] if isinstance(node, yaml.ScalarNode) else [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+    children = (
+        []
+        if isinstance(node, yaml.ScalarNode)
+        else [n for pair in node.value for n in pair]
+        if isinstance(node, yaml.MappingNode)
+        else node.value
+    )
     total = 1
     for child in children:
         total += _expanded(child, depth + 1, sizes, active)
         if total > MAX_NODES:
-            raise _Refused(node.start_mark.line + 1, None, f"expands to more than {MAX_NODES} values through aliases (*name)")
+            raise _Refused(node.start_mark.line + 1, None,
+                           f"expands to more than {MAX_NODES} values through aliases (*name)")
     active.discard(id(node))
     sizes[id(node)] = total
     return total
@@ -91,7 +98,8 @@ def load_recipe_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
     if not path.is_file():
         raise FileNotFoundError(f"--config {path}: no such file")
     if path.stat().st_size > MAX_BYTES:
-        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a recipe's settings take ({MAX_BYTES}): not a recipe YAML?")
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a recipe's settings take ({MAX_BYTES}): not "
+                         "a recipe YAML?")
     loader = StrictLoader(path.read_text(encoding="utf-8", errors="replace"))
     key = None
     try:
@@ -127,7 +135,8 @@ class RecipeParser(TrlParser):
     """``TrlParser`` whose ``--config`` is read by :func:`load_recipe_yaml` and typed against the recipe's
     dataclasses before any value reaches them; NaN and infinite floats are refused from flags too."""
 
-    def parse_args_and_config(self, args=None, return_remaining_strings=False, fail_with_unknown_args=True, separate_remaining_strings=False):
+    def parse_args_and_config(self, args=None, return_remaining_strings=False, fail_with_unknown_args=True,
+                              separate_remaining_strings=False):
         args = list(sys.argv[1:] if args is None else args)
         if "--config" in args:
             at = args.index("--config")
@@ -139,7 +148,8 @@ class RecipeParser(TrlParser):
             for name, value in config.pop("env", {}).items():
                 os.environ[name] = str(value)
             self.set_defaults_with_config(**config)
-        parsed = super().parse_args_and_config(args, return_remaining_strings, fail_with_unknown_args, separate_remaining_strings)
+        parsed = super().parse_args_and_config(args, return_remaining_strings, fail_with_unknown_args,
+                                               separate_remaining_strings)
         for instance in parsed:
             refuse_nonfinite(instance)
         return parsed
@@ -155,13 +165,16 @@ class RecipeParser(TrlParser):
         for key, value in config.items():
             where = f"{path}:{lines.get(key, '?')}: {key}"
             if key == "env":
-                if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()):
+                if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in value.items()
+                ):
                     raise ValueError(f"{where}: expected a mapping of environment variables to plain values")
                 continue
             if not isinstance(key, str) or key not in fields:
                 raise ValueError(f"{where}: not a setting of this recipe (a misspelt name?)")
             if not (fits(value, fields[key]) or _converts(value, actions.get(key))):
-                raise ValueError(f"{where}: expected {describe(fields[key])}, got {type(value).__name__} {_shown(value)}")
+                raise ValueError(f"{where}: expected {describe(fields[key])}, got {type(value).__name__} "
+                                 f"{_shown(value)}")
         return config
 
 

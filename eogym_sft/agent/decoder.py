@@ -29,13 +29,15 @@ from ..models.layout import mrope_position_ids
 from ..models.loading import unwrap_peft
 from .cuda_graphs import GraphedStep
 from .image_inputs import ImageInput, host_to, image_starts, vision_keywords
-from .merged_lora import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, MergedLinear, merge_plan, plain_mlp, projection_kind, reads
+from .merged_lora import (ATTENTION_PROJECTIONS, MLP_PROJECTIONS, MergedLinear, merge_plan, plain_mlp, projection_kind,
+                          reads)
 from .text_norms import fused_rms_norm, module_norm, norms_fuse
 
 
 @dataclass
 class _Prefill:
-    """One request of :meth:`SlotDecoder.prefill_many`, and how it is served: from ``source``'s cache up to ``start``."""
+    """One request of :meth:`SlotDecoder.prefill_many`, and how it is served: from ``source``'s cache up to
+    ``start``."""
 
     slot: int
     ids: list[int]
@@ -136,7 +138,8 @@ class SlotDecoder:
         self.slots, self.max_len = slots, max_len
         self.device = self.lm_head.weight.device
         self.dtype = self.lm_head.weight.dtype
-        self.kv_heads, self.head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_heads, self.head_dim = (cfg.num_key_value_heads,
+                                        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
         shape = (slots, self.kv_heads, max_len, self.head_dim)
         layers = len(self.text.layers)
@@ -206,7 +209,8 @@ class SlotDecoder:
         return held
 
     def weights_read(self) -> tuple:
-        """``(layer, projection, what it reads)`` for every projection (:func:`reads`): what captured graphs rely on."""
+        """``(layer, projection, what it reads)`` for every projection (:func:`reads`): what captured graphs rely
+        on."""
         return tuple((i, name, reads(p)) for i, layer in enumerate(self.projections) for name, p in layer.items())
 
     def projection_kinds(self) -> dict[str, int]:
@@ -268,7 +272,8 @@ class SlotDecoder:
         for _, ids, _ in requests:
             if len(ids) >= self.max_len:
                 raise ValueError(f"{len(ids)} tokens do not fit a slot of {self.max_len}")
-        todo = [_Prefill(slot, list(ids), list(images), image_starts(ids, images, self.image_token_id)) for slot, ids, images in requests]
+        todo = [_Prefill(slot, list(ids), list(images), image_starts(ids, images, self.image_token_id))
+                for slot, ids, images in requests]
         self.last_prefill_tokens = 0
         waiting = todo
         while waiting:
@@ -283,7 +288,8 @@ class SlotDecoder:
         ``prefill_tokens``. The first never waits."""
         now, later, budget = [], [], self.prefill_tokens
         for index, p in enumerate(waiting):
-            p.source, p.start = max(((s, self._reusable(s, p)) for s in self._by_preference(p.slot)), key=lambda x: x[1])
+            p.source, p.start = max(((s, self._reusable(s, p)) for s in self._by_preference(p.slot)),
+                                    key=lambda x: x[1])
             sooner = any(self._shared_prefix(q.ids, q.images, p) > p.start for q in waiting[:index])
             # copies run in order before the forward: an earlier copy into this one's source would change what it reads
             clash = p.copies and any(q.copies and q.slot == p.source for q in now)
@@ -361,7 +367,8 @@ class SlotDecoder:
         visual = self.inner.visual
         pixels = torch.cat([host_to(self.device, im.pixel_values) for im in images]).to(visual.dtype)
         grid = torch.tensor([im.grid_thw for im in images])
-        out = self.inner.get_image_features(pixels, grid, return_dict=True, **vision_keywords(visual, grid, self.device))
+        out = self.inner.get_image_features(pixels, grid, return_dict=True,
+                                            **vision_keywords(visual, grid, self.device))
         image_embeds = torch.cat(out.pooler_output).to(embeds.dtype)
         if image_embeds.shape[0] != len(at):
             raise ValueError(f"{image_embeds.shape[0]} visual tokens for {len(at)} <|image_pad|> tokens")
@@ -393,7 +400,8 @@ class SlotDecoder:
                 self.keys[index][slot, :, start:end] = k[0, :, first:last]
                 self.values[index][slot, :, start:end] = v[0, :, first:last]
                 keys, values = self.keys[index][slot : slot + 1, :, :end], self.values[index][slot : slot + 1, :, :end]
-                outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal, scale=attn.scaling, enable_gqa=True))
+                outs.append(F.scaled_dot_product_attention(q[:, :, first:last], keys, values, attn_mask=causal,
+                                                           scale=attn.scaling, enable_gqa=True))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
             hidden = hidden + proj["o_proj"](out.transpose(1, 2).reshape(1, offset, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))
@@ -413,8 +421,8 @@ class SlotDecoder:
         return qk[:, : q.shape[-2]], qk[:, q.shape[-2] :], v
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Qwen3-VL's rotary embedding of ``x`` ``(batch, heads, length, head_dim)`` at ``cos``/``sin`` ``(batch, length,
-        head_dim)``: transformers' ``apply_rotary_pos_emb`` for one tensor."""
+        """Qwen3-VL's rotary embedding of ``x`` ``(batch, heads, length, head_dim)`` at ``cos``/``sin`` ``(batch,
+        length, head_dim)``: transformers' ``apply_rotary_pos_emb`` for one tensor."""
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return (x * cos) + (self._rotate_half(x) * sin)
 
@@ -468,8 +476,9 @@ class SlotDecoder:
         kernel = self.attention == "split_kv"
         if not kernel:
             visible = (torch.arange(span, device=hidden.device)[None] < length[:, None])[:, None, None]  # (S,1,1,span)
-            # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The value
-            # is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the softmax -inf gives.
+            # SDPA turns a boolean mask into an additive one at every call; turned once here for the 36 layers. The
+            # value is the one its cuDNN path fills: a finite minimum, which gives a row with any visible key the
+            # softmax -inf gives.
             bias = torch.zeros(visible.shape, dtype=self.dtype, device=hidden.device).masked_fill_(~visible, MASKED)
         for index, layer in enumerate(self.text.layers):
             attn, proj = layer.self_attn, self.projections[index]
@@ -483,7 +492,8 @@ class SlotDecoder:
                 out = split_kv.decode_attention(q, self.keys[index], self.values[index], length, span, attn.scaling)
             else:
                 out = F.scaled_dot_product_attention(
-                    q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias, scale=attn.scaling
+                    q, self.keys[index][:, :, :span], self.values[index][:, :, :span], attn_mask=bias,
+                    scale=attn.scaling
                 )
             hidden = hidden + proj["o_proj"](out.reshape(self.slots, 1, -1))
             hidden = hidden + self._mlp(layer, proj, self._norm(layer.post_attention_layernorm, hidden))

@@ -44,7 +44,8 @@ def question_messages(row: dict) -> list[dict]:
     messages = row.get("messages")
     if not isinstance(messages, list):
         return messages  # normalize_row names the problem
-    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"), len(messages))
+    first = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+                 len(messages))
     return messages[:first]
 
 
@@ -54,7 +55,8 @@ PICTURE_CACHE_BYTES = 4 * 2**30
 
 
 def picture_cache(processor, budget: int = PICTURE_CACHE_BYTES) -> ImageCache:
-    """An :class:`~eogym_sft.data.images.ImageCache` of :class:`~eogym_sft.agent.image_inputs.ImageInput` by resolved path."""
+    """An :class:`~eogym_sft.data.images.ImageCache` of :class:`~eogym_sft.agent.image_inputs.ImageInput` by resolved
+    path."""
     return ImageCache(
         budget,
         load=lambda path: image_input(processor, load_rgb(path)),
@@ -93,13 +95,15 @@ class Episode:
     error: str | None = None
     final_answer: str | None = None
     images_seen: list[str] = field(default_factory=list)
-    sampled_ids: list[list[int]] = field(default_factory=list)  # per assistant turn, the token ids sampled (end token included)
+    # per assistant turn, the token ids sampled (end token included)
+    sampled_ids: list[list[int]] = field(default_factory=list)
     slot: int | None = None  # the decoder slot the episode ran in (run_episodes): its picks are that slot's
     _pictures: dict = field(default_factory=dict, repr=False)
     _ahead: dict = field(default_factory=dict, repr=False)  # rel -> Future of its picture, started by preload
 
     def prompt(
-        self, processor, data_root, tool_images=TOOL_IMAGES, pictures: ImageCache | None = None, tokens: PieceTokenizer | None = None
+        self, processor, data_root, tool_images=TOOL_IMAGES, pictures: ImageCache | None = None,
+        tokens: PieceTokenizer | None = None
     ) -> tuple[list[int], list[ImageInput]]:
         """The token ids (image pads expanded) and images of the next prompt; images come from ``pictures``
         (a :func:`picture_cache` shared by the run's episodes; by default one of this call's own), ids from
@@ -110,7 +114,8 @@ class Episode:
         images = [self._picture(pictures, rel, data_root) for rel in trace.images]
         self.images_seen = list(trace.images)
         ids = tokens(text) if tokens is not None else processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return expand_image_pads(ids, [im.tokens for im in images], processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
+        return expand_image_pads(ids, [im.tokens for im in images],
+                                 processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")), images
 
     def preload(self, pictures: ImageCache, data_root, tool_images=TOOL_IMAGES, pool=None) -> None:
         """Decode and preprocess the next prompt's images ahead of :meth:`prompt`: now, or with ``pool`` started there,
@@ -148,7 +153,8 @@ class Episode:
         parsed = parse_output(text)
         generated = _before_end_marker(text)
         if truncated:  # cut off mid-message: kept as text, marked so that prep never trains it as a whole turn
-            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated, "truncated": True})
+            self.row["messages"].append({"role": "assistant", "content": body, "generated": generated,
+                                         "truncated": True})
             return self.stop_with("max_new_tokens")
         if parsed.errors:
             self.row["messages"].append({"role": "assistant", "content": body, "generated": generated})
@@ -159,7 +165,8 @@ class Episode:
         message = {"role": "assistant", "content": parsed.content if calls else body, "generated": generated}
         if calls:
             message["tool_calls"] = [
-                {"type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                {"type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                 for c in calls
             ]
         self.row["messages"].append(message)
@@ -239,7 +246,8 @@ class LoopConfig:
 
 
 def run_episodes(
-    decoder: SlotDecoder, processor, episodes, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None, pictures=None
+    decoder: SlotDecoder, processor, episodes, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None,
+    pictures=None
 ) -> dict:
     """Run every episode of the iterable ``episodes`` to its end, ``decoder.slots`` at a time.
 
@@ -248,9 +256,9 @@ def run_episodes(
     ``{"seconds", "new_tokens", "decode_steps", "prefill_tokens"}``, ``prefill_retries`` (batched prefills that
     failed and were retried slot by slot, each warned) and where the seconds went: ``prefill_s``
     (prefills, vision encoding included, to their first token), ``decode_s`` (decode steps to their sampled
-    tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the rest: prompts rendered and tokenised, slots refilled). Reading a
-    sampled token waits for the GPU, so each share is the GPU's time plus the host's around it, with no
-    added synchronisation. ``pictures`` (a :func:`picture_cache`) lets
+    tokens), ``tool_s`` (turns parsed and tools run) and ``other_s`` (the rest: prompts rendered and tokenised, slots
+    refilled). Reading a sampled token waits for the GPU, so each share is the GPU's time plus the host's around it,
+    with no added synchronisation. ``pictures`` (a :func:`picture_cache`) lets
     the caller read the decoded images afterwards (GRPO does); by default the run has its own.
     """
     decoder.check_weights()  # the arm and weights as they are now: merged LoRA weights refilled, stale graphs dropped
@@ -269,7 +277,8 @@ class Slot:
 class EpisodeLoop:
     """One run of :func:`run_episodes`: the slots, each with its episode and turn, refilled as episodes end."""
 
-    def __init__(self, decoder: SlotDecoder, processor, sampling: Sampling, cfg: LoopConfig, data_root, on_done, bar=None, pictures=None):
+    def __init__(self, decoder: SlotDecoder, processor, sampling: Sampling, cfg: LoopConfig, data_root, on_done,
+                 bar=None, pictures=None):
         import torch
 
         self.decoder, self.processor, self.sampling, self.cfg = decoder, processor, sampling, cfg
@@ -281,7 +290,8 @@ class EpisodeLoop:
         self.pictures = picture_cache(processor) if pictures is None else pictures
         self.pieces = PieceTokenizer(self.tokenizer)
         self.slots = [Slot() for _ in range(decoder.slots)]
-        self.stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
+        self.stats = {"seconds": 0.0, "new_tokens": 0, "decode_steps": 0, "prefill_tokens": 0, "prefill_s": 0.0,
+                      "decode_s": 0.0, "tool_s": 0.0, "prefill_retries": 0}
         self.pool = self.pending = None
         self.start = 0.0
 
@@ -320,7 +330,8 @@ class EpisodeLoop:
                 continue
             prompts[s] = prompt
             queued += self.decoder.new_tokens(*prompt)
-            if queued >= self.decoder.prefill_tokens:  # the GPU starts on these while the workers decode the next images
+            # the GPU starts on these while the workers decode the next images
+            if queued >= self.decoder.prefill_tokens:
                 self.begin_turns(prompts)
                 prompts, queued, started = {}, 0, True
         if prompts:
@@ -332,7 +343,8 @@ class EpisodeLoop:
         """One decode step of the ``busy`` slots and one sampled token each."""
         began = time.perf_counter()
         order, logits = self.decoder.decode({s: self.slots[s].turn[-1] for s in busy})
-        picks = self.sampling.pick(logits, [len(self.slots[s].turn) for s in order], self.stop_ids, self.generator, self.banned_ids)
+        picks = self.sampling.pick(logits, [len(self.slots[s].turn) for s in order], self.stop_ids, self.generator,
+                                   self.banned_ids)
         self.stats["decode_s"] += time.perf_counter() - began
         for s, tok in zip(order, picks):
             self.slots[s].turn.append(tok)
@@ -358,7 +370,8 @@ class EpisodeLoop:
         slots = list(prompts)
         logits = self.decoder.prefill_many([(s, *prompts[s]) for s in slots])
         self.stats["prefill_tokens"] += self.decoder.last_prefill_tokens
-        picks = self.sampling.pick(torch.stack(logits), [0] * len(slots), self.stop_ids, self.generator, self.banned_ids)
+        picks = self.sampling.pick(torch.stack(logits), [0] * len(slots), self.stop_ids, self.generator,
+                                   self.banned_ids)
         for s, tok in zip(slots, picks):
             self.slots[s].turn = [tok]
         self.stats["prefill_s"] += time.perf_counter() - began
@@ -368,7 +381,8 @@ class EpisodeLoop:
             self.prefill(prompts)
         except Exception as err:  # one episode's images failed the forward: each alone, so only that one ends
             self.stats["prefill_retries"] += 1
-            warnings.warn(f"a prefill of {len(prompts)} slots failed ({type(err).__name__}: {err}); each slot is retried alone")
+            warnings.warn(f"a prefill of {len(prompts)} slots failed ({type(err).__name__}: {err}); each slot is "
+                          "retried alone")
             for s, prompt in prompts.items():
                 try:
                     self.prefill({s: prompt})
@@ -386,7 +400,8 @@ class EpisodeLoop:
         truncated = tokens[-1] not in self.stop_ids
         began = time.perf_counter()
         try:
-            going = ep.take_turn(self.tokenizer.decode(tokens, skip_special_tokens=False), truncated, self.cfg.max_turns)
+            going = ep.take_turn(self.tokenizer.decode(tokens, skip_special_tokens=False), truncated,
+                                 self.cfg.max_turns)
         except Exception as err:  # an environment bug in one call: this episode ends, named
             ep.fail(err)
             return False
@@ -398,7 +413,9 @@ class EpisodeLoop:
         """End every finished turn before any next prompt is made, and start decoding the images those prompts
         show (a tool's crops): the workers decode them while the loop renders and prefills the slots in order."""
         for slot in self.slots:
-            if slot.episode is not None and (slot.turn[-1] in self.stop_ids or len(slot.turn) >= self.cfg.max_new_tokens):
+            if slot.episode is not None and (
+                slot.turn[-1] in self.stop_ids or len(slot.turn) >= self.cfg.max_new_tokens
+            ):
                 slot.goes_on = self.end_turn(slot)
                 if slot.goes_on:
                     self.preload(slot.episode)
@@ -413,7 +430,8 @@ class EpisodeLoop:
                 if slot.episode is None:
                     return None
                 slot.episode.slot = s
-                prompt = self.next_prompt(slot.episode) if slot.episode.stop is None else None  # failed before it began (see new_episode)
+                # failed before it began (see new_episode)
+                prompt = self.next_prompt(slot.episode) if slot.episode.stop is None else None
             elif slot.goes_on is None:  # mid-turn
                 return None
             else:

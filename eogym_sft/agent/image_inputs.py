@@ -28,7 +28,8 @@ class ImageInput:
 def image_input(processor, image) -> ImageInput:
     """Pixel values and grid of one PIL image, resized by the processor's own rules (pixel cap included)."""
     out = processor.image_processor(images=[image], return_tensors="pt")
-    return ImageInput(out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0]), processor.image_processor.merge_size)
+    return ImageInput(out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0]),
+                      processor.image_processor.merge_size)
 
 
 def image_starts(ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:

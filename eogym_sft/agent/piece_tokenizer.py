@@ -22,7 +22,11 @@ class PieceTokenizer:
         self.held: OrderedDict[str, list[int]] = OrderedDict()
         cuts = cut_tokens(tokenizer)
         self.added = {t: [tokenizer.convert_tokens_to_ids(t)] for t in cuts}
-        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(cuts, key=len, reverse=True)) + ")").split if cuts else None
+        self.split = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(cuts, key=len, reverse=True)) + ")").split
+            if cuts
+            else None
+        )
 
     def __call__(self, text: str) -> list[int]:
         if self.split is None:

@@ -101,8 +101,15 @@ class PolicyServer:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--policy-url must be an http(s) URL with a host, got {self.url!r}")
-        if self.concurrency < 1 or self.retries < 0 or self.deadline_s <= 0 or self.backoff_s < 0 or self.max_response_bytes < 1:
-            raise ValueError("policy concurrency and max_response_bytes must be >= 1, retries and backoff_s >= 0, deadline_s > 0")
+        if (
+            self.concurrency < 1
+            or self.retries < 0
+            or self.deadline_s <= 0
+            or self.backoff_s < 0
+            or self.max_response_bytes < 1
+        ):
+            raise ValueError("policy concurrency and max_response_bytes must be >= 1, retries and backoff_s >= 0, "
+                             "deadline_s > 0")
         if self.tool_images_as not in TOOL_IMAGE_MODES:
             raise ValueError(f"tool_images_as must be one of {TOOL_IMAGE_MODES}, got {self.tool_images_as!r}")
         if not isinstance(self.body, dict) or {"messages", "tools", "model"} & set(self.body):
@@ -123,7 +130,8 @@ def policy_servers(urls: list[str], models: list[str], configs: list[str]) -> li
     if len(urls) != len(models):
         raise ValueError(f"give one --policy-model per --policy-url (got {len(urls)} URLs, {len(models)} models)")
     if len(configs) not in (0, 1, len(urls)):
-        raise ValueError(f"give one --policy-config for all servers or one per server, got {len(configs)} for {len(urls)}")
+        raise ValueError(f"give one --policy-config for all servers or one per server, got {len(configs)} for "
+                         f"{len(urls)}")
     configs = configs * len(urls) if len(configs) == 1 else configs or [None] * len(urls)
     servers = []
     for url, model, config in zip(urls, models, configs):
@@ -152,7 +160,8 @@ def post_json(server: PolicyServer, body: dict, cancel: net.Cancel | None = None
     deadline with retries, a reply cap); the reply's JSON object, or :class:`PolicyError` naming why not."""
     try:
         payload = net.post_json(
-            server.url, body, server.headers(), server.deadline_s, server.max_response_bytes, server.retries, server.backoff_s, cancel
+            server.url, body, server.headers(), server.deadline_s, server.max_response_bytes, server.retries,
+            server.backoff_s, cancel
         )
     except net.NetError as err:
         raise PolicyError(NET_CODES.get(type(err), "connection"), str(err)) from None
@@ -169,7 +178,8 @@ def capped_size(processor, width: int, height: int) -> tuple[int, int]:
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
     ip = processor.image_processor
-    h, w = smart_resize(height, width, factor=image_factor(processor), min_pixels=ip.size["shortest_edge"], max_pixels=ip.size["longest_edge"])
+    h, w = smart_resize(height, width, factor=image_factor(processor), min_pixels=ip.size["shortest_edge"],
+                        max_pixels=ip.size["longest_edge"])
     return w, h
 
 
@@ -243,7 +253,8 @@ def _api_part(part: dict, urls) -> dict:
     return {"type": "text", "text": part["text"]}
 
 
-def chat_request(server: PolicyServer, trace, urls: list[str], sampling, max_new_tokens: int, seed: int | None) -> dict:
+def chat_request(server: PolicyServer, trace, urls: list[str], sampling, max_new_tokens: int,
+                 seed: int | None) -> dict:
     """The request body of one turn."""
     body = {"model": server.model, "messages": api_messages(trace, urls, server.tool_images_as)}
     if trace.tools:
@@ -296,7 +307,8 @@ def _call_block(call) -> str:
             arguments = loads(arguments) if arguments.strip() else {}
         except UntrustedJSONError:
             pass  # kept as the string: data prep's parser names it invalid_tool_arguments
-    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+    return "<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": arguments},
+                                        ensure_ascii=False) + "\n</tool_call>"
 
 
 def request_seed(seed: int, question_id: str, sample: int) -> int:
@@ -322,7 +334,8 @@ def run_policy_episode(
             images = [urls.get(resolve_image_path(rel, data_root)) for rel in trace.images]
             ep.images_seen = list(trace.images)
             seed = request_seed(loop.seed, ep.question_id, ep.sample) + ep.turns
-            payload = post_json(server, chat_request(server, trace, images, sampling, loop.max_new_tokens, seed), cancel)
+            payload = post_json(server, chat_request(server, trace, images, sampling, loop.max_new_tokens, seed),
+                                cancel)
             text, truncated, tokens = reply_turn(payload)
             if tokens is None and usage_dropped is not None:
                 usage_dropped.append(f"{ep.question_id}:{ep.arm}:{ep.sample}")
@@ -334,7 +347,8 @@ def run_policy_episode(
     return ep
 
 
-def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loop: LoopConfig, data_root, on_done, bar=None) -> dict:
+def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loop: LoopConfig, data_root, on_done,
+                        bar=None) -> dict:
     """Run every episode of ``episodes``, ``server.concurrency`` at a time; ``on_done(episode)`` runs in
     this thread as each ends. Returns ``{"seconds", "new_tokens", "usage_dropped"}`` (tokens as the server's
     ``usage`` counts them; replies whose count was dropped). Interrupted (Ctrl-C), it starts nothing more, cuts
@@ -362,7 +376,8 @@ def run_policy_episodes(server: PolicyServer, processor, episodes, sampling, loo
                 if ep.stop is not None:  # failed before it began (its environment)
                     finish(ep)
                     continue
-                running.add(pool.submit(run_policy_episode, server, ep, processor, urls, sampling, loop, data_root, cancel, dropped))
+                running.add(pool.submit(run_policy_episode, server, ep, processor, urls, sampling, loop, data_root,
+                                        cancel, dropped))
             if not running:
                 break
             # a timeout: the main thread comes back to take a Ctrl-C that the OS gave to another thread

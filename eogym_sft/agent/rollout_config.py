@@ -35,7 +35,8 @@ class SlotRolloutArguments:
     rollout_cache_gib: float | None = field(
         default=None,
         metadata={"help": "KV cache budget of the slot decoder in GiB; slots = min(episodes, budget // slot size). "
-                          "Default: what the GPU holds beside the model, the loss micro-batch and a prefill (logged at start)"},
+                          "Default: what the GPU holds beside the model, the loss micro-batch and a prefill (logged "
+                          "at start)"},
     )
     rollout_turn_tokens: int = field(
         default=1024,
@@ -56,7 +57,8 @@ class SlotRolloutArguments:
             parent()
         if self.rollout_engine not in ENGINES:
             raise ValueError(f"rollout_engine must be one of {ENGINES}, got {self.rollout_engine!r}")
-        if min(self.max_episode_tokens, self.rollout_turn_tokens) < 1 or (self.rollout_cache_gib is not None and self.rollout_cache_gib <= 0):
+        if min(self.max_episode_tokens,
+               self.rollout_turn_tokens) < 1 or (self.rollout_cache_gib is not None and self.rollout_cache_gib <= 0):
             raise ValueError("max_episode_tokens, rollout_turn_tokens and rollout_cache_gib must be positive")
 
 
@@ -84,7 +86,8 @@ def slots_for(episodes: int, max_length: int, bytes_per_token: int, budget_gib: 
     fit = int(budget_gib * 2**30 // (max_length * bytes_per_token))
     if fit < 1:
         need = max_length * bytes_per_token / 2**30
-        raise ValueError(f"rollout_cache_gib={budget_gib} holds no slot of max_episode_tokens={max_length} ({need:.2f} GiB)")
+        raise ValueError(f"rollout_cache_gib={budget_gib} holds no slot of max_episode_tokens={max_length} "
+                         f"({need:.2f} GiB)")
     return min(episodes, fit)
 
 
@@ -107,9 +110,10 @@ def merged_bytes(model) -> int:
 
 
 def decoder_reserve(model, prefill_tokens: int, adapters: bool, other_phase: float = 0.0) -> float:
-    """Bytes a slot decoder over ``model`` needs beside its KV cache (:func:`eogym_sft.models.memory.generation_reserve`):
-    the merged weights and the margin, and the larger of a prefill and ``other_phase``, the transient of work that
-    runs between generations (GRPO's loss), never beside a prefill."""
+    """Bytes a slot decoder over ``model`` needs beside its KV cache
+    (:func:`eogym_sft.models.memory.generation_reserve`): the merged weights and the margin, and the larger of a
+    prefill and ``other_phase``, the transient of work that runs between generations (GRPO's loss), never beside a
+    prefill."""
     from ..models.memory import generation_reserve
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -137,13 +141,15 @@ def fitting_slots(episodes: int, max_length: int, bytes_per_token: int, usable: 
     if fit < 1 or (requested is not None and want > fit):
         asked = f"{setting} {requested}" if requested is not None else "one slot"
         raise ValueError(
-            f"{asked} of {max_length:,} tokens ({slot / GIB:.2f} GiB each) does not fit: {usable / GIB:.1f} GiB free beside "
-            f"the model, {reserve / GIB:.1f} GiB of it kept for the rest; {fit} fit: lower {setting} or the episode's token budget"
+            f"{asked} of {max_length:,} tokens ({slot / GIB:.2f} GiB each) does not fit: {usable / GIB:.1f} GiB free "
+            f"beside the model, {reserve / GIB:.1f} GiB of it kept for the rest; {fit} fit: lower {setting} or the "
+            "episode's token budget"
         )
     return min(want, fit)
 
 
-def sized_slots(model, episodes: int, max_length: int, requested: int | None, adapters: bool, setting: str, cpu_default: int) -> int:
+def sized_slots(model, episodes: int, max_length: int, requested: int | None, adapters: bool, setting: str,
+                cpu_default: int) -> int:
     """Slots for ``episodes`` of ``max_length`` tokens on ``model``'s GPU (:func:`fitting_slots`), printed in one line;
     ``requested`` is kept if it fits. Off CUDA: ``requested`` or ``cpu_default``, at most one per episode."""
     import torch
@@ -160,7 +166,7 @@ def sized_slots(model, episodes: int, max_length: int, requested: int | None, ad
     reserve = decoder_reserve(model, PREFILL_TOKENS, adapters)
     per_token = kv_bytes_per_token(model)
     slots = fitting_slots(episodes, max_length, per_token, usable, reserve, setting, requested)
-    print(f"memory plan: {torch.cuda.get_device_name(device)}, {usable / GIB:.1f} GiB free beside the model, {reserve / GIB:.1f} "
-          f"GiB kept for a prefill and merged LoRA weights: {slots} slots of {max_length:,} tokens, "
-          f"{slots * max_length * per_token / GIB:.1f} GiB of KV cache")
+    print(f"memory plan: {torch.cuda.get_device_name(device)}, {usable / GIB:.1f} GiB free beside the model, "
+          f"{reserve / GIB:.1f} GiB kept for a prefill and merged LoRA weights: {slots} slots of {max_length:,} "
+          f"tokens, {slots * max_length * per_token / GIB:.1f} GiB of KV cache")
     return slots

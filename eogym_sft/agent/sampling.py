@@ -29,7 +29,8 @@ class Sampling:
     top_k: int = 0
     min_new_tokens: int = 0
 
-    def pick(self, logits: torch.Tensor, generated: list[int], stop_ids: list[int], generator=None, banned_ids=()) -> list[int]:
+    def pick(self, logits: torch.Tensor, generated: list[int], stop_ids: list[int], generator=None,
+             banned_ids=()) -> list[int]:
         """One next token per row of ``logits`` ``(rows, vocab)``; ``generated`` = tokens each row's turn has so far.
         ``banned_ids`` are never picked (the vision special tokens, :func:`vision_token_ids`)."""
         if len(banned_ids):
@@ -37,7 +38,8 @@ class Sampling:
         early = [i for i, n in enumerate(generated) if n < self.min_new_tokens]
         if early:
             logits = logits.clone()
-            logits[torch.tensor(early, device=logits.device)[:, None], torch.tensor(stop_ids, device=logits.device)] = float("-inf")
+            logits[torch.tensor(early, device=logits.device)[:, None],
+                   torch.tensor(stop_ids, device=logits.device)] = float("-inf")
         if self.temperature <= 0:
             return logits.argmax(-1).tolist()
         logits = logits / self.temperature

@@ -11,8 +11,12 @@ def norms_fuse(text, dtype) -> bool:
     """Whether every RMSNorm of the text tower ``text`` (each layer's four and the last) can run as torch's fused
     ``F.rms_norm``: each a plain ``weight * x / rms(x)`` (transformers' Qwen3-VL text norm: a ``weight`` and a
     ``variance_epsilon``, nothing else) whose weight has the activations' dtype ``dtype``."""
-    norms = [text.norm] + [n for layer in text.layers for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
-    return all(type(n).__name__.endswith("TextRMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dtype == dtype for n in norms)
+    norms = [text.norm] + [n for layer in text.layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                                layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    return all(
+        type(n).__name__.endswith("TextRMSNorm") and hasattr(n, "variance_epsilon") and n.weight.dtype == dtype
+        for n in norms
+    )
 
 
 def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:

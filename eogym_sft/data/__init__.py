@@ -1,1 +1,2 @@
-"""Data: EO-Gym rows -> canonical conversations -> rendered, labelled, size-checked samples; images, prepared folders and the collator."""
+"""Data: EO-Gym rows -> canonical conversations -> rendered, labelled, size-checked samples; images, prepared folders
+and the collator."""

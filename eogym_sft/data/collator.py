@@ -116,8 +116,11 @@ class EOGymCollator:
             except ImageError as err:
                 if not self.skip_bad_images:
                     raise
-                skipped.append({"index": k, "sample_id": self._name(example, k), "file": err.path, "reason": err.reason, "detail": err.detail})
-        batch = self._pack(rows or [self._empty_row()]) if self.padding_free else self._pad(rows or [self._empty_row()])
+                skipped.append({"index": k, "sample_id": self._name(example, k), "file": err.path,
+                                "reason": err.reason, "detail": err.detail})
+        batch = (
+            self._pack(rows or [self._empty_row()]) if self.padding_free else self._pad(rows or [self._empty_row()])
+        )
         grids = [r["image_grid_thw"] for r in rows if r["image_grid_thw"] is not None]
         if grids:
             batch["pixel_values"] = torch.cat([r["pixel_values"] for r in rows if r["pixel_values"] is not None])
@@ -134,7 +137,8 @@ class EOGymCollator:
         """One padding token with no label: a forward and backward that change nothing."""
         ids = torch.tensor([self.pad_token_id])
         positions = torch.zeros(4, 1, dtype=torch.long)
-        return {"input_ids": ids, "labels": torch.tensor([self.ignore_index]), "position_ids": positions, "pixel_values": None, "image_grid_thw": None}
+        return {"input_ids": ids, "labels": torch.tensor([self.ignore_index]), "position_ids": positions,
+                "pixel_values": None, "image_grid_thw": None}
 
     def _name(self, example: dict, k: int) -> str:
         return str(example.get("sample_id") or example.get("id") or f"example {k} of the batch")
@@ -186,7 +190,8 @@ class EOGymCollator:
         if grid is not None and n_image_tokens != sum(counts):
             raise ValueError(f"{name}: {n_image_tokens} image tokens but image_grid_thw gives {sum(counts)}")
         empty_grid = torch.zeros(0, 3, dtype=torch.long)
-        positions = mrope_position_ids(input_ids, grid if grid is not None else empty_grid, self.image_token_id, self.merge_size)
+        positions = mrope_position_ids(input_ids, grid if grid is not None else empty_grid, self.image_token_id,
+                                       self.merge_size)
         return {
             "input_ids": input_ids,
             "labels": input_ids.masked_fill(~torch.tensor(trained, dtype=torch.bool), self.ignore_index),
@@ -232,7 +237,8 @@ class EOGymCollator:
             labels[b, :n] = row["labels"]
             attention_mask[b, :n] = 1
             position_ids[:, b, :n] = row["position_ids"]
-        out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "position_ids": position_ids}
+        out = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+               "position_ids": position_ids}
         if self.with_token_types:
             out["mm_token_type_ids"] = self._token_types(input_ids)
         return out

@@ -7,13 +7,15 @@ import json
 from pathlib import Path
 
 from ..models.processor import processor_fingerprint
-from .prepare import MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, check_drop_share, pixel_cap, prepare_files, read_lines
+from .prepare import (MAX_MESSAGES, PrepConfig, _check_row_size, _decode_line, check_drop_share, pixel_cap,
+                      prepare_files, read_lines)
 from .prepared import format_summary, load_prepared, write_prepared
 from .traces import TraceError
 
 
 def load_or_prepare(
-    path: str, model: str, processor, cfg: PrepConfig, workdir: str | Path, num_proc: int = 1, allow_flag: str = "--allow-drops"
+    path: str, model: str, processor, cfg: PrepConfig, workdir: str | Path, num_proc: int = 1,
+    allow_flag: str = "--allow-drops"
 ):
     """The dataset at ``path``: a prepared folder is loaded; a ``.jsonl`` file (or several, comma-separated)
     is prepared into ``workdir`` first. Fails if the folder was prepared with another processor. ``allow_flag``:
@@ -32,14 +34,17 @@ def load_or_prepare(
     if missing:
         raise FileNotFoundError(f"no such dataset file or prepared folder: {', '.join(missing)}")
     cached = Path(workdir) / "stats.json"
-    if cached.is_file() and json.loads(cached.read_text()).get("settings") == prep_settings(files, model, processor, cfg):
+    if cached.is_file() and json.loads(cached.read_text()).get("settings") == prep_settings(
+        files, model, processor, cfg
+    ):
         return load_prepared(workdir)
     prepare_dataset(files, model, processor, cfg, workdir, num_proc, allow_flag)
     return load_prepared(workdir)
 
 
 def prep_settings(files: list[str], model: str, processor, cfg: PrepConfig) -> dict:
-    """What a prepared folder was made from, recorded in its ``stats.json`` (a folder is reused only when they match)."""
+    """What a prepared folder was made from, recorded in its ``stats.json`` (a folder is reused only when they
+    match)."""
     min_pixels, max_pixels = pixel_cap(processor)
     settings = dict(
         vars(cfg), max_pixels=max_pixels, min_pixels=min_pixels, model=model, inputs=[str(p) for p in files],
@@ -50,7 +55,8 @@ def prep_settings(files: list[str], model: str, processor, cfg: PrepConfig) -> d
 
 
 def prepare_dataset(
-    files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1, allow_flag: str = "--allow-drops"
+    files: list[str], model: str, processor, cfg: PrepConfig, output: str | Path, num_proc: int = 1,
+    allow_flag: str = "--allow-drops"
 ) -> dict:
     """Prepare EO-Gym JSONL ``files`` into ``output`` (``dataset/``, ``manifest.jsonl``, ``stats.json``) with
     ``processor`` (loaded from ``model``; it carries the pixel cap); print the summary and return the stats."""
@@ -70,7 +76,8 @@ def file_sha256(path: str | Path) -> str:
 
 
 def is_held_out(source_id: str, eval_fraction: float, seed: int = 42) -> bool:
-    """Whether :func:`split_by_trace` puts the trace ``source_id`` (a row's id) in the eval set: a seeded hash of the id."""
+    """Whether :func:`split_by_trace` puts the trace ``source_id`` (a row's id) in the eval set: a seeded hash of the
+    id."""
     digest = hashlib.sha256(f"{seed}:{source_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction
 

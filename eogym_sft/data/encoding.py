@@ -86,7 +86,8 @@ def encode_conversation(processor, messages: list[dict], tools: list[dict] | Non
         header_end = render(processor, messages[:i], tools, add_generation_prompt=True)
         after = prefix(i + 1)
         if not (text.startswith(after) and after.startswith(header_end) and header_end.startswith(before)):
-            raise TraceError("template_mismatch", where, "the chat template does not render this conversation prefix by prefix")
+            raise TraceError("template_mismatch", where,
+                             "the chat template does not render this conversation prefix by prefix")
         if not after.endswith("\n"):
             raise TraceError("template_mismatch", where, "an assistant turn does not end with '<|im_end|>\\n'")
         first = _char_to_token(starts, len(text), len(header_end), where)

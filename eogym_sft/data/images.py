@@ -11,8 +11,8 @@ Rules (documented in ``docs/data.md``):
   memory, is refused before decoding (decompression bombs); a decode still reading after
   ``MAX_DECODE_SECONDS`` stops (``image_too_slow``);
 * decoding gives 8-bit RGB: 16-bit and float images are stretched linearly from their own min..max
-  to 0..255, a band of rows at a time; palette, grayscale and CMYK go through Pillow's ``convert("RGB")``; images with alpha
-  are composited on white (the rule qwen-vl-utils' ``to_rgb`` applies); multi-frame TIFFs use frame 0;
+  to 0..255, a band of rows at a time; palette, grayscale and CMYK go through Pillow's ``convert("RGB")``; images with
+  alpha are composited on white (the rule qwen-vl-utils' ``to_rgb`` applies); multi-frame TIFFs use frame 0;
   EXIF orientation is ignored so that decoded size equals header size.
 """
 
@@ -138,7 +138,8 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
         raise ImageError("corrupt_image", str(path), f"empty image {width}x{height}")
     need = decoded_bytes(mode, width, height)
     if need > MAX_DECODED_BYTES:
-        raise ImageError("image_too_large", str(path), f"{width}x{height} {mode} needs {need} bytes to decode, over {MAX_DECODED_BYTES}")
+        raise ImageError("image_too_large", str(path),
+                         f"{width}x{height} {mode} needs {need} bytes to decode, over {MAX_DECODED_BYTES}")
     return width, height
 
 

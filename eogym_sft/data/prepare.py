@@ -2,7 +2,8 @@
 
 :func:`prepare_line` turns one input line into a manifest entry and zero or more samples; it takes
 image sizes from headers and checks that every image file decodes to its end (once per distinct
-file). :func:`prepare_files` runs it over files in parallel and :func:`write_prepared` saves the dataset, ``manifest.jsonl`` and ``stats.json``.
+file). :func:`prepare_files` runs it over files in parallel and :func:`write_prepared` saves the dataset,
+``manifest.jsonl`` and ``stats.json``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ class PrepConfig(TokenBudget):
     cap is not one of them: the processor carries it (:func:`pixel_cap`), so prep and training cannot disagree."""
 
     data_root: str = dataclass_field(default=".", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
-    overlong: str = dataclass_field(default="split", metadata={"choices": OVERLONG_MODES, "help": "what to do with traces over the budget"})
-    tool_images: str = dataclass_field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})  # a ToolImageRule spec
-    strict: bool = dataclass_field(default=False, metadata={"help": "stop at the first bad line with file, line and field"})
+    overlong: str = dataclass_field(
+        default="split", metadata={"choices": OVERLONG_MODES, "help": "what to do with traces over the budget"}
+    )
+    # a ToolImageRule spec
+    tool_images: str = dataclass_field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
+    strict: bool = dataclass_field(default=False,
+                                   metadata={"help": "stop at the first bad line with file, line and field"})
     # a longer line is dropped as row_too_large before it is parsed
     max_row_bytes: int = dataclass_field(default=MAX_ROW_BYTES, metadata={"flag": False})
     # a row with more messages is dropped as too_many_messages before it is rendered
@@ -83,7 +88,8 @@ class EmptyInputError(ValueError):
 
 
 class TooManyDropped(ValueError):
-    """More than ``max_drop_share`` of the rows dropped for one reason: the inputs or the data root are likely wrong."""
+    """More than ``max_drop_share`` of the rows dropped for one reason: the inputs or the data root are likely
+    wrong."""
 
 
 LIKELY_CAUSE = {
@@ -96,7 +102,8 @@ LIKELY_CAUSE = {
 }
 
 
-def check_reason_share(problems: list[dict], total: int, max_share: float, what: str = "rows", allow_flag: str = "--allow-drops") -> None:
+def check_reason_share(problems: list[dict], total: int, max_share: float, what: str = "rows",
+                       allow_flag: str = "--allow-drops") -> None:
     """Refuse a run that lost more than ``max_share`` of its ``total`` rows (or turns) for one reason, naming
     the reason, two examples and the likely cause: a run that silently loses most of its data is never what was
     meant. ``problems`` are dicts with ``reason``, ``source`` (``file:line``), ``field`` and ``detail``."""
@@ -120,7 +127,8 @@ def check_reason_share(problems: list[dict], total: int, max_share: float, what:
 
 def check_drop_share(results: list[LineResult], max_share: float, allow_flag: str = "--allow-drops") -> None:
     """:func:`check_reason_share` over data prep's lines (blank lines aside)."""
-    dropped = [{"reason": r.reason, "source": f"{r.file}:{r.line}", "field": r.field, "detail": r.detail} for r in results if r.status == "dropped"]
+    dropped = [{"reason": r.reason, "source": f"{r.file}:{r.line}", "field": r.field,
+                "detail": r.detail} for r in results if r.status == "dropped"]
     check_reason_share(dropped, len(results), max_share, "rows", allow_flag)
 
 
@@ -165,7 +173,8 @@ def _decode_line(raw: bytes, max_bytes: int = MAX_ROW_BYTES):
 def _check_row_size(row, max_messages: int) -> None:
     messages = row.get("messages") if isinstance(row, dict) else None
     if isinstance(messages, list) and len(messages) > max_messages:
-        raise TraceError("too_many_messages", "messages", f"{len(messages)} messages, over the bound of {max_messages}")
+        raise TraceError("too_many_messages", "messages",
+                         f"{len(messages)} messages, over the bound of {max_messages}")
 
 
 def _image_layout(processor, trace: Trace, data_root: str) -> list[tuple[int, int]]:
@@ -190,7 +199,8 @@ def _costs(enc: Encoded, image_tokens: list[int], image_token_id: int) -> list[i
         else:
             costs.append(1)
     if k != len(image_tokens):
-        raise TraceError("template_mismatch", "messages", f"{k} image placeholders rendered for {len(image_tokens)} images")
+        raise TraceError("template_mismatch", "messages",
+                         f"{k} image placeholders rendered for {len(image_tokens)} images")
     return costs
 
 
@@ -216,7 +226,8 @@ def plan_windows(enc: Encoded, costs: list[int], budget: int) -> list[tuple[int,
         if head + span(starts[c], ends[s]) > budget:
             where = f"messages[{enc.assistant_message_index[s]}]"
             need = head + span(starts[c], ends[s])
-            raise TraceError("turn_exceeds_budget", where, f"this turn needs {need} tokens with its context, budget {budget}")
+            raise TraceError("turn_exceeds_budget", where,
+                             f"this turn needs {need} tokens with its context, budget {budget}")
         e = s
         while e + 1 < n and head + span(starts[c], ends[e + 1]) <= budget:
             e += 1
@@ -232,7 +243,8 @@ def _window_sample(trace: Trace, enc: Encoded, hws, image_pos: list[int], window
     head_end, lo, hi = enc.assistant_starts[0], enc.assistant_starts[c], enc.assistant_ends[e]
     trained_lo = enc.assistant_starts[s]
     ids = enc.input_ids[:head_end] + enc.input_ids[lo:hi]
-    mask = enc.assistant_mask[:head_end] + [m if i >= trained_lo else 0 for i, m in enumerate(enc.assistant_mask[lo:hi], lo)]
+    mask = enc.assistant_mask[:head_end] + [m if i >= trained_lo else 0 for i,
+                                            m in enumerate(enc.assistant_mask[lo:hi], lo)]
     first_msg, last_msg = enc.assistant_message_index[c], enc.assistant_message_index[e]
     messages = trace.messages[: enc.assistant_message_index[0]] + trace.messages[first_msg : last_msg + 1]
     keep = [k for k, pos in enumerate(image_pos) if pos < head_end or lo <= pos < hi]
@@ -411,7 +423,8 @@ def mark_duplicates(results: list[LineResult], strict: bool = False) -> list[Lin
             err = TraceError("duplicate_id", "id", f"id {res.id!r} already used at {seen[res.id]}")
             if strict:
                 raise PrepError(f"{res.file}:{res.line}: field id: duplicate_id: {err.detail}")
-            res.status, res.reason, res.field, res.detail, res.samples = "dropped", err.reason, err.field, err.detail, []
+            res.status, res.reason, res.field, res.detail, res.samples = ("dropped", err.reason, err.field,
+                                                                          err.detail, [])
         else:
             seen[res.id] = f"{res.file}:{res.line}"
     return results

@@ -74,7 +74,8 @@ def compute_stats(results, samples: list[dict]) -> dict:
         "token_histogram": {f"{k}-{k + HISTOGRAM_BIN - 1}": v for k, v in sorted(hist.items())},
         "max_tokens_seen": max((s["n_tokens"] for s in samples), default=0),
         "images_per_sample": {str(k): v for k, v in sorted(Counter(len(s["images"]) for s in samples).items())},
-        "tool_images_attached": dict(sorted(sum((Counter(r.tool_images) for r in results if r.status != "dropped"), Counter()).items())),
+        "tool_images_attached": dict(sorted(sum((Counter(r.tool_images) for r in results if r.status != "dropped"),
+                                                Counter()).items())),
         "content_hash": content_hash(samples),
     }
 
@@ -82,9 +83,11 @@ def compute_stats(results, samples: list[dict]) -> dict:
 def format_summary(stats: dict) -> str:
     """A short human-readable report of ``stats``."""
     lines = [
-        f"rows in {stats['rows_in']}: kept {stats['rows_kept']}, split {stats['rows_split']}, dropped {stats['rows_dropped']}",
+        f"rows in {stats['rows_in']}: kept {stats['rows_kept']}, split {stats['rows_split']}, dropped "
+        f"{stats['rows_dropped']}",
         f"samples out {stats['samples_out']}; tokens {stats['tokens_total']} "
-        f"(trained {stats['trained_token_share']:.1%}, image {stats['image_token_share']:.1%}); longest {stats['max_tokens_seen']}",
+        f"(trained {stats['trained_token_share']:.1%}, image {stats['image_token_share']:.1%}); longest "
+        f"{stats['max_tokens_seen']}",
     ]
     for reason, count in stats["drops_by_reason"].items():
         lines.append(f"  dropped {count:6d}  {reason}")
@@ -111,7 +114,8 @@ def write_prepared(output: str | Path, results, settings: dict) -> dict:
     # from_dict, not from_list: it also builds an empty dataset (every row dropped), saved as one empty shard
     dataset = Dataset.from_dict({name: [s[name] for s in samples] for name in schema}, features=schema)
     dataset.save_to_disk(str(output / "dataset"), num_shards=None if samples else 1)
-    write_lines_atomic(output / "manifest.jsonl", (json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n" for res in results))
+    write_lines_atomic(output / "manifest.jsonl",
+                       (json.dumps(res.manifest_entry(), ensure_ascii=False) + "\n" for res in results))
     stats = compute_stats(results, samples)
     stats["settings"] = settings
     write_text_atomic(output / "stats.json", json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
@@ -133,11 +137,13 @@ def load_prepared(folder: str | Path):
 
     folder = Path(folder)
     if not (folder / "dataset").is_dir() or not (folder / "stats.json").is_file():
-        raise FileNotFoundError(f"{folder} is not a prepared folder (no dataset/ or stats.json): run `eogym-sft prepare`")
+        raise FileNotFoundError(f"{folder} is not a prepared folder (no dataset/ or stats.json): run `eogym-sft "
+                                "prepare`")
     try:
         stats = json.loads((folder / "stats.json").read_text())
     except ValueError as err:
-        raise ValueError(f"{folder}/stats.json is damaged ({err}): prepare the folder again with `eogym-sft prepare`") from None
+        raise ValueError(f"{folder}/stats.json is damaged ({err}): prepare the folder again with `eogym-sft "
+                         "prepare`") from None
     dataset = load_from_disk(str(folder / "dataset"))
     expected = stats.get("content_hash")
     if expected is None:
@@ -145,7 +151,7 @@ def load_prepared(folder: str | Path):
     found = content_hash(dataset_rows(dataset))
     if found != expected:
         raise ValueError(
-            f"{folder}/dataset does not match {folder}/stats.json: content hash {found}, stats.json records {expected}; "
-            "the data was changed after prep: prepare it again"
+            f"{folder}/dataset does not match {folder}/stats.json: content hash {found}, stats.json records "
+            f"{expected}; the data was changed after prep: prepare it again"
         )
     return dataset, stats

@@ -39,7 +39,8 @@ class ToolImageRule:
     def __post_init__(self):
         for name, mode in [("<default>", self.default), *self.per_tool.items()]:
             if mode not in TOOL_IMAGE_MODES:
-                raise ValueError(f"tool image mode for {name} must be one of {', '.join(TOOL_IMAGE_MODES)}, got {mode!r}")
+                raise ValueError(f"tool image mode for {name} must be one of {', '.join(TOOL_IMAGE_MODES)}, got "
+                                 f"{mode!r}")
 
     @classmethod
     def parse(cls, spec: str | ToolImageRule) -> ToolImageRule:

@@ -129,7 +129,8 @@ def _text_parts(content, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        raise TraceError("bad_field_type", where, f"content must be a string, null or a list, not {type(content).__name__}")
+        raise TraceError("bad_field_type", where,
+                         f"content must be a string, null or a list, not {type(content).__name__}")
     parts = []
     for i, part in enumerate(content):
         if isinstance(part, str):
@@ -234,7 +235,8 @@ def _generated_message(generated, message: dict, where: str) -> dict:
         raise TraceError("bad_field_type", f"{where}.generated", "generated must be a string")
     _, calls = parse_tool_call_text(generated, f"{where}.generated")
     if calls != message.get("tool_calls", []):
-        raise TraceError("generated_mismatch", f"{where}.generated", "its <tool_call> blocks differ from the turn's tool_calls")
+        raise TraceError("generated_mismatch", f"{where}.generated",
+                         "its <tool_call> blocks differ from the turn's tool_calls")
     return {"role": "assistant", "content": generated}
 
 
@@ -299,7 +301,13 @@ def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
     user_parts = [p for m in messages if m["role"] == "user" for p in m["content"]]
     named = {p["path"] for p in user_parts if p["type"] == "image" and p["path"]}
     row_images = [p for p in row_images if p not in named]
-    slots = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image" and p["path"] is None]
+    slots = [
+        p
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image" and p["path"] is None
+    ]
     if row_images and not slots:
         first_user = next((m for m in messages if m["role"] == "user"), None)
         if first_user is None:
@@ -307,7 +315,8 @@ def _bind_images(messages: list[dict], row_images: list[str]) -> list[str]:
         first_user["content"] = [{"type": "image", "path": p} for p in row_images] + first_user["content"]
     elif len(slots) != len(row_images):
         raise TraceError(
-            "image_placeholder_mismatch", "images", f"{len(slots)} <image> placeholders but {len(row_images)} row images"
+            "image_placeholder_mismatch", "images",
+            f"{len(slots)} <image> placeholders but {len(row_images)} row images"
         )
     else:
         for slot, path in zip(slots, row_images):
@@ -347,7 +356,10 @@ def normalize_row(row: dict, tool_images: str | ToolImageRule = TOOL_IMAGES) -> 
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     if not any(m["role"] == "user" for m in messages[:first]):
         raise TraceError("assistant_before_user", f"messages[{first}]", "an assistant turn comes before any user turn")
-    meta = {k: "" if row.get(k) is None else str(row.get(k)) for k in ("EO_task", "question_type", "data_source", "gt_answer")}
+    meta = {
+        k: "" if row.get(k) is None else str(row.get(k))
+        for k in ("EO_task", "question_type", "data_source", "gt_answer")
+    }
     return Trace(
         id=str(row["id"]),
         messages=messages[: last + 1],
@@ -377,7 +389,9 @@ def _images_per_tool(messages: list[dict], answered: list[dict]) -> dict[str, in
 
 
 def _images_before(messages: list[dict], end: int) -> int:
-    return sum(1 for m in messages[:end] if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image")
+    return sum(
+        1 for m in messages[:end] if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"
+    )
 
 
 def count_images(messages: list[dict]) -> int:

@@ -4,10 +4,10 @@
 >>> result = env.call("crop_optical_or_sar_image", {"image_url": row["images"][0], "aoi": [0.25, 0.25, 0.75, 0.75]})
 >>> result.text, result.images, result.message()                     # doctest: +SKIP
 
-Backends form a chain; the first that can answer wins: ``crop`` (:mod:`eogym_sft.environment.backends.crop`), ``replay``
-(:mod:`eogym_sft.environment.backends.replay`), ``http`` (:mod:`eogym_sft.environment.backends.http`), or any object with a ``name`` and
-``answer(tool, arguments) -> (text, images or None)``. Images come from the tool-image rule of
-:mod:`eogym_sft.data.tool_images` applied to the result text (replay: the recorded turn's images, chosen by
+Backends form a chain; the first that can answer wins: ``crop`` (:mod:`eogym_sft.environment.backends.crop`),
+``replay`` (:mod:`eogym_sft.environment.backends.replay`), ``http`` (:mod:`eogym_sft.environment.backends.http`), or
+any object with a ``name`` and ``answer(tool, arguments) -> (text, images or None)``. Images come from the tool-image
+rule of :mod:`eogym_sft.data.tool_images` applied to the result text (replay: the recorded turn's images, chosen by
 the same rule), so a result shows the model exactly what data prep shows it. A model's mistake (an
 unknown tool, bad arguments, a call no backend answers) is an error message back to the model and a
 count in ``counts``, never an exception; so are the calls of one turn past ``max_calls_per_turn``
@@ -32,12 +32,15 @@ from .backends.replay import ReplayBackend
 from .results import CannotAnswer, ToolCallError, ToolResult
 
 BACKENDS = ("crop", "replay", "http")
-MAX_TOOL_TEXT_CHARS = 32768  # a tool text longer than this is cut, with a note saying so: it is context the model pays for
+# a tool text longer than this is cut, with a note saying so: it is context the model pays for
+MAX_TOOL_TEXT_CHARS = 32768
 # Calls run from one model turn; the rest are not run and the model is told. EO-Gym's traces make one to three
 # calls a turn; a 2.9 MB reply once asked for 20,000 crops.
 MAX_CALLS_PER_TURN = 8
 # The one result of a turn's calls past the cap; evaluation reads it back to tell run calls from skipped ones.
-SKIPPED_CALLS_NOTICE = "Error: {calls} tool calls in one turn; only the first {cap} were run, the other {skipped} were not."
+SKIPPED_CALLS_NOTICE = (
+    "Error: {calls} tool calls in one turn; only the first {cap} were run, the other {skipped} were not."
+)
 DEFAULT_BACKENDS = ("crop", "replay")  # offline: computed crops, the rest answered from the row's own trace
 JSON_TYPES = {
     "string": str,
@@ -221,5 +224,6 @@ def single_call(
     """Run one call by hand (``eogym-sft tool-call``). Without a row, ``name`` is the only tool and its
     arguments are not checked against a schema (the backend still checks what it needs)."""
     if row is None:
-        row = {"id": "tool-call", "tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]}
+        row = {"id": "tool-call",
+               "tools": [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]}
     return EOGymEnvironment(row, data_root, backends, **env_args).call(name, arguments)

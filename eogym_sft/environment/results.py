@@ -33,8 +33,10 @@ class ToolResult:
     error: str | None = None  # a ToolCallError code when not ok
 
     def message(self) -> dict:
-        """The tool turn as :func:`eogym_sft.data.traces.normalize_row` writes it: text, then one image part per image."""
-        return {"role": "tool", "content": [{"type": "text", "text": self.text}] + [{"type": "image"} for _ in self.images]}
+        """The tool turn as :func:`eogym_sft.data.traces.normalize_row` writes it: text, then one image part per
+        image."""
+        return {"role": "tool",
+                "content": [{"type": "text", "text": self.text}] + [{"type": "image"} for _ in self.images]}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -54,11 +54,16 @@ QUADRANTS = {  # name -> normalised AOI [x0, y0, x1, y1] of the crop that shows 
 }
 DATA_SOURCE = "eogym_sft.colour_grid"
 IMAGE_DIR = "EO_GYM_DATA/colour_grid"
-SYSTEM_PROMPT = "The image is too coarse to show texture: crop the quadrant asked about, then reply: Final Answer: <colour>."
-PAIR_SYSTEM_PROMPT = (
-    "The image is too coarse to show texture: crop each of the two quadrants asked about, then reply: Final Answer: <colour>, <colour>."
+SYSTEM_PROMPT = (
+    "The image is too coarse to show texture: crop the quadrant asked about, then reply: Final Answer: <colour>."
 )
-COUNT_SYSTEM_PROMPT = "The image is too coarse to show texture: crop each of the four quadrants, then reply: Final Answer: <number>."
+PAIR_SYSTEM_PROMPT = (
+    "The image is too coarse to show texture: crop each of the two quadrants asked about, then reply: Final Answer: "
+    "<colour>, <colour>."
+)
+COUNT_SYSTEM_PROMPT = (
+    "The image is too coarse to show texture: crop each of the four quadrants, then reply: Final Answer: <number>."
+)
 # The real tool's name and arguments; image_url may be left out (the crop backend then crops the row's
 # only image), so that the call a model must learn is the AOI alone: a small model learns to pick one
 # of four AOIs in a few dozen steps, while copying a row-specific path takes it far longer.
@@ -127,7 +132,8 @@ def task_spec(seed: int, index: int) -> dict:
     row_id = f"cg{seed}_{index:04d}"
     quadrant = rng.choice(list(QUADRANTS))
     return {
-        "id": row_id, "image": f"{IMAGE_DIR}/{row_id}.png", "colours": colours, "quadrant": quadrant, "aois": [QUADRANTS[quadrant]],
+        "id": row_id, "image": f"{IMAGE_DIR}/{row_id}.png", "colours": colours, "quadrant": quadrant,
+        "aois": [QUADRANTS[quadrant]],
         "question": question_text(quadrant), "answer": colours[quadrant], "question_type": quadrant,
     }
 
@@ -140,8 +146,10 @@ def pair_spec(seed: int, index: int) -> dict:
     first, second = rng.sample(list(QUADRANTS), 2)
     row_id = f"cp{seed}_{index:04d}"
     return {
-        "id": row_id, "image": f"EO_GYM_DATA/colour_pair/{row_id}.png", "colours": colours, "aois": [QUADRANTS[first], QUADRANTS[second]],
-        "question": pair_question_text(first, second), "answer": f"{colours[first]}, {colours[second]}", "question_type": f"{first}+{second}",
+        "id": row_id, "image": f"EO_GYM_DATA/colour_pair/{row_id}.png", "colours": colours,
+        "aois": [QUADRANTS[first], QUADRANTS[second]],
+        "question": pair_question_text(first, second), "answer": f"{colours[first]}, {colours[second]}",
+        "question_type": f"{first}+{second}",
     }
 
 
@@ -156,7 +164,8 @@ def count_spec(seed: int, index: int) -> dict:
     colours = {q: colour if q in showing else rng.choice(others) for q in QUADRANTS}
     row_id = f"cc{seed}_{index:04d}"
     return {
-        "id": row_id, "image": f"EO_GYM_DATA/colour_count/{row_id}.png", "colours": colours, "aois": list(QUADRANTS.values()),
+        "id": row_id, "image": f"EO_GYM_DATA/colour_count/{row_id}.png", "colours": colours,
+        "aois": list(QUADRANTS.values()),
         "question": count_question_text(colour), "answer": str(count), "question_type": colour,
     }
 
@@ -243,7 +252,8 @@ def check_disk(output: Path, rows: int, scene_bytes: int, n_crops: int) -> None:
     disk = os.statvfs(probe)
     free = disk.f_bavail * disk.f_frsize
     if need > free:
-        raise ValueError(f"--rows {rows} needs about {need / 1e9:,.1f} GB under {output}, which has {free / 1e9:,.1f} GB free")
+        raise ValueError(f"--rows {rows} needs about {need / 1e9:,.1f} GB under {output}, which has {free / 1e9:,.1f} "
+                         "GB free")
     if disk.f_files and files > disk.f_favail:  # f_files is 0 where the file system has no inode limit
         raise ValueError(f"--rows {rows} needs {files:,} files under {output}, where {disk.f_favail:,} more fit")
 
@@ -268,7 +278,13 @@ def write_task(
     check_disk(output, rows, len(_png_bytes(scene_pixels(first["colours"]))), len(first["aois"]))
     output.mkdir(parents=True, exist_ok=True)
     jsonl = output / name
-    write_lines_atomic(jsonl, (json.dumps(_write_question(output, family.spec(seed, index), task)) + "\n" for index in range(start, start + rows)))
+    write_lines_atomic(
+        jsonl,
+        (
+            json.dumps(_write_question(output, family.spec(seed, index), task)) + "\n"
+            for index in range(start, start + rows)
+        ),
+    )
     return jsonl
 
 
@@ -279,7 +295,8 @@ def _write_question(output: Path, spec: dict, task: str) -> dict:
     path = output / spec["image"]
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, _png_bytes(scene_pixels(spec["colours"])))
-    env = EOGymEnvironment({"id": spec["id"], "images": [spec["image"]], "tools": [CROP_SCHEMA]}, output, backends=("crop",))
+    env = EOGymEnvironment({"id": spec["id"], "images": [spec["image"]], "tools": [CROP_SCHEMA]}, output,
+                           backends=("crop",))
     texts = []
     for aoi in spec["aois"]:
         result = env.call(CROP_TOOL, {"aoi": aoi})

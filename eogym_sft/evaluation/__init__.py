@@ -1,1 +1,2 @@
-"""Evaluation: teacher-forced ``validate`` and ``evaluate``, closed-loop ``rollout`` (on the agent runtime), reports."""
+"""Evaluation: teacher-forced ``validate`` and ``evaluate``, closed-loop ``rollout`` (on the agent runtime),
+reports."""

@@ -38,7 +38,8 @@ def keeps(episode: dict, keep: str) -> bool:
     raise ValueError(f"unknown filter {keep!r}: choose from {', '.join(KEEP)}")
 
 
-def filter_episodes(input_path: str | Path, output_path: str | Path, keep: str = "correct", arm: str | None = None) -> dict:
+def filter_episodes(input_path: str | Path, output_path: str | Path, keep: str = "correct",
+                    arm: str | None = None) -> dict:
     """Write the episodes of ``input_path`` that ``keep`` keeps (of ``arm`` only, if given) to ``output_path``
     (atomically; nothing when none is kept); return ``{"read", "kept", "skipped", "skipped_lines"}``."""
     if keep not in KEEP:
@@ -66,8 +67,10 @@ def filter_episodes(input_path: str | Path, output_path: str | Path, keep: str =
 
 def add_episodes_args(parser) -> None:
     parser.add_argument("--input", required=True, help="episodes.jsonl of eogym-sft rollout")
-    parser.add_argument("--output", required=True, help="JSONL of the episodes kept (EO-Gym rows: eogym-sft prepare reads it)")
-    parser.add_argument("--filter", choices=KEEP, default="correct", help="which episodes to keep (docs/evaluation.md, section 15)")
+    parser.add_argument("--output", required=True,
+                        help="JSONL of the episodes kept (EO-Gym rows: eogym-sft prepare reads it)")
+    parser.add_argument("--filter", choices=KEEP, default="correct",
+                        help="which episodes to keep (docs/evaluation.md, section 15)")
     parser.add_argument("--arm", default=None, help="keep only this arm's episodes (e.g. sft)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
 
@@ -81,8 +84,9 @@ def run_episodes_filter(args) -> dict:
         print(f"skipped {where}")
     if stats["kept"] == 0:
         raise SystemExit(
-            f"eogym-sft episodes: no episode of {stats['read']} passed --filter {args.filter} (skipped {stats['skipped']} bad lines): "
-            f"nothing to train on, {args.output} not written"
+            f"eogym-sft episodes: no episode of {stats['read']} passed --filter {args.filter} (skipped "
+            f"{stats['skipped']} bad lines): nothing to train on, {args.output} not written"
         )
-    print(f"kept {stats['kept']} of {stats['read']} episodes ({args.filter}); skipped {stats['skipped']} bad lines -> {args.output}")
+    print(f"kept {stats['kept']} of {stats['read']} episodes ({args.filter}); skipped {stats['skipped']} bad lines -> "
+          f"{args.output}")
     return stats

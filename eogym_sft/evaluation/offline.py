@@ -8,7 +8,8 @@ the messages, and arms are compared pairwise on identical turns. ``docs/evaluati
 :func:`evaluate` runs everything and writes ``results.jsonl``, ``skipped.jsonl``, ``summary.json`` and
 ``report.txt``; the steps (:func:`~.turn_prompts.read_traces`, :func:`~.turn_prompts.plan_turns`, :func:`load_model`,
 :func:`generate_turns`, :func:`score_turns`) are public for benchmarks and notebooks; the summary and the
-report are :func:`eogym_sft.evaluation.report.summarize_turns` and :func:`eogym_sft.evaluation.report.format_turn_report`.
+report are :func:`eogym_sft.evaluation.report.summarize_turns` and
+:func:`eogym_sft.evaluation.report.format_turn_report`.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def sized_batch(model, prompts: list[TurnPrompt], arms: list[Arm], cfg: EvalConf
     from ..agent.rollout_config import CPU_BATCH, sized_slots
 
     adapters = any(arm.adapter for arm in arms)
-    return sized_slots(model, len(prompts), turn_length(prompts, cfg), cfg.batch_size, adapters, "--batch-size", CPU_BATCH)
+    return sized_slots(model, len(prompts), turn_length(prompts, cfg), cfg.batch_size, adapters, "--batch-size",
+                       CPU_BATCH)
 
 
 def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
@@ -192,13 +194,15 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
             try:
                 images = [pictures.get(path) for path in p.images]
             except ImageError as err:
-                results[i] = {"error": problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail)}
+                results[i] = {"error": problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}",
+                                               err.detail)}
                 if bar is not None:
                     bar.update(1)
                 continue
             if cached[s] != p.trace_id:
                 decoder.release(s)  # another trace's cache is no prefix of this prompt, images included
-            ids = expand_image_pads(tokenizer(p.text, add_special_tokens=False)["input_ids"], [im.tokens for im in images], pad)
+            ids = expand_image_pads(tokenizer(p.text, add_special_tokens=False)["input_ids"],
+                                    [im.tokens for im in images], pad)
             current[s], cached[s] = i, p.trace_id
             turn[s] = pick.pick(decoder.prefill(s, ids, images)[None], [0], stops)
             return True
@@ -236,7 +240,8 @@ def _judge_outputs(judge, prompt: TurnPrompt, parsed: list) -> list[tuple[bool |
     if judge is None or not prompt.reference.scores_answer:
         return [(None, None)] * len(parsed)
     asks = [p for p in parsed if p.final_answer is not None]
-    verdicts = iter(judge_all(judge, [(prompt.question, p.final_answer, prompt.reference.gt_answer) for p in asks], workers=1))
+    verdicts = iter(judge_all(judge, [(prompt.question, p.final_answer, prompt.reference.gt_answer) for p in asks],
+                              workers=1))
     return [next(verdicts) if p.final_answer is not None else (False, None) for p in parsed]
 
 

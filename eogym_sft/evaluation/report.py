@@ -32,7 +32,8 @@ TURN_METRICS = (
 )
 TURN_PAIRED_METRICS = ("turn_correct", "call_match", "answer_normalized", "answer_judge")
 # The free-running tool metrics' columns: Earth-Agent's (and our box-tolerant one), then OpenEarthAgent's.
-EARTH_AGENT_COLUMNS = ("tool_any_order", "tool_in_order", "tool_exact_match", "param_prefix", "param_prefix_aoi@0.5", "efficiency")
+EARTH_AGENT_COLUMNS = ("tool_any_order", "tool_in_order", "tool_exact_match", "param_prefix", "param_prefix_aoi@0.5",
+                       "efficiency")
 OEA_COLUMNS = ("all_tools_called_any_order", "all_tools_called_same_order", "all_tools_called_unique")
 # The rollout report's columns after Pass@k.
 EPISODE_METRICS = ("mean_score", "answered", "tool_any", "tool_error_rate", "calls_per_episode", "turns_per_episode")
@@ -109,16 +110,22 @@ def paired_table(
     wide = max([22] + [len(p["metric"]) for p in paired])
     clustered_head = f" {f'SE ({cluster}-cl.)':>14}" if cluster else ""
     lines = [
-        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, {CI_METHOD} = delta +/- t(0.975, n - 1) SE;",
+        f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI, {CI_METHOD} = delta +/- t(0.975, n - 1) "
+        "SE;",
         f"SE ({cluster}-clustered) allows for correlated {unit} of one {cluster}; {wlt};" if cluster else wlt,
         *notes,
         f"{'A':<12} {'B':<12} {'metric':<{wide}} {'n':>5} {'mean A':>7} {'mean B':>7} {'delta':>8} {'SE':>7} "
         f"{f'95% CI, {CI_METHOD}':>22}{clustered_head} {'W/L/T':>13}",
     ]
     if any(p["ci_method"] == CI_CLIPPED for p in paired):
-        lines.insert(len(lines) - 1, f"* {CI_CLIPPED}: the t interval passed a bound a difference of proportions cannot pass")
+        lines.insert(len(lines) - 1,
+                     f"* {CI_CLIPPED}: the t interval passed a bound a difference of proportions cannot pass")
     for p in paired:
-        ci = "-" if p["ci95"] is None else "[{:+.3f}, {:+.3f}]".format(*p["ci95"]) + ("*" if p["ci_method"] == CI_CLIPPED else "")
+        ci = (
+            "-"
+            if p["ci95"] is None
+            else "[{:+.3f}, {:+.3f}]".format(*p["ci95"]) + ("*" if p["ci_method"] == CI_CLIPPED else "")
+        )
         se = "-" if p["se"] is None else f"{p['se']:.4f}"
         sec = "-" if p.get("se_clustered") is None else f"{p['se_clustered']:.4f}"
         names = f"{p['a'][:12]:<12} {p['b'][:12]:<12} {p['metric']:<{wide}} {p['n']:>5}"
@@ -201,7 +208,11 @@ def format_turn_report(summary: dict) -> str:
     if any(a["overall"] for a in steps.values()):
         lines += ["", "EO benchmark metrics, gold history: micro over call steps (docs/evaluation.md, section 17)"]
         lines += arm_tables(steps, [("calls", 6), ("answers", 7)], list(GOLD_HISTORY_METRICS), _step_row)
-    headline = [p for p in summary["paired"] if p["metric"].split("@")[0] in TURN_PAIRED_METRICS or p["metric"] in GOLD_HISTORY_METRICS]
+    headline = [
+        p
+        for p in summary["paired"]
+        if p["metric"].split("@")[0] in TURN_PAIRED_METRICS or p["metric"] in GOLD_HISTORY_METRICS
+    ]
     if headline:
         notes = ("headline metrics only: summary.json has every positive metric",)
         lines += ["", *paired_table(headline, "turns", cluster="trace", notes=notes)]
@@ -305,11 +316,13 @@ def paired_arms(per_q: dict, arms: list[str], ks: list[int]) -> list[dict]:
     mine = {arm: {q: v for (a, q), v in per_q.items() if a == arm} for arm in arms}
     metrics = [f"pass@{k}" for k in ks] + ["tool_any", *FREE_RUNNING_METRICS]
     pairs = list(combinations(arms, 2))
-    return [p for a, b in pairs for p in paired_units(a, b, mine[a], mine[b], metrics) + paired_f1(a, b, mine[a], mine[b])]
+    return [p for a, b in pairs
+            for p in paired_units(a, b, mine[a], mine[b], metrics) + paired_f1(a, b, mine[a], mine[b])]
 
 
 def summarize_rollouts(
-    records: list[dict], arms: list[str], ks: list[int], settings: dict, counts: dict, timing: dict, gold: dict | None = None
+    records: list[dict], arms: list[str], ks: list[int], settings: dict, counts: dict, timing: dict,
+    gold: dict | None = None
 ) -> dict:
     """``summary.json`` of a closed-loop run; ``gold`` maps a question id to its row's gold calls (``None``: none)."""
     per_q = questions(records, ks, gold)
@@ -357,7 +370,8 @@ def format_rollout_report(summary: dict) -> str:
     for name, a in arms.items():
         t = a.get("timing") or {}
         if t:
-            lines.append(f"  {name}: {t['episodes_per_min']:.1f} episodes/min, {t['new_tokens_per_s']:.1f} generated tokens/s")
+            lines.append(f"  {name}: {t['episodes_per_min']:.1f} episodes/min, {t['new_tokens_per_s']:.1f} generated "
+                         "tokens/s")
     lines += _tool_lines(arms)
     if summary["paired"]:
         f1 = ("cat_f1 rows: F1 of the pooled calls; SE and CI by the jackknife over questions",)
@@ -376,7 +390,8 @@ def _tool_lines(arms: dict) -> list[str]:
     """The free-running tool metrics' tables, when some question had gold calls."""
     if not any(a["overall"].get("questions_with_gold") for a in arms.values()):
         return []
-    lines = ["", "EO benchmark metrics, free running: mean over questions with gold calls (docs/evaluation.md, section 17)"]
+    lines = ["", "EO benchmark metrics, free running: mean over questions with gold calls (docs/evaluation.md, "
+                 "section 17)"]
     rows = [r for r in (_tool_row(name, a["overall"]) for name, a in arms.items()) if r is not None]
     lines += table("overall", [("quest.", 6), ("eff=inf", 7)], list(EARTH_AGENT_COLUMNS), rows)
     lines += ["", *table("overall", [("quest.", 6)], list(OEA_COLUMNS), [(n, c[:1], f) for n, c, f in rows])]

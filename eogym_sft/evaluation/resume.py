@@ -91,7 +91,8 @@ def resume_key(cfg) -> dict:
 
 IDENTITY = "run_identity"  # the field of an episode record that says which run wrote it
 # Where the run's files are, not what they hold (the fingerprints and hashes say that): left out of the identity.
-WHERE = ("model", "adapters", "adapter_fingerprints", "data", "data_root", "data_sha256", "policies", "model_fingerprint")
+WHERE = ("model", "adapters", "adapter_fingerprints", "data", "data_root", "data_sha256", "policies",
+         "model_fingerprint")
 
 
 def run_identity(key: dict) -> dict:
@@ -103,9 +104,11 @@ def run_identity(key: dict) -> dict:
         "model": key.get("model_fingerprint"),
         "adapter": adapters,
         "policy": key.get("policies"),
-        "settings": {**{k: v for k, v in key.items() if k not in WHERE}, "data": sorted((key.get("data_sha256") or {}).values())},
+        "settings": {**{k: v for k, v in key.items() if k not in WHERE},
+                     "data": sorted((key.get("data_sha256") or {}).values())},
     }
-    return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16] for name, value in parts.items()}
+    return {name: hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+            for name, value in parts.items()}
 
 
 def redacted(value):
@@ -130,7 +133,8 @@ class OutputLock:
         except OSError as err:
             os.close(self.fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise FileExistsError(f"{command}: {out} is in use by another run (locked): wait for it or pick another output") from None
+                raise FileExistsError(f"{command}: {out} is in use by another run (locked): wait for it or pick "
+                                      "another output") from None
             raise
 
     def release(self) -> None:
@@ -201,12 +205,13 @@ def refuse_link(path: Path) -> None:
     """A log reached through a symbolic link is another file's: never resumed, cut or appended to."""
     if path.is_symlink():
         raise FileExistsError(
-            f"{path} is a symbolic link (to {os.readlink(path)}): a run's log is never resumed or written through a link; "
-            "replace it with the file itself, pick another output, or pass --overwrite"
+            f"{path} is a symbolic link (to {os.readlink(path)}): a run's log is never resumed or written through a "
+            "link; replace it with the file itself, pick another output, or pass --overwrite"
         )
 
 
-def read_log(path: Path, repair: bool = False, expected: set | None = None, identity: dict | None = None) -> list[dict]:
+def read_log(path: Path, repair: bool = False, expected: set | None = None,
+             identity: dict | None = None) -> list[dict]:
     """The episodes of one log. A last line with no newline is a write cut short: cut off when
     ``repair``, else left out. Any other line that is not a JSON episode, or (given ``expected``, the run's
     ``(arm, question id, sample)`` triples) an episode of no arm, question or sample of this run, or (given
@@ -224,7 +229,8 @@ def read_log(path: Path, repair: bool = False, expected: set | None = None, iden
         try:
             record = loads(line)
         except UntrustedJSONError as err:
-            raise ValueError(f"{path}:{n}: not a JSON episode ({err}); the log is damaged: pass --overwrite to start over") from None
+            raise ValueError(f"{path}:{n}: not a JSON episode ({err}); the log is damaged: pass --overwrite to start "
+                             "over") from None
         if not isinstance(record, dict) or not {"arm", "source_id", "sample"} <= set(record):
             raise ValueError(f"{path}:{n}: not an episode record (arm, source_id, sample)")
         if expected is not None:
@@ -276,7 +282,8 @@ def order_key(arms: list[str], rows: list[tuple[str, dict]]):
     """Sort records as an uninterrupted one-process run writes them: by arm, row, sample."""
     arm_at = {a: i for i, a in enumerate(arms)}
     row_at = {str(r.get("id")): i for i, (_, r) in enumerate(rows)}
-    return lambda rec: (arm_at.get(rec["arm"], len(arm_at)), row_at.get(str(rec["source_id"]), len(row_at)), rec["sample"])
+    return lambda rec: (arm_at.get(rec["arm"], len(arm_at)), row_at.get(str(rec["source_id"]), len(row_at)),
+                        rec["sample"])
 
 
 def merge_episodes(out: Path, key) -> list[dict]:

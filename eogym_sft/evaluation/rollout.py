@@ -74,7 +74,8 @@ def read_questions(cfg: RolloutConfig) -> tuple[list[tuple[str, dict]], list[dic
             failures.append({"source": source, "reason": err.reason, "field": err.field, "detail": err.detail})
             continue
         except ImageError as err:
-            failures.append({"source": source, "reason": err.reason, "field": f"image {err.path}", "detail": err.detail})
+            failures.append({"source": source, "reason": err.reason, "field": f"image {err.path}",
+                             "detail": err.detail})
             continue
         seen[trace.id] = source
         rows.append((source, row))
@@ -123,7 +124,8 @@ def default_env_factory(cfg: RolloutConfig):
     from ..environment.env import EOGymEnvironment
 
     def factory(row: dict):
-        return EOGymEnvironment(row, cfg.data_root, backends=tuple(cfg.tools), http=cfg.tool_url, attach=cfg.tool_images)
+        return EOGymEnvironment(row, cfg.data_root, backends=tuple(cfg.tools), http=cfg.tool_url,
+                                attach=cfg.tool_images)
 
     return factory
 
@@ -140,10 +142,12 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
 
     out = Path(cfg.output)
     group = ranks.join()
-    local_arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base) if cfg.include_base or cfg.adapters else []
+    local_arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base,
+                            cfg.allow_other_base) if cfg.include_base or cfg.adapters else []
     names = [a.name for a in local_arms] + [p.name for p in cfg.policies]
     if len(set(names)) != len(names):
-        raise ValueError(f"arm names must be unique, got {names}: name adapters NAME=DIR and policies --policy-model NAME=MODEL")
+        raise ValueError(f"arm names must be unique, got {names}: name adapters NAME=DIR and policies --policy-model "
+                         "NAME=MODEL")
     rows, failures = read_questions(cfg)  # before the output is made: a wrong data root writes nothing
     check_reason_share(failures, len(rows) + len(failures), 1.0 if cfg.allow_drops else DROP_SHARE)
     key = resume_key(cfg)
@@ -162,7 +166,8 @@ def run_secrets(cfg: RolloutConfig) -> list[str]:
     return [os.environ[e] for e in envs if os.environ.get(e)]
 
 
-def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory, identity) -> dict | None:
+def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory,
+         identity) -> dict | None:
     import torch
     from tqdm.auto import tqdm
 
@@ -170,13 +175,17 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     from ..models.processor import load_processor
 
     expected = {(name, str(r.get("id")), k) for name in names for _, r in rows for k in range(cfg.samples)}
-    earlier = read_episodes(out, expected, identity)  # only this run's own records (model, adapters, policies, settings)
+    # only this run's own records (model, adapters, policies, settings)
+    earlier = read_episodes(out, expected, identity)
     judge = make_judge(cfg)
     device, dtype = resolve_device(ranks.local_device(cfg.device, group), cfg.dtype)
     env_factory = env_factory or default_env_factory(cfg)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     mine = rows[group.rank :: group.world]
-    todo = {name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier] for name in names}
+    todo = {
+        name: [(s, r, k) for s, r in mine for k in range(cfg.samples) if (name, str(r.get("id")), k) not in earlier]
+        for name in names
+    }
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
     loop = LoopConfig(cfg.max_turns, cfg.max_new_tokens, cfg.tool_images, cfg.seed)
     graphs = cfg.cuda_graphs and device.type == "cuda"
@@ -191,7 +200,8 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
             episodes = (start_episode(row, source, name, k, env_factory) for source, row, k in todo[name])
             policy = next((p for p in cfg.policies if p.name == name), None)
             if policy is not None:
-                stats = run_policy_episodes(policy, processor, episodes, sampling, loop, cfg.data_root, scorer.add, bar)
+                stats = run_policy_episodes(policy, processor, episodes, sampling, loop, cfg.data_root, scorer.add,
+                                            bar)
             else:
                 stats = local.run(name, processor, episodes, sampling, loop, scorer.add, bar)
             timing[name] = {**stats, "episodes": len(todo[name])}
@@ -204,7 +214,9 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
     ranks.leave(group)
     settings = redacted(recorded_settings(cfg, local_arms, device, dtype))  # a URL's user:password@ stays out
     settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
-    settings["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
+    settings["peak_memory_bytes"] = (
+        torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
+    )
     settings["world_size"] = group.world
     settings["slots_used"] = local.slots  # what ran: --slots, or what the GPU held (None: no local arm ran)
     counts = {
@@ -245,7 +257,8 @@ class _LocalArms:
         if self.model is None:
             self.model = load_inference_model(self.cfg.model, self.arms, self.device, self.dtype)
             adapters = any(arm.adapter for arm in self.arms)
-            self.slots = sized_slots(self.model, self.most_episodes, self.cfg.max_episode_tokens, self.cfg.slots, adapters, "--slots", CPU_SLOTS)
+            self.slots = sized_slots(self.model, self.most_episodes, self.cfg.max_episode_tokens, self.cfg.slots,
+                                     adapters, "--slots", CPU_SLOTS)
             self.decoder = SlotDecoder(self.model, self.slots, self.cfg.max_episode_tokens, cuda_graphs=self.graphs)
         arm = next(a for a in self.arms if a.name == name)
         with use_arm(self.model, arm):
@@ -290,7 +303,8 @@ class Scorer:
 
 
 UNRECORDABLE = "unrecordable"
-OUTCOME_DEFAULTS = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_error_codes": {}, "new_tokens": 0, "final_answer": None,
+OUTCOME_DEFAULTS = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "tool_error_codes": {}, "new_tokens": 0,
+                    "final_answer": None,
                     "correct": None, "rule_correct": None, "judge_error": None, "images_seen": []}
 
 
@@ -325,4 +339,5 @@ def start_episode(row: dict, source: str, arm: str, sample: int, env_factory):
 
 def _episode_problem(record: dict) -> dict:
     reason = "episode_error" if record["stop_reason"] == "error" else "judge_failed"
-    return {"source": record["source"], "episode": record["id"], "reason": reason, "detail": record["error"] or record["judge_error"]}
+    return {"source": record["source"], "episode": record["id"], "reason": reason,
+            "detail": record["error"] or record["judge_error"]}

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..agent.rollout_config import CPU_BATCH, CPU_SLOTS, MAX_EPISODE_TOKENS
-
-VALIDATE_BATCHES = (32, 16, 8, 4, 2, 1)  # samples a forward validate tries, most first
 from ..config import TOOL_IMAGES, TOOL_IMAGES_HELP, ImageConfig, SampleConfig, add_dataclass_args
 from ..data.tool_images import ToolImageRule
 from ..environment.env import BACKENDS, DEFAULT_BACKENDS
@@ -26,8 +24,10 @@ from ..net import check_url
 if TYPE_CHECKING:
     from ..agent.policy_server import PolicyServer  # imports torch
 
+VALIDATE_BATCHES = (32, 16, 8, 4, 2, 1)  # samples a forward validate tries, most first
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-ADAPTERS = {"flag": "--adapter", "action": "extend", "nargs": "+", "metavar": "[NAME=]DIR", "help": "LoRA adapter folder(s), each one arm"}
+ADAPTERS = {"flag": "--adapter", "action": "extend", "nargs": "+", "metavar": "[NAME=]DIR",
+            "help": "LoRA adapter folder(s), each one arm"}
 NO_BASE = {"flag": "--no-base", "action": "store_false", "help": "do not run the base model (adapters off) as an arm"}
 OTHER_BASE = {"help": "use adapters trained on a base of another name (the same weights renamed)"}
 DATA_ROOT = {"help": "folder holding EO_GYM_DATA/ and image_cache/"}
@@ -45,35 +45,46 @@ class ArmsConfig(ImageConfig):
     """The settings evaluate and rollout share (the pixel settings of :class:`ImageConfig`); each command's token
     budget has its own name (``max_prompt_tokens``, ``max_episode_tokens``)."""
 
-    model: str = field(metadata={"help": "base model: hub id or local folder (its processor and chat template are used)"})
+    model: str = field(metadata={"help": "base model: hub id or local folder (its processor and chat template are "
+                                         "used)"})
     data: list[str] = field(
-        metadata={"help": "EO-Gym JSONL file(s): reference traces (evaluate), or rows that may carry only the question (rollout)"}
+        metadata={"help": "EO-Gym JSONL file(s): reference traces (evaluate), or rows that may carry only the "
+                          "question (rollout)"}
     )
     output: str | None = field(
-        default=None, metadata={"required": True, "help": "folder for the run's files: results or episodes, skipped.jsonl, summary.json, report.txt"}
+        default=None,
+        metadata={"required": True,
+                  "help": "folder for the run's files: results or episodes, skipped.jsonl, summary.json, report.txt"}
     )
     adapters: list[str] = field(default_factory=list, metadata=ADAPTERS)  # "DIR" or "NAME=DIR"
     data_root: str = field(default=".", metadata=DATA_ROOT)
     include_base: bool = field(default=True, metadata=NO_BASE)
     allow_other_base: bool = field(default=False, metadata=OTHER_BASE)
-    limit: int | None = field(default=None, metadata={"help": "read only the first N input rows (at least 1; default: every row)"})
+    limit: int | None = field(default=None,
+                              metadata={"help": "read only the first N input rows (at least 1; default: every row)"})
     tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
     samples: int = field(
-        default=1, metadata={"help": "outputs per turn (evaluate) or episodes per question (rollout): the n of pass@k; > 1 needs --temperature"}
+        default=1,
+        metadata={"help": "outputs per turn (evaluate) or episodes per question (rollout): the n of pass@k; > 1 needs "
+                          "--temperature"}
     )
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy decoding"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling when --temperature > 0", "max": 1.0})
     top_k: int = field(default=0, metadata={"help": "top-k sampling when --temperature > 0 (0 = off)"})
     max_new_tokens: int = field(default=512, metadata={"help": "tokens per generated message"})
     judge: str | None = field(
-        default=None, metadata={"metavar": "MODULE:FUNCTION", "help": "judge(question, prediction, reference) -> bool for final answers"}
+        default=None,
+        metadata={"metavar": "MODULE:FUNCTION",
+                  "help": "judge(question, prediction, reference) -> bool for final answers"}
     )
     seed: int = field(default=0, metadata={"help": "seed of sampling (the same per batch in every arm)"})
     device: str = field(default="auto", metadata=DEVICE)
     dtype: str = field(default="auto", metadata=DTYPE)
-    overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --output (files of an earlier run are replaced)"})
+    overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --output (files of an earlier "
+                                                             "run are replaced)"})
     allow_drops: bool = field(
-        default=False, metadata={"help": "go on when more than half of the rows are dropped for one reason (refused otherwise)"}
+        default=False,
+        metadata={"help": "go on when more than half of the rows are dropped for one reason (refused otherwise)"}
     )
 
     def __post_init__(self):
@@ -101,14 +112,16 @@ class EvalConfig(ArmsConfig):
     prompt, image tokens included (a training sample's budget by default)."""
 
     max_prompt_tokens: int = field(
-        default=SampleConfig.max_length, metadata={"aliases": ["--max-length"], "help": "skip turns whose prompt is longer (image tokens included)"}
+        default=SampleConfig.max_length,
+        metadata={"aliases": ["--max-length"], "help": "skip turns whose prompt is longer (image tokens included)"}
     )
     batch_size: int | None = field(
         default=None,
-        metadata={"help": "prompts decoded at once (default: as many as the GPU holds beside the model, a prefill and the merged "
-                          f"LoRA weights; {CPU_BATCH} off CUDA)"},
+        metadata={"help": "prompts decoded at once (default: as many as the GPU holds beside the model, a prefill and "
+                          f"the merged LoRA weights; {CPU_BATCH} off CUDA)"},
     )
-    num_tolerance: float = field(default=1e-6, metadata={"help": "numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)"})
+    num_tolerance: float = field(default=1e-6,
+                                 metadata={"help": "numbers in arguments match when |a-b| <= tol*max(1,|a|,|b|)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -124,31 +137,40 @@ class RolloutConfig(ArmsConfig):
     token budget, image tokens included (the KV cache holds ``slots`` x ``max_episode_tokens`` tokens)."""
 
     max_episode_tokens: int = field(
-        default=MAX_EPISODE_TOKENS, metadata={"aliases": ["--max-length"], "help": "tokens per episode, images included (the KV cache holds --slots x this)"}
+        default=MAX_EPISODE_TOKENS,
+        metadata={"aliases": ["--max-length"],
+                  "help": "tokens per episode, images included (the KV cache holds --slots x this)"}
     )
     tools: list[str] = field(
         default_factory=lambda: list(DEFAULT_BACKENDS),
-        metadata={"type": comma_list, "help": "tool backends, first that answers wins (comma-separated: crop,replay,http)"},
+        metadata={"type": comma_list,
+                  "help": "tool backends, first that answers wins (comma-separated: crop,replay,http)"},
     )
-    tool_url: str | None = field(default=None, metadata={"help": "URL of a running tool server for the http backend (docs/environment.md)"})
+    tool_url: str | None = field(default=None, metadata={"help": "URL of a running tool server for the http backend "
+                                                                 "(docs/environment.md)"})
     ks: list[int] | None = field(
-        default=None, metadata={"flag": "--pass-k", "metavar": "K", "help": "report Pass@k for these k (default: 1 and --samples)"}
+        default=None,
+        metadata={"flag": "--pass-k", "metavar": "K", "help": "report Pass@k for these k (default: 1 and --samples)"}
     )
     max_turns: int = field(default=8, metadata={"help": "assistant turns per episode"})
     slots: int | None = field(
         default=None,
-        metadata={"help": "episodes decoded at once (default: as many as the GPU holds beside the model, a prefill and the "
-                          f"merged LoRA weights, at most one per episode; {CPU_SLOTS} off CUDA)"},
+        metadata={"help": "episodes decoded at once (default: as many as the GPU holds beside the model, a prefill "
+                          f"and the merged LoRA weights, at most one per episode; {CPU_SLOTS} off CUDA)"},
     )
     cuda_graphs: bool = field(
-        default=True, metadata={"help": "replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)"}
+        default=True,
+        metadata={"help": "replay the decode step from CUDA graphs on a GPU (--no-cuda-graphs: run it eagerly)"}
     )
     judge_url: str | None = field(
-        default=None, metadata={"help": "OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)"}
+        default=None,
+        metadata={"help": "OpenAI-compatible chat-completions URL for an LLM judge (key: $OPENAI_API_KEY)"}
     )
     judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to --judge-url"})
-    judge_retries: int = field(default=ChatJudge.retries, metadata={"help": "retries of a failed judge request before it is counted"})
-    judge_timeout: float = field(default=ChatJudge.timeout, metadata={"help": "seconds for judging one answer, retries included"})
+    judge_retries: int = field(default=ChatJudge.retries,
+                               metadata={"help": "retries of a failed judge request before it is counted"})
+    judge_timeout: float = field(default=ChatJudge.timeout,
+                                 metadata={"help": "seconds for judging one answer, retries included"})
     # arms behind chat-completions servers: built from --policy-url/--policy-model/--policy-config
     policies: list[PolicyServer] = field(default_factory=list, metadata={"flag": False})
 
@@ -187,27 +209,33 @@ class ValidateConfig(SampleConfig):
     output: str = field(metadata={"help": "report.json to write"})
     batch_size: int | None = field(
         default=None,
-        metadata={"help": f"samples packed into one forward (default: the most, up to {VALIDATE_BATCHES[0]}, whose largest batch the "
-                          f"GPU holds beside the model; {CPU_BATCH} off CUDA)"},
+        metadata={"help": f"samples packed into one forward (default: the most, up to {VALIDATE_BATCHES[0]}, whose "
+                          f"largest batch the GPU holds beside the model; {CPU_BATCH} off CUDA)"},
     )
     num_proc: int = field(default=1, metadata={"help": "data-prep workers when --data is JSONL"})
     device: str = field(default="auto", metadata=DEVICE)
     dtype: str = field(default="auto", metadata=DTYPE)
     attn_implementation: str | None = field(
         default=None,
-        metadata={"help": "text attention: eogym_varlen_cudnn (default on CUDA, the recipe's), eogym_varlen (default elsewhere) or sdpa (padded batches)"},
+        metadata={"help": "text attention: eogym_varlen_cudnn (default on CUDA, the recipe's), eogym_varlen (default "
+                          "elsewhere) or sdpa (padded batches)"},
     )
     # Processes that collate batches (decode, resize and patchify images) while the model runs.
     dataloader_workers: int = field(
-        default=8, metadata={"help": "processes that collate batches while the model runs (at most CPUs - 1; 0: the main process)"}
+        default=8,
+        metadata={"help": "processes that collate batches while the model runs (at most CPUs - 1; 0: the main "
+                          "process)"}
     )
     # On CUDA, where it pays, not on CPU, where Inductor's compile takes longer than a small run.
     compile_layers: bool | None = field(
         default=None, metadata={"help": "compile the decoder layers as the SFT recipe does (default: on CUDA only)"}
     )
-    allow_other_base: bool = field(default=False, metadata={"help": "use an adapter trained on a base of another name (the same weights renamed)"})
+    allow_other_base: bool = field(default=False, metadata={"help": "use an adapter trained on a base of another name "
+                                                                    "(the same weights renamed)"})
     held_out_fraction: float | None = field(
-        default=None, metadata={"help": "score only the traces a training run held out: its eval_fraction (with --seed, its seed)", "max": 1.0}
+        default=None,
+        metadata={"help": "score only the traces a training run held out: its eval_fraction (with --seed, its seed)",
+                  "max": 1.0}
     )
     seed: int = field(default=42, metadata={"help": "the training run's seed, for --held-out-fraction"})
     overwrite: bool = field(default=False, metadata={"help": "write into a non-empty --output (refused otherwise)"})
@@ -248,7 +276,8 @@ def add_rollout_args(parser) -> None:
     add("--no-progress", action="store_true", help="no progress bar")
     add("--policy-url", action="append", default=[], metavar="URL",
         help="an OpenAI-compatible chat-completions endpoint as one more arm (repeat for several; docs/evaluation.md)")
-    add("--policy-model", action="append", default=[], metavar="[ARM=]MODEL", help="the model name sent to the i-th --policy-url")
+    add("--policy-model", action="append", default=[], metavar="[ARM=]MODEL",
+        help="the model name sent to the i-th --policy-url")
     add("--policy-config", action="append", default=[], metavar="JSON",
         help="settings of the policy servers as a JSON object or file: api_key_env, concurrency, deadline_s, retries, "
              "max_response_bytes, tool_images_as, max_tokens_field, body (one for all, or one per --policy-url)")
@@ -300,7 +329,8 @@ def is_validation_report(path: Path) -> bool:
 def check_validate_output(cfg: ValidateConfig) -> None:
     """:func:`eogym_sft.guards.check_output` for ``validate``'s report."""
     data = [p for p in cfg.data.split(",") if p]
-    check_output(cfg.output, "eogym-sft validate", cfg.overwrite, "validation report", arm_inputs(data, cfg.adapters), is_validation_report)
+    check_output(cfg.output, "eogym-sft validate", cfg.overwrite, "validation report", arm_inputs(data, cfg.adapters),
+                 is_validation_report)
 
 
 def recorded_settings(cfg: ArmsConfig, arms: list, device, dtype) -> dict:

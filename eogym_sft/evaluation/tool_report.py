@@ -112,7 +112,11 @@ def tool_figures(per_question: list[dict]) -> dict:
 def paired_f1(a: str, b: str, questions_a: dict, questions_b: dict) -> list[dict]:
     """Arm ``b`` against arm ``a`` on each category's pooled F1 (both formulas) over the questions both scored:
     ``delta`` the difference of the F1s, ``se`` the jackknife SE of that difference (leave one question out)."""
-    keys = sorted(k for k in questions_a.keys() & questions_b.keys() if "categories" in questions_a[k] and "categories" in questions_b[k])
+    keys = sorted(
+        k
+        for k in questions_a.keys() & questions_b.keys()
+        if "categories" in questions_a[k] and "categories" in questions_b[k]
+    )
     cats_a, cats_b = [questions_a[k]["categories"] for k in keys], [questions_b[k]["categories"] for k in keys]
     out = []
     for gta, name in ((False, "cat_f1"), (True, "cat_f1_gta")):
@@ -123,6 +127,7 @@ def paired_f1(a: str, b: str, questions_a: dict, questions_b: dict) -> list[dict
             stats = paired_stats(xs, ys)
             mean_a, mean_b = category_f1(pooled(cats_a)[cat], gta), category_f1(pooled(cats_b)[cat], gta)
             delta, half = mean_b - mean_a, t_quantile_975(len(keys) - 1) * stats["se"]
-            stats.update(mean_a=mean_a, mean_b=mean_b, delta=delta, ci95=[delta - half, delta + half], ci_method=F1_CI_METHOD)
+            stats.update(mean_a=mean_a, mean_b=mean_b, delta=delta, ci95=[delta - half, delta + half],
+                         ci_method=F1_CI_METHOD)
             out.append({"a": a, "b": b, "metric": f"{name}/{cat}", **stats})
     return out

@@ -39,7 +39,8 @@ def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def supervised_scores(model, batch: dict, where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def supervised_scores(model, batch: dict,
+                      where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per supervised target token: cross-entropy, correctness, and its ``(row, position)`` index.
 
     ``where`` (:func:`supervised_positions` of the batch's labels, computed on the host before the batch
@@ -95,7 +96,8 @@ class ScoringBatches(torch.utils.data.Dataset):
         spans = sample_spans(batch, len(examples), self.collator.padding_free)
         tokenizer = self.collator.processor.tokenizer
         classes = [
-            token_classes(batch["input_ids"][row, a:b].tolist(), (batch["labels"][row, a:b] != IGNORE_INDEX).tolist(), tokenizer)
+            token_classes(batch["input_ids"][row, a:b].tolist(), (batch["labels"][row, a:b] != IGNORE_INDEX).tolist(),
+                          tokenizer)
             for row, row_spans in enumerate(spans) for a, b in row_spans
         ]
         where = supervised_positions(batch["labels"])
@@ -132,10 +134,10 @@ def _target_groups(where: torch.Tensor, spans, examples: list[dict], classes) ->
 def _accumulate(totals, names: list[str], ids: torch.Tensor, loss: torch.Tensor, correct: torch.Tensor) -> None:
     """Add each scored target to its groups (:func:`_target_groups`), in target order (Python floats: the
     same sums on every path)."""
-    for groups, l, c in zip(ids.tolist(), loss.tolist(), correct.tolist()):
+    for groups, lost, c in zip(ids.tolist(), loss.tolist(), correct.tolist()):
         for g in groups:
             total = totals[names[g]]
-            total[0] += l
+            total[0] += lost
             total[1] += c
             total[2] += 1
 
@@ -152,8 +154,8 @@ def _merge_ranks(totals: dict) -> dict:
     torch.distributed.all_gather_object(gathered, dict(totals))
     merged = defaultdict(lambda: [0.0, 0, 0])
     for part in gathered:
-        for key, (l, c, n) in part.items():
-            merged[key][0] += l
+        for key, (lost, c, n) in part.items():
+            merged[key][0] += lost
             merged[key][1] += c
             merged[key][2] += n
     return merged
@@ -162,8 +164,8 @@ def _merge_ranks(totals: dict) -> dict:
 def _report(totals: dict) -> dict:
     merged = _merge_ranks(totals)
     return {
-        key: {"loss": l / n, "token_accuracy": c / n, "tokens": n}
-        for key, (l, c, n) in sorted(merged.items(), key=lambda kv: (kv[0] != "overall", kv[0]))
+        key: {"loss": lost / n, "token_accuracy": c / n, "tokens": n}
+        for key, (lost, c, n) in sorted(merged.items(), key=lambda kv: (kv[0] != "overall", kv[0]))
     }
 
 
@@ -174,7 +176,8 @@ def _batches(scoring: ScoringBatches, workers: int, device: torch.device):
     if workers == 0:
         return (scoring[k] for k in range(len(scoring)))
     return torch.utils.data.DataLoader(
-        scoring, batch_size=None, num_workers=workers, prefetch_factor=1, collate_fn=_as_is, pin_memory=device.type == "cuda",
+        scoring, batch_size=None, num_workers=workers, prefetch_factor=1, collate_fn=_as_is,
+        pin_memory=device.type == "cuda",
     )
 
 
@@ -183,7 +186,8 @@ def _as_is(item):
 
 
 def score_arms(
-    model, arms: list, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True,
+    model, arms: list, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu",
+    progress: bool = True,
     skipped: list | None = None, label: str = "validate", stats: dict | None = None, workers: int = 0,
 ) -> dict[str, dict]:
     """``{arm name: scores}`` for every arm of ``arms`` (:class:`eogym_sft.models.loading.Arm`), each batch
@@ -193,12 +197,14 @@ def score_arms(
     and ``tokens_per_s``."""
     from ..models.loading import use_arm
 
-    return _score(model, [(arm.name, lambda arm=arm: use_arm(model, arm)) for arm in arms], collator, dataset, batch_size, device,
+    return _score(model, [(arm.name, lambda arm=arm: use_arm(model, arm)) for arm in arms], collator, dataset,
+                  batch_size, device,
                   progress, skipped, label, stats, workers)
 
 
 def score_dataset(
-    model, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True, skipped: list | None = None,
+    model, collator, dataset, batch_size: int = 8, device: str | torch.device = "cpu", progress: bool = True,
+    skipped: list | None = None,
     label: str = "validate", stats: dict | None = None, workers: int = 0,
 ) -> dict:
     """``{group: {"loss", "token_accuracy", "tokens"}}`` for groups ``overall``, ``EO_task/...``,
@@ -210,10 +216,12 @@ def score_dataset(
     With a collator that skips bad images (``skip_bad_images=True``), the samples it skipped are
     appended to ``skipped`` (this rank's) and left out of every figure. ``stats``, when given, gets this
     rank's ``seconds``, ``tokens`` (every token run through the model, context included) and ``tokens_per_s``."""
-    return _score(model, [("model", nullcontext)], collator, dataset, batch_size, device, progress, skipped, label, stats, workers)["model"]
+    return _score(model, [("model", nullcontext)], collator, dataset, batch_size, device, progress, skipped, label,
+                  stats, workers)["model"]
 
 
-def _score(model, arms, collator, dataset, batch_size, device, progress, skipped, label, stats, workers) -> dict[str, dict]:
+def _score(model, arms, collator, dataset, batch_size, device, progress, skipped, label, stats,
+           workers) -> dict[str, dict]:
     from tqdm.auto import tqdm
 
     rank, world = 0, 1
@@ -273,7 +281,8 @@ def default_compile(device) -> bool:
 
 
 def dataloader_workers(requested: int) -> int:
-    """``requested`` workers, at most one fewer than the CPUs this process may use (the main process runs the model)."""
+    """``requested`` workers, at most one fewer than the CPUs this process may use (the main process runs the
+    model)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(requested, cpus - 1))
 
@@ -303,12 +312,14 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
     config = unwrap_peft(model).config
     vocab, merge = config.get_text_config().vocab_size, config.vision_config.spatial_merge_size ** 2
     columns = [list(dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
-    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if torch.distributed.is_initialized() else (0, 1)
+    rank, world = (torch.distributed.get_rank(),
+                   torch.distributed.get_world_size()) if torch.distributed.is_initialized() else (0, 1)
     mine = list(range(rank, len(dataset), world))
 
     def largest(b: int) -> float:
         chunks = [mine[k : k + b] for k in range(0, len(mine), b)] or [[]]
-        return max(forward_bytes(MicroBatch(*(sum(col[i] for i in chunk) for col in columns)), vocab, merge) for chunk in chunks)
+        return max(forward_bytes(MicroBatch(*(sum(col[i] for i in chunk) for col in columns)), vocab,
+                                 merge) for chunk in chunks)
 
     for b in [requested] if requested else VALIDATE_BATCHES:
         if largest(b) <= usable:
@@ -316,7 +327,8 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
                   f"{largest(b) / GIB:.1f} GiB predicted)")
             return b
     asked = f"--batch-size {requested}" if requested else "one sample a forward"
-    raise ValueError(f"{asked} does not fit: its largest batch is predicted to need {largest(requested or 1) / GIB:.1f} GiB of the "
+    raise ValueError(f"{asked} does not fit: its largest batch is predicted to need "
+                     f"{largest(requested or 1) / GIB:.1f} GiB of the "
                      f"{usable / GIB:.1f} GiB free beside the model: lower --batch-size or --max-length")
 
 
@@ -339,7 +351,8 @@ def validate(cfg: ValidateConfig) -> dict:
     attention = cfg.attn_implementation or default_attention(device)
     processor = load_processor(cfg.model, cfg.max_pixels, cfg.min_pixels)
     workdir = Path(cfg.output).with_suffix("").as_posix() + "_prepared"
-    dataset, _ = load_or_prepare(cfg.data, cfg.model, processor, PrepConfig(max_length=cfg.max_length, data_root=cfg.data_root), workdir, cfg.num_proc)
+    dataset, _ = load_or_prepare(cfg.data, cfg.model, processor,
+                                 PrepConfig(max_length=cfg.max_length, data_root=cfg.data_root), workdir, cfg.num_proc)
     if cfg.held_out_fraction:
         dataset = split_by_trace(dataset, cfg.held_out_fraction, cfg.seed)[1]
     model = load_inference_model(cfg.model, arms, device, dtype, attn_implementation=attention)
@@ -349,11 +362,14 @@ def validate(cfg: ValidateConfig) -> dict:
         compile_language_layers(model)
     workers, timing, skipped = dataloader_workers(cfg.dataloader_workers), {}, []
     batch_size = sized_batch(model, dataset, cfg.batch_size, device)
-    models = score_arms(model, arms, collator, dataset, batch_size, device, skipped=skipped, stats=timing, workers=workers)
+    models = score_arms(model, arms, collator, dataset, batch_size, device, skipped=skipped, stats=timing,
+                        workers=workers)
     report = {
         "model": cfg.model, "adapters": {a.name: a.adapter for a in arms if a.adapter}, "data": cfg.data,
-        "held_out_fraction": cfg.held_out_fraction, "samples": len(dataset), "samples_skipped": len(skipped), "skipped": skipped,
-        "attn_implementation": attention, "batch_size": batch_size, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+        "held_out_fraction": cfg.held_out_fraction, "samples": len(dataset), "samples_skipped": len(skipped),
+        "skipped": skipped,
+        "attn_implementation": attention, "batch_size": batch_size, "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
         "compiled_layers": compiled, "dataloader_workers": workers,
         "models": models, "timing": timing,
     }
@@ -364,7 +380,8 @@ def validate(cfg: ValidateConfig) -> dict:
         print(f"skipped sample {record['sample_id']} ({record['reason']}): {record['file']}")
     for name, scores in models.items():
         print(f"token accuracy ({name}): {scores['overall']['token_accuracy']:.4f}")
-    print(f"{timing['tokens']} tokens through the model in {timing['seconds']:.1f} s ({timing['tokens_per_s'] or 0:.0f} tokens/s, all arms)")
+    print(f"{timing['tokens']} tokens through the model in {timing['seconds']:.1f} s "
+          f"({timing['tokens_per_s'] or 0:.0f} tokens/s, all arms)")
     print(f"report: {cfg.output}")
     return report
 

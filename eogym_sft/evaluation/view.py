@@ -40,7 +40,8 @@ from .view_data import (
 )
 from .view_episodes import evaluation_turn, rollout_episode, summarize_records, well_typed
 
-__all__ = ["ViewError", "add_view_args", "embed_json", "find_runs", "plot_keys", "render", "run_view", "serve", "write_report"]
+__all__ = ["ViewError", "add_view_args", "embed_json", "find_runs", "plot_keys", "render", "run_view", "serve",
+           "write_report"]
 
 TEMPLATE = Path(__file__).with_name("view.html")
 GENERATOR = b'<meta name="generator" content="eogym-sft view">'  # in the template's head: marks a page as view's
@@ -65,7 +66,8 @@ PLOTS = {
     "eval_loss": "eval loss",
     "eval_mean_token_accuracy": "eval token accuracy",
 }
-NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
+NOT_PLOTTED = {"epoch", "step", "total_flos", "train_runtime", "train_samples_per_second", "train_steps_per_second",
+               "train_loss"}
 
 
 # ---------------------------------------------------------------- the summary tables (server-side HTML, escaped)
@@ -107,14 +109,17 @@ def paired_html(paired: list[dict], unit: str) -> str:
                      f"{p.get('wins')}/{p.get('losses')}/{p.get('ties')}"])
     caption = (
         f"paired, B - A on identical {unit}; SE = sd(diff)/sqrt(n); 95% CI by the row's method (paired t: delta +/- "
-        f"t(0.975, n - 1) SE, clipped to [-1, 1] where it passed a bound); W/L/T = {unit} where B is better/worse/equal"
+        f"t(0.975, n - 1) SE, clipped to [-1, 1] where it passed a bound); W/L/T = {unit} where B is "
+        "better/worse/equal"
     )
-    return html_table(["A", "B", "metric", "n", "mean A", "mean B", "delta", "SE", "95% CI", "CI method", "W/L/T"], rows, caption)
+    return html_table(["A", "B", "metric", "n", "mean A", "mean B", "delta", "SE", "95% CI", "CI method", "W/L/T"],
+                      rows, caption)
 
 
 def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
     """Pass@k and tool use per arm, per ``EO_task``, paired deltas, stop reasons, tool errors by code, skips."""
-    ks = summary.get("settings", {}).get("ks") or sorted({int(k[5:]) for a in summary["arms"].values() for k in a["overall"]
+    ks = summary.get("settings",
+                     {}).get("ks") or sorted({int(k[5:]) for a in summary["arms"].values() for k in a["overall"]
                                                          if k.startswith("pass@") and k[5:].isdigit()})
     arms = summary["arms"]
     cols = ["questions", "episodes", *(f"pass@{k}" for k in ks), *EPISODE_METRICS, "judge_failed"]
@@ -122,7 +127,8 @@ def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
     parts = [html_table(["arm", *cols], rows, "per arm")]
     tasks = sorted({t for a in arms.values() for t in a.get("by_EO_task", {})})
     task_cols = [(arm, f"pass@{k}") for arm in arms for k in ks]
-    task_rows = [[t, *(arms[arm].get("by_EO_task", {}).get(t, {}).get(metric) for arm, metric in task_cols)] for t in tasks]
+    task_rows = [[t, *(arms[arm].get("by_EO_task", {}).get(t, {}).get(metric) for arm, metric in task_cols)]
+                 for t in tasks]
     parts.append(html_table(["EO_task", *(f"{arm} {metric}" for arm, metric in task_cols)], task_rows, "per EO_task"))
     parts.append(paired_html(summary.get("paired") or [], "questions"))
     parts.append(_counts_table(arms, "stop_reasons", "stop reasons (episodes)"))
@@ -134,7 +140,8 @@ def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
 def evaluation_summary_html(summary: dict, skipped: list[dict]) -> str:
     arms = summary["arms"]
     metrics = [m for m in TURN_METRICS + ("answer_judge",) if any(m in a["overall"] for a in arms.values())]
-    rows = [[arm, max((v["n"] for v in a["overall"].values()), default=0), *((a["overall"].get(m) or {}).get("mean") for m in metrics)]
+    rows = [[arm, max((v["n"] for v in a["overall"].values()), default=0),
+             *((a["overall"].get(m) or {}).get("mean") for m in metrics)]
             for arm, a in arms.items()]
     per_arm = html_table(["arm", "turns", *metrics], rows, "per arm (means over turns)")
     return per_arm + paired_html(summary.get("paired") or [], "turns") + skipped_html(skipped)
@@ -145,10 +152,12 @@ def skipped_html(skipped: list[dict]) -> str:
     for item in skipped:
         by_reason.setdefault(str(item.get("reason")), []).append(item)
     rows = [
-        [reason, len(items), ", ".join(str(i.get("source") or i.get("episode")) for i in items[:5]) + (" ..." if len(items) > 5 else "")]
+        [reason, len(items),
+         ", ".join(str(i.get("source") or i.get("episode")) for i in items[:5]) + (" ..." if len(items) > 5 else "")]
         for reason, items in sorted(by_reason.items())
     ]
-    return html_table(["reason", "count", "first sources"], rows, "skipped.jsonl: rows and episodes left out, by reason")
+    return html_table(["reason", "count", "first sources"], rows,
+                      "skipped.jsonl: rows and episodes left out, by reason")
 
 
 # ---------------------------------------------------------------- training plots
@@ -157,7 +166,9 @@ def skipped_html(skipped: list[dict]) -> str:
 def plot_keys(history: list[dict]) -> list[str]:
     """The numeric keys of ``log_history`` worth a plot: :data:`PLOTS`' that exist, in order, then the rest."""
     present = dict.fromkeys(k for h in history for k, v in h.items() if is_number(v))
-    rest = [k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))]
+    rest = [
+        k for k in present if k not in PLOTS and k not in NOT_PLOTTED and not k.endswith(("_runtime", "_per_second"))
+    ]
     return [k for k in PLOTS if k in present] + rest
 
 
@@ -190,19 +201,28 @@ def training_html(state_path: Path, problems: list[str], roots=()) -> str:
     history = [h for h in log if isinstance(h, dict)] if isinstance(log, list) else []
     main, rest = [], []
     for key in plot_keys(history):
-        points = [(h["step"] if is_number(h.get("step")) else i, h[key]) for i, h in enumerate(history) if is_number(h.get(key))]
-        figure = f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" src="{plot_svg(key, points)}"></figure>'
+        points = [(h["step"] if is_number(h.get("step")) else i, h[key])
+                  for i, h in enumerate(history) if is_number(h.get(key))]
+        figure = (f'<figure data-metric="{html.escape(key)}"><img alt="{html.escape(key)}" '
+                  f'src="{plot_svg(key, points)}"></figure>')
         (main if key in PLOTS else rest).append(figure)
-    head = f"<p>{html.escape(str(state_path))}: {len(history)} log entries, global step {html.escape(_fmt(state.get('global_step')))}</p>"
+    step = html.escape(_fmt(state.get('global_step')))
+    head = f"<p>{html.escape(str(state_path))}: {len(history)} log entries, global step {step}</p>"
     if not main + rest:
         return head + "<p>no metrics logged</p>"
-    more = f'<details><summary>{len(rest)} more logged metrics</summary><div class="plots">{"".join(rest)}</div></details>' if rest else ""
+    more = (
+        f'<details><summary>{len(rest)} more logged metrics</summary><div '
+        f'class="plots">{"".join(rest)}</div></details>'
+        if rest
+        else ""
+    )
     return head + f'<div class="plots">{"".join(main)}</div>' + more
 
 
 def validation_html(report: dict) -> str:
     models = report.get("models") if isinstance(report.get("models"), dict) else {}
-    overall = {name: m["overall"] for name, m in models.items() if isinstance(m, dict) and isinstance(m.get("overall"), dict)}
+    overall = {name: m["overall"] for name, m in models.items()
+               if isinstance(m, dict) and isinstance(m.get("overall"), dict)}
     metrics = list(dict.fromkeys(k for o in overall.values() for k, v in o.items() if is_number(v)))
     rows = [[name, *(o.get(k) for k in metrics)] for name, o in overall.items()]
     return html_table(["model", *metrics], rows, f"overall, {report.get('samples', '?')} samples")
@@ -267,17 +287,23 @@ def _episodes_section(page: Page, run: Run, index: int, data_root: str | None) -
         episodes = [evaluation_turn(r, page.texts) for r in records]
         tables = _tables(page, run, evaluation_summary_html, summary, skipped) if summary else "<p>no summary.json</p>"
     else:
-        files = [run.path / "episodes.jsonl"] if (run.path / "episodes.jsonl").exists() else sorted(run.path.glob("episodes.rank*.jsonl"))
+        files = (
+            [run.path / "episodes.jsonl"]
+            if (run.path / "episodes.jsonl").exists()
+            else sorted(run.path.glob("episodes.rank*.jsonl"))
+        )
         records = [r for f in files for r in read_jsonl(f, page.problems, run.roots)]
         root = run_data_root(run, data_root, page.problems)
         episodes = [rollout_episode(r, root, page.store, page.texts) for r in records]
         whole = [r for r in records if well_typed(r)]
         if len(whole) < len(records):
             lacking = len(records) - len(whole)
-            page.problems.append(f"{run.path}: {lacking} episodes lack one of {', '.join(EPISODE_FIELDS)} (or its type): shown, not counted")
+            page.problems.append(f"{run.path}: {lacking} episodes lack one of {', '.join(EPISODE_FIELDS)} (or its "
+                                 "type): shown, not counted")
         if summary is None and whole:
             note = "<p>no summary.json (an unfinished run): figures from the episodes so far</p>"
-            tables = _tables(page, run, lambda s, k: rollout_summary_html(summarize_records(whole), k), {}, skipped, note)
+            tables = _tables(page, run, lambda s, k: rollout_summary_html(summarize_records(whole), k), {}, skipped,
+                             note)
         else:
             tables = _tables(page, run, rollout_summary_html, summary, skipped) if summary else "<p>no episodes</p>"
     page.runs.append({"section": index, "name": run.name, "kind": run.kind, "episodes": episodes})
@@ -288,7 +314,8 @@ def embed_json(value) -> str:
     """``value`` as JSON safe inside a ``<script>`` element: no ``<``, ``>`` or ``&`` (so no ``</script>``
     or ``<!--``) and no U+2028/U+2029."""
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    for char, escaped in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for char, escaped in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
+                          ("\u2029", "\\u2029")):
         text = text.replace(char, escaped)
     return text
 
@@ -302,7 +329,8 @@ def render(runs: list[Run], data_root: str | None = None, image_budget: int = IM
     over = sum(1 for e in page.store.entries.values() if "file" in e and "src" not in e)
     notes = list(page.problems)
     if over:
-        notes.append(f"{over} images over the page's image budget ({image_budget // 2**20} MiB) are links to their files, not embedded")
+        notes.append(f"{over} images over the page's image budget ({image_budget // 2**20} MiB) are links to their "
+                     "files, not embedded")
     problems = "".join(f"<li>{html.escape(p)}</li>" for p in notes[:50])
     problems += f"<li>... {len(notes) - 50} more</li>" if len(notes) > 50 else ""
     nav = "".join(f'<a href="#run-{i}">{html.escape(r.name)}</a>' for i, r in enumerate(runs))
@@ -316,17 +344,20 @@ def render(runs: list[Run], data_root: str | None = None, image_budget: int = IM
         "__DATA__": embed_json(data),
     }
     # one pass over the template: what is put in is never searched for markers again
-    return re.sub("__(NONCE|TITLE|NAV|PROBLEMS|SECTIONS|DATA)__", lambda m: replacements[m.group(0)], TEMPLATE.read_text())
+    return re.sub("__(NONCE|TITLE|NAV|PROBLEMS|SECTIONS|DATA)__", lambda m: replacements[m.group(0)],
+                  TEMPLATE.read_text())
 
 
 def is_page(path: Path) -> bool:
-    """Whether ``path`` is a page this command wrote (its generator tag in the first bytes): what ``--overwrite`` may replace."""
+    """Whether ``path`` is a page this command wrote (its generator tag in the first bytes): what ``--overwrite`` may
+    replace."""
     with open(path, "rb") as fh:
         return GENERATOR in fh.read(512)
 
 
 def write_report(
-    paths: list[str | Path], output: str | Path, data_root: str | None = None, image_budget: int = IMAGE_BUDGET, overwrite: bool = True
+    paths: list[str | Path], output: str | Path, data_root: str | None = None, image_budget: int = IMAGE_BUDGET,
+    overwrite: bool = True
 ) -> Path:
     """Find the runs under ``paths``, render them and write ``output`` atomically; return its path. ``output`` follows
     every command's rule (:func:`eogym_sft.guards.check_output`): an existing file needs ``overwrite`` and, inside a
@@ -384,14 +415,18 @@ def serve(report: Path, port: int = 0, seconds: float = 3600.0, ready=None) -> N
 def add_view_args(parser) -> None:
     """The flags of ``eogym-sft view``."""
     add = parser.add_argument
-    add("runs", nargs="+", metavar="RUN", help="rollout, evaluation or training output folder(s), or a demo's output folder")
+    add("runs", nargs="+", metavar="RUN",
+        help="rollout, evaluation or training output folder(s), or a demo's output folder")
     add("--output", default="report.html", help="the HTML file to write")
     add("--overwrite", action="store_true", help="replace an existing page at --output (any other file is refused)")
-    add("--data-root", default=None, help="folder the episodes' image paths are relative to (None: each rollout's run.json data_root)")
-    add("--image-budget-mb", type=number(float), default=IMAGE_BUDGET / 2**20, help="MiB of embedded images; beyond it, images are links to files")
+    add("--data-root", default=None,
+        help="folder the episodes' image paths are relative to (None: each rollout's run.json data_root)")
+    add("--image-budget-mb", type=number(float), default=IMAGE_BUDGET / 2**20,
+        help="MiB of embedded images; beyond it, images are links to files")
     add("--serve", action="store_true", help="also serve the page on http://127.0.0.1 (this machine only)")
     add("--port", type=number(int, 0, 65535), default=0, help="port for --serve (0: any free one)")
-    add("--serve-seconds", type=number(float, 0, 366 * 86400), default=3600.0, help="stop serving after this many seconds")
+    add("--serve-seconds", type=number(float, 0, 366 * 86400), default=3600.0,
+        help="stop serving after this many seconds")
 
 
 def run_view(args) -> Path:
@@ -401,7 +436,8 @@ def run_view(args) -> Path:
         path = write_report(args.runs, args.output, args.data_root, int(args.image_budget_mb * 2**20), args.overwrite)
     except ViewError as err:
         raise SystemExit(f"eogym-sft view: {err}") from None
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s): open it in a browser")
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - start:.1f} s): open it in a "
+          "browser")
     if args.serve:
         serve(path, args.port, args.serve_seconds)
     return path

@@ -139,11 +139,12 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         if given.is_file() and given.name in ("episodes.jsonl", "results.jsonl", "trainer_state.json"):
             given = given.parent  # the run is the folder the file is in
         root = given.resolve()
-        found = [Run(r.kind, r.path, r.name, (root if root.is_dir() else root.parent,)) for r in _runs_in(given, given, depth=2)]
+        found = [Run(r.kind, r.path, r.name,
+                     (root if root.is_dir() else root.parent,)) for r in _runs_in(given, given, depth=2)]
         if not found:
             raise ViewError(
-                f"{given}: no run found (looked for episodes.jsonl, results.jsonl, trainer_state.json or checkpoint-*/, "
-                "a validation report, here and two levels down)"
+                f"{given}: no run found (looked for episodes.jsonl, results.jsonl, trainer_state.json or "
+                "checkpoint-*/, a validation report, here and two levels down)"
             )
         runs += found
     return runs
@@ -175,7 +176,8 @@ def read_jsonl(path: Path, problems: list[str], roots=()) -> list[dict]:
     records = []
     for number, line in jsonl_lines(data):
         if len(line) > MAX_LINE_BYTES:
-            problems.append(f"{path}:{number}: a line of {len(line)} bytes, over the {MAX_LINE_BYTES}-byte cap: skipped")
+            problems.append(f"{path}:{number}: a line of {len(line)} bytes, over the {MAX_LINE_BYTES}-byte cap: "
+                            "skipped")
             continue
         try:
             record = loads(line)

@@ -122,7 +122,8 @@ def rollout_episode(record: dict, data_root: Path | None, store: ImageStore, tex
         "judged": record.get("rule_correct") is not None and record.get("correct") is not record.get("rule_correct"),
         "answer": None if answer is None else str(answer),
         "gt": None if record.get("gt_answer") is None else str(record.get("gt_answer")),
-        "meta": {k: record.get(k) for k in ("source", "turns", "tool_calls", "tool_errors", "new_tokens") if record.get(k) is not None},
+        "meta": {k: record.get(k) for k in ("source", "turns", "tool_calls", "tool_errors",
+                                            "new_tokens") if record.get(k) is not None},
         "codes": record.get("tool_error_codes") if isinstance(record.get("tool_error_codes"), dict) else {},
         "error": record.get("error"),
         "judge_error": record.get("judge_error"),
@@ -135,7 +136,8 @@ def gold_view(gold, messages) -> dict | None:
     """The episode's gold calls (its row's trace) beside the calls the tools ran, and how many leading calls
     match: by name (``tool_exact_match``), name and arguments (``param_prefix``), with a box within IoU 0.5
     (``param_prefix_aoi@0.5``). ``None`` without a well-formed gold list (a question-only row, an older run)."""
-    if not isinstance(gold, list) or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in gold):
+    if not isinstance(gold,
+                      list) or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in gold):
         return None
     ran = executed_calls(messages)
     return {
@@ -149,7 +151,8 @@ def gold_view(gold, messages) -> dict | None:
 
 def _flat_calls(calls) -> list[dict]:
     """Scoring's parsed calls (``{"name", "arguments"}``) as the page's."""
-    return [{"n": str(c.get("name")), "a": json.dumps(c.get("arguments"), ensure_ascii=False)} for c in calls or [] if isinstance(c, dict)]
+    return [{"n": str(c.get("name")),
+             "a": json.dumps(c.get("arguments"), ensure_ascii=False)} for c in calls or [] if isinstance(c, dict)]
 
 
 def evaluation_turn(record: dict, texts: Texts) -> dict:
@@ -158,7 +161,8 @@ def evaluation_turn(record: dict, texts: Texts) -> dict:
     turn_correct = scores.get("turn_correct")
     reference = record.get("reference") if isinstance(record.get("reference"), dict) else {}
     ref_calls = _flat_calls(reference.get("calls"))
-    msgs = [{"r": "reference", "t": texts.add(str(reference.get("content") or "")), **({"calls": ref_calls} if ref_calls else {})}]
+    msgs = [{"r": "reference", "t": texts.add(str(reference.get("content") or "")),
+             **({"calls": ref_calls} if ref_calls else {})}]
     parsed = record.get("parsed") if isinstance(record.get("parsed"), list) else []
     for i, output in enumerate(record.get("outputs") or []):
         calls = parsed[i].get("calls") if i < len(parsed) and isinstance(parsed[i], dict) else None
@@ -166,7 +170,8 @@ def evaluation_turn(record: dict, texts: Texts) -> dict:
         if calls:
             item["calls"] = _flat_calls(calls)
         msgs.append(item)
-    final = next((p.get("final_answer") for p in parsed if isinstance(p, dict) and p.get("final_answer") is not None), None)
+    final = next((p.get("final_answer") for p in parsed if isinstance(p, dict) and p.get("final_answer") is not None),
+                 None)
     key = f"{record.get('trace_id')}:{record.get('turn')}"
     return {
         "id": f"{key}:{record.get('arm')}",
@@ -189,7 +194,8 @@ def evaluation_turn(record: dict, texts: Texts) -> dict:
 def well_typed(record: dict) -> bool:
     """Whether an episode record has every field of :data:`EPISODE_TYPES`, of its type (counts never booleans)."""
     return all(
-        k in record and isinstance(record[k], t) and not (t is int and isinstance(record[k], bool)) for k, t in EPISODE_TYPES.items()
+        k in record and isinstance(record[k], t) and not (t is int and isinstance(record[k], bool))
+        for k, t in EPISODE_TYPES.items()
     ) and all(is_number(n) for n in record["tool_error_codes"].values())
 
 

@@ -28,7 +28,8 @@ from ..safe_json import UntrustedJSONError, loads
 from .scoring import ParsedOutput, Reference, normalize_answer
 from .tool_args import same_call, same_call_aoi
 
-GOLD_HISTORY_METRICS = ("inst_acc", "inst_acc_oea", "tool_acc", "arg_keys_acc", "arg_acc", "arg_acc_aoi@0.5", "summ_acc")
+GOLD_HISTORY_METRICS = ("inst_acc", "inst_acc_oea", "tool_acc", "arg_keys_acc", "arg_acc", "arg_acc_aoi@0.5",
+                        "summ_acc")
 
 
 def gta_iscorrect(text: str, reference: dict) -> bool:
@@ -42,7 +43,8 @@ def gta_iscorrect(text: str, reference: dict) -> bool:
     """
 
     def found(aliases) -> bool:
-        return re.search(r"\b(?:" + "|".join(re.escape(str(a)) for a in aliases) + r")\b", text, re.IGNORECASE) is not None
+        return re.search(r"\b(?:" + "|".join(re.escape(str(a)) for a in aliases) + r")\b", text,
+                         re.IGNORECASE) is not None
 
     if not all(found(aliases) for aliases in reference.get("whitelist") or []):
         return False
@@ -81,7 +83,8 @@ def _call_steps(parsed: ParsedOutput, ref: Reference) -> dict[str, float]:
         if pred["name"] != gold["name"]:
             continue
         hits["tool_acc"] += 1
-        hits["arg_keys_acc"] += isinstance(pred["arguments"], dict) and pred["arguments"].keys() == gold["arguments"].keys()
+        hits["arg_keys_acc"] += isinstance(pred["arguments"],
+                                           dict) and pred["arguments"].keys() == gold["arguments"].keys()
         hits["arg_acc"] += same_call(pred, gold)
         hits["arg_acc_aoi@0.5"] += same_call_aoi(pred, gold)
     return hits
@@ -111,7 +114,8 @@ def combine_step_counts(per_output: list[dict]) -> dict[str, list[float]]:
 
 
 def micro(counts: list[dict]) -> dict:
-    """``{metric: {"mean": sum(hits) / sum(steps), "n": sum(steps)}}`` over turns; a metric without steps is left out."""
+    """``{metric: {"mean": sum(hits) / sum(steps), "n": sum(steps)}}`` over turns; a metric without steps is left
+    out."""
     out = {}
     for m in GOLD_HISTORY_METRICS:
         steps = sum(c[m][1] for c in counts)

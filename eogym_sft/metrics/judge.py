@@ -94,7 +94,8 @@ class ChatJudge:
             "temperature": 0,
             "messages": [
                 {"role": "system", "content": JUDGE_SYSTEM_PROMPT},
-                {"role": "user", "content": JUDGE_USER_TEMPLATE.format(question=question, reference=reference, prediction=prediction)},
+                {"role": "user",
+                 "content": JUDGE_USER_TEMPLATE.format(question=question, reference=reference, prediction=prediction)},
             ],
         }
         key = os.environ.get(self.api_key_env)

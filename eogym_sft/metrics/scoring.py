@@ -308,7 +308,12 @@ def t_quantile_975(df: int) -> float:
         raise ValueError(f"Student's t needs at least one degree of freedom, got {df}")
     if df > LARGE_DF:  # Fisher's expansion in 1/df: within 1e-12 here, where the sum would take df/2 terms per step
         z = NormalDist().inv_cdf(0.975)
-        return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2) + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+        return (
+            z
+            + (z**3 + z) / (4 * df)
+            + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+        )
     lo, hi = 0.0, 20.0
     while t_two_sided_mass(hi, df) < 0.95:  # df = 1 needs 12.7; the loop only guards the bracket
         hi *= 2

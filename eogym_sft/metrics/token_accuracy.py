@@ -28,8 +28,10 @@ def correct_argmax(predicted: torch.Tensor, targets: torch.Tensor, ignore_index:
     return (predicted == targets) & (targets != ignore_index)
 
 
-def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """``tensor([correct, total])`` for next-token prediction: ``logits[..., t, :]`` predicts ``labels[..., t + 1]``."""
+def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``tensor([correct, total])`` for next-token prediction: ``logits[..., t, :]`` predicts ``labels[..., t +
+    1]``."""
     targets = labels[..., 1:]
     correct = correct_predictions(logits[..., :-1, :], targets, ignore_index).sum()
     return torch.stack([correct, (targets != ignore_index).sum()]).to(torch.long)

@@ -21,7 +21,8 @@ def call_of(call: dict | None) -> dict | None:
     """``{"name", "arguments"}`` of a flat call or an OpenAI ``{"function": {...}}`` one; ``None`` stays."""
     if call is None:
         return None
-    return {"name": call["function"]["name"], "arguments": call["function"]["arguments"]} if "function" in call else call
+    return {"name": call["function"]["name"],
+            "arguments": call["function"]["arguments"]} if "function" in call else call
 
 
 def names_of(calls: list[dict]) -> list[str]:
@@ -74,7 +75,11 @@ def arguments_match_aoi(pred: dict, gold: dict, iou: float = AOI_IOU) -> bool:
 
 def same_call_aoi(pred: dict | None, gold: dict, iou: float = AOI_IOU) -> bool:
     """:func:`same_call` with the box rule of :func:`arguments_match_aoi`."""
-    return pred is not None and pred["name"] == gold["name"] and arguments_match_aoi(pred["arguments"], gold["arguments"], iou)
+    return (
+        pred is not None
+        and pred["name"] == gold["name"]
+        and arguments_match_aoi(pred["arguments"], gold["arguments"], iou)
+    )
 
 
 def best_box_iou(pred: dict | None, gold: dict) -> float | None:

@@ -85,7 +85,8 @@ def _varlen_cuda(q, k, v, cu, max_len, scale, gqa_flag: bool):
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-LENGTH_BUCKET = 128  # per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (docs/benchmarks.md)
+# per-sample lengths are padded up to a multiple: cuDNN builds a plan per new shape (docs/benchmarks.md)
+LENGTH_BUCKET = 128
 
 
 def _sample_kernels(device_type: str):
@@ -97,11 +98,13 @@ def _sample_kernels(device_type: str):
     if device_type == "cuda":
         def forward(q, k, v, scale):
             try:
-                out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+                out, lse = aten._scaled_dot_product_cudnn_attention(
+                    q, k, v, None, True, 0.0, True, False, scale=scale
+                )[:2]
             except RuntimeError as err:  # a GPU, dtype or build without cuDNN's fused attention: say what to set
                 raise RuntimeError(
-                    f"attn_implementation={CUDNN_NAME!r}: cuDNN's fused attention failed on a sample of {q.shape[2]} rows "
-                    f"({q.dtype}, {torch.cuda.get_device_name(q.device)}); set attn_implementation: {NAME} for "
+                    f"attn_implementation={CUDNN_NAME!r}: cuDNN's fused attention failed on a sample of {q.shape[2]} "
+                    f"rows ({q.dtype}, {torch.cuda.get_device_name(q.device)}); set attn_implementation: {NAME} for "
                     f"flash's kernel. cuDNN: {err}"
                 ) from err
             return out, lse.reshape(q.shape[1], q.shape[2])
@@ -109,7 +112,8 @@ def _sample_kernels(device_type: str):
         def backward(grad, q, k, v, out, lse, scale):
             unused = q.new_empty((), dtype=torch.int64)  # the dropout seed and offset: no dropout, cuDNN reads neither
             return aten._scaled_dot_product_cudnn_attention_backward(
-                grad, q, k, v, out, lse.view(1, *lse.shape, 1), unused, unused, None, None, None, q.shape[2], k.shape[2],
+                grad, q, k, v, out, lse.view(1, *lse.shape, 1), unused, unused, None, None, None, q.shape[2],
+                k.shape[2],
                 0.0, True, scale=scale,
             )
     else:
@@ -135,7 +139,8 @@ def _samples(cu: torch.Tensor):
 
 
 def _padded_sample(t: torch.Tensor, start: int, end: int, length: int) -> torch.Tensor:
-    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads, length, dim]``, zero rows after the sample."""
+    """Rows ``start:end`` of packed ``[tokens, heads, dim]`` as ``[1, heads, length, dim]``, zero rows after the
+    sample."""
     padded = t.new_empty(length, *t.shape[1:])
     padded[:end - start] = t[start:end]
     padded[end - start:] = 0
@@ -164,7 +169,8 @@ def _sample_lse(lse: torch.Tensor, heads: int, start: int, end: int, length: int
 def _per_sample_forward(q, k, v, cu, scale):
     forward, _ = _sample_kernels(q.device.type)
     heads = q.shape[1]
-    out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * heads, dtype=torch.float32)  # lse: [heads, length] a sample
+    # lse: [heads, length] a sample
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[0] * heads, dtype=torch.float32)
     # Windows are row ranges of a token-major [tokens, heads, dim], as the model's projections give them; other
     # strides would change with the token count, and cuDNN builds a plan for every new stride too.
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -212,7 +218,8 @@ def per_sample_op():
 
     @torch.library.custom_op("eogym::per_sample_attention_backward", mutates_args=())
     def attend_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, cu: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        lse: torch.Tensor, cu: torch.Tensor,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _per_sample_backward(grad, q, k, v, out, lse, cu, scale)
 
     @attend.register_fake
@@ -324,7 +331,8 @@ def shared_prefix_attention(q, k, v, shared: SharedPrefixes, scale: float) -> to
     parts = []
     for start, end, prefix_start, prefix_end in shared.segments:
         qs = q[start:end].transpose(0, 1)[None]
-        ks, vs = ((torch.cat([t[prefix_start:prefix_end], t[start:end]]) if prefix_end > prefix_start else t[start:end])
+        ks, vs = ((torch.cat([t[prefix_start:prefix_end],
+                              t[start:end]]) if prefix_end > prefix_start else t[start:end])
                   .transpose(0, 1)[None] for t in (k, v))
         n, total = end - start, end - start + prefix_end - prefix_start
         mask = causal_lower_right(n, total) if total > n else None
@@ -342,7 +350,8 @@ def _boundaries_in_layer(boundaries: SampleBoundaries | None, position_ids) -> t
 
 def varlen_attention_forward(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash", per_sample=None,
+    boundaries: SampleBoundaries | None = None, gqa_flag: bool = True, reference=None, cuda_kernel: str = "flash",
+    per_sample=None,
     cu_seq_lens_q=None, max_length_q=None, eogym_shared_prefixes: SharedPrefixes | None = None, **kwargs
 ):
     """Attention-interface function: ``query/key/value`` are ``[batch, heads, length, head_dim]``.
@@ -363,9 +372,11 @@ def varlen_attention_forward(
                          "generate with sdpa")
     if eogym_shared_prefixes is not None:
         if query.shape[0] != 1:
-            raise ValueError(f"attn_implementation={name!r}: shared prompts come packed in one row, not {query.shape[0]}")
+            raise ValueError(f"attn_implementation={name!r}: shared prompts come packed in one row, not "
+                             f"{query.shape[0]}")
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        out = shared_prefix_attention(q, k, v, eogym_shared_prefixes, scaling if scaling is not None else query.shape[-1]**-0.5)
+        out = shared_prefix_attention(q, k, v, eogym_shared_prefixes,
+                                      scaling if scaling is not None else query.shape[-1]**-0.5)
         return out[None], None
     if cu_seq_lens_q is None:
         position_ids = kwargs.get("position_ids")
@@ -416,11 +427,16 @@ def add_sample_boundaries(model) -> None:
 
     def add(module, args, kwargs):
         positions = text_positions(kwargs.get("position_ids"))
-        if (module.config._attn_implementation not in NAMES or positions is None or kwargs.get("cu_seq_lens_q") is not None
-                or kwargs.get("eogym_shared_prefixes") is not None):  # shared prompts carry their own layout
+        if (
+            module.config._attn_implementation not in NAMES
+            or positions is None
+            or kwargs.get("cu_seq_lens_q") is not None
+            or kwargs.get("eogym_shared_prefixes") is not None
+        ):  # shared prompts carry their own layout
             return None
         cu, max_len = sample_boundaries(positions)  # on the positions' device
-        return args, {**kwargs, **packed_arguments(cu, max_len, module.config._attn_implementation, positions.shape[0], positions.device)}
+        return args, {**kwargs, **packed_arguments(cu, max_len, module.config._attn_implementation, positions.shape[0],
+                                                   positions.device)}
 
     model.get_decoder().register_forward_pre_hook(add, with_kwargs=True)
 
@@ -430,7 +446,8 @@ def packed_arguments(cu: torch.Tensor, max_len: int, attn_implementation: str, r
     ``device``): ``{}`` unless it runs ``eogym_varlen*``. ``eogym_varlen_cudnn``'s op on a packed batch (one row) loops
     over the samples on the host, in every layer's forward and backward, so it gets them there: from here, not a
     GPU sync each time (one a sample and layer: docs/benchmarks.md); flash's kernel gets them on the device
-    (a host copy goes over without waiting: pinned by the DataLoader, :class:`~eogym_sft.models.host_layout.HostLayout`)."""
+    (a host copy goes over without waiting: pinned by the DataLoader,
+    :class:`~eogym_sft.models.host_layout.HostLayout`)."""
     if attn_implementation not in NAMES:
         return {}
     if attn_implementation == CUDNN_NAME and rows == 1:
@@ -448,7 +465,8 @@ def register_varlen_attention() -> None:
     # Looked up (and the CPU op defined) here rather than inside a compiled layer, where either breaks the graph.
     for name, cuda_kernel in ((NAME, "flash"), (CUDNN_NAME, "cudnn")):
         attend = functools.partial(
-            varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(), reference=reference_op(),
+            varlen_attention_forward, boundaries=SampleBoundaries(), gqa_flag=takes_gqa_flag(),
+            reference=reference_op(),
             cuda_kernel=cuda_kernel, per_sample=per_sample_op(),
         )
         AttentionInterface.register(name, attend)

@@ -103,7 +103,8 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
         row_ok, d_ok = g < groups, d < head_dim
-        qs = tl.load(q + s * q_s + h * q_h + g[:, None] * q_g + d[None, :] * q_d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qs = tl.load(q + s * q_s + h * q_h + g[:, None] * q_g + d[None, :] * q_d, mask=row_ok[:, None] & d_ok[None, :],
+                     other=0.0)
         end = tl.minimum(tl.load(lengths + s).to(tl.int32), span)
         start = split * split_keys
         stop = tl.minimum(start + split_keys, end)
@@ -158,9 +159,11 @@ if triton is not None:
         for split in range(0, MAX_SPLITS):
             ok = row_ok & (split < splits)
             row = (pid * splits + split) * groups + g
-            weight = tl.exp2(tl.load(stats + row, mask=ok, other=float("-inf")) - top)  # 0 for an empty or absent split
+            # 0 for an empty or absent split
+            weight = tl.exp2(tl.load(stats + row, mask=ok, other=float("-inf")) - top)
             total += weight * tl.load(stats + sums + row, mask=ok, other=0.0)
-            acc += weight[:, None] * tl.load(partial + row[:, None] * head_dim + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc += weight[:, None] * tl.load(partial + row[:, None] * head_dim + d[None, :],
+                                             mask=ok[:, None] & d_ok[None, :], other=0.0)
         result = acc / tl.where(total > 0, total, 1.0)[:, None]  # length 0: zeros, not 0 / 0
         tl.store(out + s * o_s + h * o_h + g[:, None] * o_g + d[None, :] * o_d, result.to(out.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])

@@ -103,7 +103,8 @@ class HostLayout:
                  ignore_index: int = -100) -> HostLayout:
         """From a collated batch's host tensors (``position_ids`` 4-row, as the collator gives them)."""
         cu, max_length = sample_boundaries(text_positions(position_ids))
-        vision = vision_metadata(image_grid_thw, geometry) if image_grid_thw is not None and geometry is not None else None
+        vision = vision_metadata(image_grid_thw,
+                                 geometry) if image_grid_thw is not None and geometry is not None else None
         return cls(supervised_positions(labels, ignore_index), cu, max_length, image_grid_thw, vision)
 
     def vision_keywords(self, device, attn_implementation: str) -> dict:
@@ -123,5 +124,7 @@ class HostLayout:
     def pin_memory(self) -> HostLayout:
         """The DataLoader's ``pin_memory`` calls this: the tensors in page-locked memory, so their copies to the GPU
         run asynchronously."""
-        vision = None if self.vision is None else {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in self.vision.items()}
-        return dataclasses.replace(self, supervised=self.supervised.pin_memory(), cu_seq_lens=self.cu_seq_lens.pin_memory(), vision=vision)
+        vision = None if self.vision is None else {k: v.pin_memory() if torch.is_tensor(v) else v
+                                                   for k, v in self.vision.items()}
+        return dataclasses.replace(self, supervised=self.supervised.pin_memory(),
+                                   cu_seq_lens=self.cu_seq_lens.pin_memory(), vision=vision)

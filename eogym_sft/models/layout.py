@@ -1,4 +1,5 @@
-"""Qwen3-VL's token layout: how many visual tokens an image takes, its ``<|image_pad|>`` run, and the 3-D rotary positions.
+"""Qwen3-VL's token layout: how many visual tokens an image takes, its ``<|image_pad|>`` run, and the 3-D rotary
+positions.
 
 The processor writes one ``<|image_pad|>`` per visual token: an image of ``(t, h, w)`` patches is ``t * h * w /
 merge_size**2`` tokens (the vision tower merges ``merge_size x merge_size`` patches into one). Data prep, the
@@ -49,7 +50,8 @@ def _pad_positions(ids: list[int], images: int, image_token_id: int) -> list[int
 
 
 def expand_image_pads(ids: list[int], counts: list[int], image_token_id: int) -> list[int]:
-    """``ids`` with the k-th ``<|image_pad|>`` repeated ``counts[k]`` times (its image's visual tokens), as the processor does."""
+    """``ids`` with the k-th ``<|image_pad|>`` repeated ``counts[k]`` times (its image's visual tokens), as the
+    processor does."""
     out, done = [], 0
     for at, n in zip(_pad_positions(ids, len(counts), image_token_id), counts):
         out += ids[done:at]
@@ -59,8 +61,10 @@ def expand_image_pads(ids: list[int], counts: list[int], image_token_id: int) ->
     return out
 
 
-def expand_image_pads_and_mask(ids: list[int], mask: list[int], counts: list[int], image_token_id: int) -> tuple[list[int], list[int]]:
-    """:func:`expand_image_pads`, and ``mask`` (one entry a token) expanded alike with 0 on the image tokens: never trained."""
+def expand_image_pads_and_mask(ids: list[int], mask: list[int], counts: list[int],
+                               image_token_id: int) -> tuple[list[int], list[int]]:
+    """:func:`expand_image_pads`, and ``mask`` (one entry a token) expanded alike with 0 on the image tokens: never
+    trained."""
     out_ids, out_mask, done = [], [], 0
     for at, n in zip(_pad_positions(ids, len(counts), image_token_id), counts):
         out_ids += ids[done:at]
@@ -73,7 +77,8 @@ def expand_image_pads_and_mask(ids: list[int], mask: list[int], counts: list[int
     return out_ids, out_mask
 
 
-def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int, merge_size: int) -> torch.Tensor:
+def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int,
+                       merge_size: int) -> torch.Tensor:
     """Qwen3-VL's 4-row position ids ``[text; t; h; w]`` for one unpadded sample (pads expanded).
 
     Text tokens advance all three rotary rows by one. An image's tokens take ``t``/``h``/``w`` grid
@@ -94,7 +99,8 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, im
             raise ValueError(f"image {index} needs {n} <|image_pad|> tokens in a row at position {start}")
         chunks.append(torch.arange(start - cursor).expand(3, -1) + pos)
         pos += start - cursor
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")).reshape(3, -1)
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw),
+                                          indexing="ij")).reshape(3, -1)
         chunks.append(grid + pos)
         pos += max(gh, gw)
         cursor = start + n

@@ -75,7 +75,8 @@ class ModelShape:
         }
         unknown = sorted(set(targets) - set(shapes))
         if unknown:
-            raise ValueError(f"lora_target_modules {unknown} are not language-model projections of Qwen3-VL: {sorted(shapes)}")
+            raise ValueError(f"lora_target_modules {unknown} are not language-model projections of Qwen3-VL: "
+                             f"{sorted(shapes)}")
         layer = sum(i * o for i, o in shapes.values()) + 2 * t["head_dim"] + 2 * h
         tied = t.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
         text = vocab * h * (1 if tied else 2) + layers * layer + h
@@ -176,7 +177,8 @@ def budget_bytes(free_bytes: float, cal: Calibration | None = None) -> float:
     return max(0.0, free_bytes - (cal or CALIBRATION).budget_margin_bytes)
 
 
-def generation_reserve(patches_per_token: int, prefill_tokens: int, merged_bytes: float, cal: Calibration | None = None) -> dict[str, float]:
+def generation_reserve(patches_per_token: int, prefill_tokens: int, merged_bytes: float,
+                       cal: Calibration | None = None) -> dict[str, float]:
     """Bytes a slot decoder needs beside the loaded weights and its KV cache: the merged copies of the projections
     LoRA targets (``merged_bytes``, when an adapter runs), the larger of one prefill forward of ``prefill_tokens``
     tokens (a decoder layer's activations per token, nothing kept) and the vision tower on as many image tokens, and
@@ -184,7 +186,8 @@ def generation_reserve(patches_per_token: int, prefill_tokens: int, merged_bytes
     cal = cal or CALIBRATION
     return {
         "merged_weights": float(merged_bytes),
-        "prefill": max(prefill_tokens * cal.layer_bytes_per_token, prefill_tokens * patches_per_token * cal.vision_bytes_per_patch),
+        "prefill": max(prefill_tokens * cal.layer_bytes_per_token,
+                       prefill_tokens * patches_per_token * cal.vision_bytes_per_patch),
         "margin": cal.budget_margin_bytes,
     }
 

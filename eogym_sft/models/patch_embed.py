@@ -31,7 +31,8 @@ class PatchMatmul(torch.nn.Module):
     def as_conv3d(self) -> torch.nn.Conv3d:
         """The ``Conv3d`` it replaced, on the same parameters."""
         out_channels, in_channels, *kernel = self.weight.shape
-        conv = torch.nn.Conv3d(in_channels, out_channels, kernel, stride=kernel, bias=self.bias is not None, device="meta")
+        conv = torch.nn.Conv3d(in_channels, out_channels, kernel, stride=kernel, bias=self.bias is not None,
+                               device="meta")
         conv.weight, conv.bias = self.weight, self.bias
         return conv
 

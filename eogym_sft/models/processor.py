@@ -12,7 +12,8 @@ from ..config import ImageConfig
 from ..guards import check_model_source
 
 
-def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pixels, min_pixels: int = ImageConfig.min_pixels):
+def load_processor(model_name_or_path: str, max_pixels: int = ImageConfig.max_pixels,
+                   min_pixels: int = ImageConfig.min_pixels):
     """``AutoProcessor`` for a hub id or local folder, with images capped at ``max_pixels``.
 
     The cap is written into the image processor's ``size`` so that data prep, training and anything
@@ -84,7 +85,11 @@ class OncePerImage:
         def as_given():
             return self.inner(images=images, return_tensors=return_tensors, **kwargs)
 
-        if return_tensors != "pt" or not isinstance(images, (list, tuple)) or not all(isinstance(im, Image.Image) for im in images):
+        if (
+            return_tensors != "pt"
+            or not isinstance(images, (list, tuple))
+            or not all(isinstance(im, Image.Image) for im in images)
+        ):
             return as_given()
         distinct = {}
         for im in images:

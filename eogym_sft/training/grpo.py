@@ -58,7 +58,8 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     data_root: str = field(default="data/eo_gym", metadata={"help": "folder holding EO_GYM_DATA/ and image_cache/"})
     sft_adapter: str | None = field(
         default=None,
-        metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base model)"},
+        metadata={"help": "LoRA adapter from the SFT recipe to train further (default: a new adapter on the base "
+                          "model)"},
     )
     tool_backends: str = field(
         default=",".join(DEFAULT_BACKENDS),
@@ -69,7 +70,8 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
         metadata={"help": "where crops are written, inside data_root (default: <data_root>/image_cache/crops)"},
     )
     tool_images: str = field(default=TOOL_IMAGES, metadata={"help": TOOL_IMAGES_HELP})
-    tool_call_cost: float = field(default=EpisodeReward.tool_call_cost, metadata={"help": "cost of one tool call, invalid ones included"})
+    tool_call_cost: float = field(default=EpisodeReward.tool_call_cost,
+                                  metadata={"help": "cost of one tool call, invalid ones included"})
     action_cost_scale: float = field(
         default=EpisodeReward.action_cost_scale,
         metadata={"help": "reward = score x (1 - min(calls x tool_call_cost x action_cost_scale, max_cost_penalty))"},
@@ -80,24 +82,30 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
     )
     crop_iou_weight: float = field(
         default=EpisodeReward.crop_iou_weight,
-        metadata={"help": "reward += crop_iou_weight x the mean IoU of the episode's best box per gold call with a box "
+        metadata={"help": "reward += crop_iou_weight x the mean IoU of the episode's best box per gold call with a "
+                          "box "
                   "(the row's own trace): argument quality, not only the answer; 0: off"},
     )
     judge: str | None = field(
         default=None,
-        metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised match)"},
+        metadata={"help": "module:function judge(question, prediction, reference) -> bool (default: normalised "
+                          "match)"},
     )
     judge_url: str | None = field(
         default=None,
-        metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in rollout"},
+        metadata={"help": "OpenAI-compatible chat-completions URL of an LLM judge (key: $OPENAI_API_KEY), as in "
+                          "rollout"},
     )
     judge_model: str = field(default=DEFAULT_JUDGE_MODEL, metadata={"help": "model name sent to judge_url"})
-    judge_timeout: float = field(default=ChatJudge.timeout, metadata={"help": "seconds for judging one answer at judge_url, retries included"})
-    judge_retries: int = field(default=ChatJudge.retries, metadata={"help": "retries of a failed judge_url request before the answer counts as unjudged"})
+    judge_timeout: float = field(default=ChatJudge.timeout,
+                                 metadata={"help": "seconds for judging one answer at judge_url, retries included"})
+    judge_retries: int = field(default=ChatJudge.retries, metadata={"help": "retries of a failed judge_url request "
+                                                                            "before the answer counts as unjudged"})
     limit: int | None = field(default=None, metadata={"help": "use the first N usable rows only"})
     progress_seconds: float = field(
         default=30.0,
-        metadata={"help": "log generation progress (tokens, tokens/s) at most this often while episodes are generated"},
+        metadata={"help": "log generation progress (tokens, tokens/s) at most this often while episodes are "
+                          "generated"},
     )
 
     def __post_init__(self):
@@ -254,7 +262,8 @@ class EOGymGRPOTrainer(GRPOTrainer):
             self._inputs = None
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss, its forward scoring only the tokens the loss counts (:func:`~eogym_sft.training.grpo_slots.loss_token_mask`)."""
+        """TRL's loss, its forward scoring only the tokens the loss counts
+        (:func:`~eogym_sft.training.grpo_slots.loss_token_mask`)."""
         self._loss_mask = grpo_slots.loss_token_mask(inputs) if self.engine.packed_loss else None
         self._loss_logps = []
         try:
@@ -281,7 +290,8 @@ class EOGymGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None, **other,
+        compute_aux_loss=False, pixel_values=None, image_grid_thw=None, num_images=None, mm_token_type_ids=None,
+        **other,
     ):
         """TRL's per-token log-probabilities (same arguments, same ``(rows, logits_to_keep)`` result) on packed
         episodes: each chunk of ``batch_size`` rows is one packed row (:mod:`eogym_sft.training.packed_logps`).
@@ -316,14 +326,16 @@ class EOGymGRPOTrainer(GRPOTrainer):
                 pixels = pixel_values[rows_before:rows_before + int(grid.prod(-1).sum())]
                 first_image += sum(images)
             packed = pack_rows(
-                input_ids[start:end], attention_mask[start:end], logits_to_keep, self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                input_ids[start:end], attention_mask[start:end], logits_to_keep,
+                self._tokenizer.convert_tokens_to_ids("<|image_pad|>"),
                 image_processor.merge_size, pixels, grid, images,
                 None if mm_token_type_ids is None else mm_token_type_ids[start:end],
                 None if score_mask is None else score_mask[start:end],
                 share_prompts=share_prompts,
             )
             lp, ent, aux_loss = packed_logps_and_entropies(
-                model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss, self.accelerator.autocast
+                model, packed, end - start, logits_to_keep, compute_entropy, compute_aux_loss,
+                self.accelerator.autocast
             )
             logps.append(lp)
             entropies.append(ent)
@@ -365,11 +377,12 @@ def checkpointing_kept(model):
 
 
 def build_trainer(
-    model, processor, data: EpisodeData, script_args: GRPOScriptArguments, training_args, judge=None, logits_processors=()
+    model, processor, data: EpisodeData, script_args: GRPOScriptArguments, training_args, judge=None,
+    logits_processors=()
 ):
     """:class:`EOGymGRPOTrainer` over the episodes in ``data``, with the EO-Gym environment and episode reward; its
-    episodes generated by ``script_args.rollout_engine`` (``slots``: :class:`~eogym_sft.training.grpo_slots.SlotEngine`,
-    ``trl``: :class:`TRLEngine`).
+    episodes generated by ``script_args.rollout_engine`` (``slots``:
+    :class:`~eogym_sft.training.grpo_slots.SlotEngine`, ``trl``: :class:`TRLEngine`).
 
     ``model`` is the LoRA-wrapped policy; ``judge`` an optional ``judge(question, prediction, reference)``;
     ``logits_processors`` (transformers-style) act on every sampling step of either engine.
@@ -473,7 +486,8 @@ def train(script_args: GRPOScriptArguments, training_args, model_args) -> str:
     if script_args.sft_adapter:
         model = continue_lora(model, script_args.sft_adapter)
     else:
-        model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+        model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
+                           model_args.lora_target_modules)
     with grpo_quietly():
         trainer = build_trainer(model, processor, data, script_args, training_args, script_args.load_judge())
         trainer.add_callback(CheckpointIdentity(identity))

@@ -43,7 +43,8 @@ def episode_record(row: dict, data_root: str | Path) -> dict:
     for tool in trace.tools:
         name = tool["function"]["name"]
         if name in RESERVED_NAMES or name.startswith("_"):
-            raise TraceError("bad_field_type", "tools", f"tool name {name!r} is reserved by TRL's environment protocol")
+            raise TraceError("bad_field_type", "tools",
+                             f"tool name {name!r} is reserved by TRL's environment protocol")
     for path in trace.images:
         image_size(resolve_image_path(path, data_root))  # missing or unreadable images fail here, not mid-run
     return {
@@ -127,7 +128,9 @@ class DecodeEpisodes:
         out = dict(batch)
         out["prompt"] = [json.loads(p) for p in batch["prompt"]]
         if self.images:
-            out["images"] = [[load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]]
+            out["images"] = [
+                [load_rgb(resolve_image_path(p, self.data_root)) for p in paths] for paths in batch["images"]
+            ]
         else:
             del out["images"]
         return out

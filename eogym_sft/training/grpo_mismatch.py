@@ -5,11 +5,12 @@ Both engines hand TRL each token's sampled log-probability (``_generate``'s ``lo
 ``sampling_per_token_logps``): the slot decoder's from the logits of each decode step (:class:`SampledLogps`),
 TRL's loop's from ``generate``'s own forwards (:class:`GeneratedLogps`). Both are the policy's own, as TRL's loss
 forward scores them: at the loss's temperature, before any logits processor (tests and benches force episodes
-with them), top-k or top-p, the vision tokens (never sampled) left out. Per step the trainer logs, over the trained tokens (``completion_mask * tool_mask``),
-``rollout/logp_abs_diff`` (the mean |logp_rollout - logp_train|) and ``rollout/k3_kl`` (the K3 estimate of
-KL(rollout || train), ``exp(d) - 1 - d`` with ``d = logp_train - logp_rollout``), as verl and ms-swift users watch
-them. ``logp_train`` is the policy's when the batch was generated (TRL's ``old_per_token_logps``) when TRL keeps
-it, else the loss forward's on the same weights (one pass a batch). LoRA dropout on in training counts as mismatch.
+with them), top-k or top-p, the vision tokens (never sampled) left out. Per step the trainer logs, over the trained
+tokens (``completion_mask * tool_mask``), ``rollout/logp_abs_diff`` (the mean |logp_rollout - logp_train|) and
+``rollout/k3_kl`` (the K3 estimate of KL(rollout || train), ``exp(d) - 1 - d`` with ``d = logp_train - logp_rollout``),
+as verl and ms-swift users watch them. ``logp_train`` is the policy's when the batch was generated (TRL's
+``old_per_token_logps``) when TRL keeps it, else the loss forward's on the same weights (one pass a batch). LoRA
+dropout on in training counts as mismatch.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class SampledLogps:
         self.events: list[tuple] = []  # ("pick", slots, generated, logps on the device) or ("done", slot, key)
 
     def add(self, slots, generated, logits, picks, banned_ids=()) -> None:
-        self.events.append(("pick", list(slots), list(generated), token_logps(logits, picks, self.temperature, banned_ids)))
+        self.events.append(("pick", list(slots), list(generated),
+                            token_logps(logits, picks, self.temperature, banned_ids)))
 
     def done(self, slot: int | None, key) -> None:
         self.events.append(("done", slot, key))
@@ -110,12 +112,14 @@ class GeneratedLogps:
 
     def _close(self, tokens) -> None:
         if self._last is not None and tokens is not None:
-            self.steps.append(token_logps(self._last, tokens.to(self._last.device), self.temperature, self.banned_ids).cpu())
+            self.steps.append(token_logps(self._last, tokens.to(self._last.device), self.temperature,
+                                          self.banned_ids).cpu())
         self._last = None
 
     def lists(self, lengths: list[int]) -> list[list[float]]:
         """The last ``generate``'s log-probabilities, row ``r`` cut to ``lengths[r]`` tokens; NaN for a row when
         fewer steps were recorded than its length or rows than asked for (never paired wrongly)."""
         table = torch.stack(self.steps, dim=1) if self.steps else None
-        return [table[r, :n].tolist() if table is not None and r < len(table) and n <= table.shape[1] else [math.nan] * n
+        return [table[r,
+                      :n].tolist() if table is not None and r < len(table) and n <= table.shape[1] else [math.nan] * n
                 for r, n in enumerate(lengths)]

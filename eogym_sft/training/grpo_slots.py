@@ -50,8 +50,8 @@ TRUNCATING_STOPS = ("max_new_tokens", "context_full")  # the episode was cut, no
 
 
 class TrackedDecoder:
-    """A :class:`SlotDecoder` that remembers which slots its last ``prefill``/``prefill_many``/``decode`` returned logits for,
-    so that a sampler can read those slots' token sequences (see :class:`ProcessedSampling`)."""
+    """A :class:`SlotDecoder` that remembers which slots its last ``prefill``/``prefill_many``/``decode`` returned
+    logits for, so that a sampler can read those slots' token sequences (see :class:`ProcessedSampling`)."""
 
     def __init__(self, decoder: SlotDecoder):
         self.decoder = decoder
@@ -107,7 +107,8 @@ class ProcessedSampling(Sampling):
             seqs = {s: self._sequence(s) for s in rows}
             width = max(len(seq) for seq in seqs.values())
             ids = torch.full((self.decoder.slots, width), self.pad_id, dtype=torch.long)
-            for s in range(self.decoder.slots):  # an idle slot repeats the first busy one: every row is a real sequence
+            # an idle slot repeats the first busy one: every row is a real sequence
+            for s in range(self.decoder.slots):
                 seq = seqs.get(s, seqs[rows[0]])
                 ids[s, width - len(seq) :] = seq
             scores = logits.new_zeros((self.decoder.slots, logits.shape[-1]))
@@ -162,7 +163,8 @@ def episode_sample(
     cut = ep.stop in TRUNCATING_STOPS
     trace = canonical_prompt({**ep.row, "messages": messages[:-1]}, tool_images)
     enc = encode_conversation(processor, trace.messages, trace.tools)
-    ids = tokenizer(render(processor, trace.messages, trace.tools, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(render(processor, trace.messages, trace.tools, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
     if ids[: len(enc.input_ids)] != enc.input_ids:
         raise ValueError("the generation prompt does not extend the rendered conversation token for token")
     mask = list(enc.assistant_mask) + [0] * (len(ids) - len(enc.input_ids))
@@ -182,7 +184,9 @@ def episode_sample(
     prompt, completion, tool_mask = ids[:start], ids[start:], mask[start:]
     if len(completion) > max_completion_length:
         end = max_completion_length
-        while 0 < end < len(completion) and completion[end] == image_token_id and completion[end - 1] == image_token_id:
+        while (
+            0 < end < len(completion) and completion[end] == image_token_id and completion[end - 1] == image_token_id
+        ):
             end -= 1  # never split an image: its tokens must match its pixels
         completion, tool_mask, cut = completion[:end], tool_mask[:end], True
         kept = _images_in(prompt + completion, shown, image_token_id)
@@ -352,14 +356,17 @@ class SlotEngine:
         if usable is None:
             return episodes
         # the loss runs beside a kept cache, never beside a prefill
-        loss = grpo_loss_reserve(model, self.trainer_args, ra, self.processes, self.shared_prompts) if ra.rollout_keep_cache else 0.0
+        loss = grpo_loss_reserve(model, self.trainer_args, ra, self.processes,
+                                 self.shared_prompts) if ra.rollout_keep_cache else 0.0
         reserve = decoder_reserve(model, PREFILL_TOKENS, adapters=True, other_phase=loss)
         per_token = kv_bytes_per_token(model)
         self._auto_slots = fitting_slots(episodes, ra.max_episode_tokens, per_token, usable, reserve, KEEP_OR_LOWER)
         logger.info(
-            "memory plan (GRPO): %.1f GiB free beside the model, %.1f GiB of it kept for the loss micro-batch (%.1f GiB "
-            "predicted), a prefill and the merged LoRA weights: KV cache %d slots of %d tokens, %.1f GiB", usable / 2**30,
-            reserve / 2**30, loss / 2**30, self._auto_slots, ra.max_episode_tokens, self._auto_slots * ra.max_episode_tokens * per_token / 2**30,
+            "memory plan (GRPO): %.1f GiB free beside the model, %.1f GiB of it kept for the loss micro-batch (%.1f "
+            "GiB predicted), a prefill and the merged LoRA weights: KV cache %d slots of %d tokens, %.1f GiB",
+            usable / 2**30,
+            reserve / 2**30, loss / 2**30, self._auto_slots, ra.max_episode_tokens,
+            self._auto_slots * ra.max_episode_tokens * per_token / 2**30,
         )
         return self._auto_slots
 
@@ -381,7 +388,8 @@ class SlotEngine:
             max_turns=10**9 if turns is None else turns + 1,
             max_new_tokens=min(ra.rollout_turn_tokens, trainer.max_completion_length),
             tool_images=ra.tool_images,
-            seed=(args.seed + trainer.state.global_step) * trainer.accelerator.num_processes + trainer.accelerator.process_index,
+            seed=(args.seed + trainer.state.global_step) * trainer.accelerator.num_processes
+            + trainer.accelerator.process_index,
         )
         processor = trainer.processing_class
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -411,14 +419,17 @@ class SlotEngine:
                 samples.append(episode_sample(
                     ep, processor, ra.data_root, ra.tool_images, pictures, trainer.max_completion_length, decoded,
                 ))
-            except (TraceError, ImageError, ValueError, OSError) as err:  # one bad episode trains on nothing; the run goes on
-                logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id, type(err).__name__, err)
+            # one bad episode trains on nothing; the run goes on
+            except (TraceError, ImageError, ValueError, OSError) as err:
+                logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id,
+                               type(err).__name__, err)
                 samples.append(failed_sample(processor))
         over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS for s, ep in zip(samples, episodes))
         if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
             logger.warning(
                 "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "
-                "their images count) and train on nothing: raise max_completion_length", over, len(episodes), trainer.max_completion_length,
+                "their images count) and train on nothing: raise max_completion_length", over, len(episodes),
+                trainer.max_completion_length,
             )
         for env, ep in zip(trainer.environments, episodes):  # the reward reads these counts
             env.tool_calls = ep.calls
@@ -432,7 +443,8 @@ class SlotEngine:
         metrics["rollout/new_tokens_per_s"].append(stats["new_tokens"] / max(stats["seconds"], 1e-9))
         metrics["rollout/slots"].append(float(slots))
         metrics["rollout/failed"].append(sum(s.failed for s in samples) / len(samples))
-        log_lengths(trainer, samples, [ep.calls for ep in episodes], [env.tool_errors for env in trainer.environments], device, mode)
+        log_lengths(trainer, samples, [ep.calls for ep in episodes], [env.tool_errors for env in trainer.environments],
+                    device, mode)
         return (
             [s.prompt_ids for s in samples],
             [s.completion_ids for s in samples],

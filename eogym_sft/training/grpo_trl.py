@@ -163,10 +163,13 @@ class TRLEngine:
         mode = "train" if trainer.model.training else "eval"
         clipped = trainer._metrics[mode].get("completions/clipped_ratio")
         if clipped:  # TRL measured it before the cut episodes were marked
-            flags = torch.tensor([i in truncated for i in range(len(completion_ids))], device=trainer.accelerator.device)
+            flags = torch.tensor([i in truncated for i in range(len(completion_ids))],
+                                 device=trainer.accelerator.device)
             clipped[-1] = trainer.accelerator.gather(flags).float().mean().item()
         if self.progress:
-            lengths = [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
+            lengths = (
+                [sum(m) for m in out.tool_mask] if out.tool_mask is not None else [len(c) for c in out.completion_ids]
+            )
             self.progress.finish(len(prompts), sum(lengths))
         return (
             prompt_ids, out.completion_ids, out.tool_mask, out.completions, out.logprobs, extra_fields, out.images,

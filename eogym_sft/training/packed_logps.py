@@ -84,8 +84,10 @@ class _Row:
     cols: torch.Tensor  # their columns in TRL's (rows, logits_to_keep) layout
 
 
-def _unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, grid, first_pixel, mm_token_type_ids, score_mask):
-    """Row ``b`` of TRL's padded batch as a :class:`_Row`; ``grid`` its images' grids, their pixel rows from ``first_pixel``."""
+def _unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, grid, first_pixel, mm_token_type_ids,
+               score_mask):
+    """Row ``b`` of TRL's padded batch as a :class:`_Row`; ``grid`` its images' grids, their pixel rows from
+    ``first_pixel``."""
     device = input_ids.device
     ids = input_ids[b][keep[b]]
     prompt = int(keep[b, :prompt_width].sum())
@@ -100,7 +102,8 @@ def _unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, gri
             first_pixel += size
         grid = grid[:kept]
     empty_grid = torch.zeros((0, 3), dtype=torch.long)
-    positions = mrope_position_ids(ids.cpu(), grid.cpu() if grid is not None else empty_grid, image_token_id, merge_size)
+    positions = mrope_position_ids(ids.cpu(), grid.cpu() if grid is not None else empty_grid, image_token_id,
+                                   merge_size)
     # Completion tokens kept: their index in the unpadded row, and their column in TRL's layout.
     index_in_row = keep[b].long().cumsum(0) - 1
     wanted = keep[b, prompt_width:] if score_mask is None else keep[b, prompt_width:] & score_mask[b].bool()
@@ -110,12 +113,17 @@ def _unpad_row(b, input_ids, keep, prompt_width, image_token_id, merge_size, gri
     labels = torch.full((ids.shape[0],), IGNORE, dtype=torch.long, device=device)
     labels[at[predictable]] = ids[at[predictable]]
     types = mm_token_type_ids[b][keep[b]] if mm_token_type_ids is not None else None
-    return _Row(ids, positions.to(device), labels, types, prompt, grid, pixels, prompt_images, at[predictable], completion[predictable])
+    return _Row(ids, positions.to(device), labels, types, prompt, grid, pixels, prompt_images, at[predictable],
+                completion[predictable])
 
 
 def _same_prompt(a: _Row, b: _Row, pixel_values: torch.Tensor | None) -> bool:
     """Whether two episodes' prompts are the same tokens and the same images, pixel for pixel."""
-    if a.prompt != b.prompt or a.prompt_images != b.prompt_images or not torch.equal(a.ids[:a.prompt], b.ids[:b.prompt]):
+    if (
+        a.prompt != b.prompt
+        or a.prompt_images != b.prompt_images
+        or not torch.equal(a.ids[: a.prompt], b.ids[: b.prompt])
+    ):
         return False
     n = a.prompt_images
     return not n or (torch.equal(a.grid[:n], b.grid[:n]) and all(

@@ -26,7 +26,8 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # logs, saves and evaluates, how many workers load its data.
 FREE_ON_RESUME = frozenset(
     {
-        "resume_from_checkpoint", "output_dir", "local_rank", "overwrite_output_dir", "logging_dir", "run_name", "report_to",
+        "resume_from_checkpoint", "output_dir", "local_rank", "overwrite_output_dir", "logging_dir", "run_name",
+        "report_to",
         "logging_steps", "logging_first_step", "logging_strategy", "save_steps", "save_strategy", "save_total_limit",
         "eval_steps", "per_device_eval_batch_size", "dataloader_num_workers", "dataloader_persistent_workers",
         "dataloader_pin_memory", "dataloader_prefetch_factor", "prep_num_proc", "prepared_dir", "disable_tqdm",
@@ -66,7 +67,8 @@ class CheckpointIdentity(TrainerCallback):
             dist.barrier()  # every rank's part of the checkpoint is on disk
         if state.is_world_process_zero:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            write_text_atomic(folder / MARKER, json.dumps({**self.identity, "step": state.global_step}, indent=2) + "\n")
+            write_text_atomic(folder / MARKER,
+                              json.dumps({**self.identity, "step": state.global_step}, indent=2) + "\n")
         return control
 
 
@@ -112,7 +114,8 @@ def resolve_resume(wanted, output_dir: str | Path, identity: dict) -> Path | Non
             raise FileNotFoundError(f"--resume_from_checkpoint {wanted}: {output_dir} holds {what}")
         for skipped in found[: found.index(complete[0])]:
             logger.warning(
-                "%s is incomplete (%s or trainer_state.json missing or damaged: cut short while saving): resuming from %s",
+                "%s is incomplete (%s or trainer_state.json missing or damaged: cut short while saving): resuming "
+                "from %s",
                 skipped, MARKER, complete[0].name,
             )
         chosen = complete[0]
@@ -120,11 +123,14 @@ def resolve_resume(wanted, output_dir: str | Path, identity: dict) -> Path | Non
         chosen = Path(wanted)
         if not is_complete(chosen):
             raise FileNotFoundError(
-                f"--resume_from_checkpoint {wanted}: not a complete checkpoint ({MARKER} or trainer_state.json missing or damaged)"
+                f"--resume_from_checkpoint {wanted}: not a complete checkpoint ({MARKER} or trainer_state.json "
+                "missing or damaged)"
             )
     diffs = identity_differences(json.loads((chosen / MARKER).read_text()), identity)
     if diffs:
-        raise ValueError(f"{chosen} belongs to another run; what differs (checkpoint -> now):\n  " + "\n  ".join(diffs))
+        raise ValueError(
+            f"{chosen} belongs to another run; what differs (checkpoint -> now):\n  " + "\n  ".join(diffs)
+        )
     return chosen
 
 
@@ -139,12 +145,14 @@ def refuse_used_output_dir(output_dir: str | Path, overwrite: bool, resuming: bo
     folder = Path(output_dir)
     log = folder / "skipped_samples.jsonl"  # appended to as the run goes: never through a link to another file
     if log.is_symlink() and (resuming or not overwrite):  # --overwrite_output_dir removes the link itself
-        raise FileExistsError(f"{log} is a symbolic link: a run's log is never written through a link; remove it or pick another --output_dir")
-    earlier = checkpoints(folder) + [p for p in (folder / "adapter_model.safetensors", folder / "eogym_run.json") if p.exists()]
+        raise FileExistsError(f"{log} is a symbolic link: a run's log is never written through a link; remove it or "
+                              "pick another --output_dir")
+    earlier = checkpoints(folder) + [p for p in (folder / "adapter_model.safetensors",
+                                                 folder / "eogym_run.json") if p.exists()]
     if earlier and not (overwrite or resuming):
         raise FileExistsError(
-            f"{folder} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass --resume_from_checkpoint last "
-            "to continue it, --overwrite_output_dir true to start over in it, or another --output_dir"
+            f"{folder} holds an earlier run ({', '.join(p.name for p in earlier[:3])}): pass --resume_from_checkpoint "
+            "last to continue it, --overwrite_output_dir true to start over in it, or another --output_dir"
         )
 
 
@@ -177,5 +185,6 @@ def resume_point(training_args, configs: dict, data_hash: str | None) -> tuple[d
     identity = run_identity({name: as_dict(cfg) for name, cfg in configs.items()}, data_hash)
     checkpoint = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir, identity)
     if checkpoint is not None and finished(checkpoint):
-        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint, checkpoint.name.split("-")[-1])
+        logger.warning("%s: this run already finished (step %s); nothing to train", checkpoint,
+                       checkpoint.name.split("-")[-1])
     return identity, checkpoint

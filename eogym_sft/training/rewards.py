@@ -1,15 +1,17 @@
 """The GRPO reward of one closed-loop episode, and the per-batch diagnostics it logs.
 
-reward = score x (1 - min(tool calls x tool_call_cost x action_cost_scale, max_cost_penalty)) + crop_iou_weight x crop IoU
+reward = score x (1 - min(tool calls x tool_call_cost x action_cost_scale, max_cost_penalty)) + crop_iou_weight x crop
+IoU
 
 ``score`` is 1 when the episode ends with a ``Final Answer:`` that matches ``gt_answer`` (the rule-based
 normalised match of :mod:`eogym_sft.metrics.scoring`, or a judge), else 0; an episode that never answers
 scores 0, and so does a truncated one (cut before ``<|im_end|>``), whatever its cut text says: evaluation
-scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs, invalid ones included, but the cost can take at most ``max_cost_penalty``
-of the score: the capped action cost of the GeoGuesser seed (run 3). The crop term, off by default, rewards the
-argument rather than the answer: per gold call with a box (the row's own trace), the best IoU of the episode's calls to
-that tool (:func:`eogym_sft.metrics.tool_args.crop_iou`), averaged; rows without gold boxes and truncated episodes
-get none. Pure Python, no model.
+scores that turn as wrong, and rewarding it would reinforce "answer, then ramble to the limit". Every tool call costs,
+invalid ones included, but the cost can take at most ``max_cost_penalty`` of the score: the capped action cost of the
+GeoGuesser seed (run 3). The crop term, off by default, rewards the argument rather than the answer: per gold call with
+a box (the row's own trace), the best IoU of the episode's calls to that tool
+(:func:`eogym_sft.metrics.tool_args.crop_iou`), averaged; rows without gold boxes and truncated episodes get none. Pure
+Python, no model.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class EpisodeReward:
         return not completion_ids or completion_ids[-1] not in self.eos_token_ids
 
     def outcome(
-        self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0, failed: int = 0,
+        self, messages: list[dict], completion_ids: list[int], correct: bool | None, executed: int = 0,
+        failed: int = 0,
         gold: list[dict] | None = None,
     ) -> Outcome:
         """One episode's outcome; ``correct`` is its verdict (``None``: unscored), ``executed``/``failed`` the
@@ -129,7 +132,8 @@ class EpisodeReward:
         return Outcome(final_answer(messages), score, calls, invalid, len(turns), truncated, penalty, reward, iou)
 
     def __call__(
-        self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None, row=None, **_
+        self, prompts, completions, completion_ids, gt_answer, environments=None, log_metric=None, log_extra=None,
+        row=None, **_
     ):
         envs = environments or [None] * len(completions)
         rows = row if self.crop_iou_weight and row is not None else [None] * len(completions)

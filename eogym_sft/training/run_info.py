@@ -18,7 +18,8 @@ def as_dict(config) -> dict:
     return dataclasses.asdict(config)
 
 
-def write_run_info(output_dir: str | Path, configs: dict, data_stats: dict, processor, skipped: dict | None = None) -> Path:
+def write_run_info(output_dir: str | Path, configs: dict, data_stats: dict, processor,
+                   skipped: dict | None = None) -> Path:
     """Write ``eogym_run.json`` next to the adapter and return its path. ``skipped``: samples skipped
     for an image that failed after prep, ``{"train": n, "eval": n}`` (listed in skipped_samples.jsonl)."""
     ip = processor.image_processor

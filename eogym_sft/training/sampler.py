@@ -49,7 +49,9 @@ class TokenBalancedSampler(BatchRebalanceSampler):
     def _assign(self, indices, lengths):
         groups = deal_by_cost(indices, lengths, self.dp_size * self.grad_accum)
         # Costliest groups go to slot 0, one per rank, and so on: every slot costs the same on every rank.
-        return [[groups[slot * self.dp_size + rank] for slot in range(self.grad_accum)] for rank in range(self.dp_size)]
+        return [
+            [groups[slot * self.dp_size + rank] for slot in range(self.grad_accum)] for rank in range(self.dp_size)
+        ]
 
 
 def accumulation_steps(samples_per_step: int, per_device: int, world_size: int) -> int:
@@ -62,7 +64,8 @@ def accumulation_steps(samples_per_step: int, per_device: int, world_size: int) 
     per_round = per_device * world_size
     if samples_per_step % per_round:
         raise ValueError(
-            f"{samples_per_step} samples a step do not split over {world_size} ranks x {per_device} samples a micro-batch "
-            f"({per_round} a round): pick per_device_train_batch_size so that {samples_per_step} / ({world_size} x it) is whole"
+            f"{samples_per_step} samples a step do not split over {world_size} ranks x {per_device} samples a "
+            f"micro-batch ({per_round} a round): pick per_device_train_batch_size so that {samples_per_step} / "
+            f"({world_size} x it) is whole"
         )
     return samples_per_step // per_round

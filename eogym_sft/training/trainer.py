@@ -85,7 +85,8 @@ class EOGymSFTTrainer(SFTTrainer):
     def __init__(self, model=None, args=None, data_collator=None, **kwargs):
         padding_free = bool(args is not None and args.padding_free)
         if padding_free and not getattr(data_collator, "padding_free", False):
-            raise ValueError("padding_free=True needs a collator that packs the batch: EOGymCollator(padding_free=True)")
+            raise ValueError("padding_free=True needs a collator that packs the batch: "
+                             "EOGymCollator(padding_free=True)")
         # TRL refuses padding_free on image data because its own collator cannot pack images; ours does, so
         # TRL is shown padding_free=False while it sets up (tests/training/test_trainer.py pins that refusal).
         if padding_free:
@@ -142,13 +143,17 @@ class EOGymSFTTrainer(SFTTrainer):
         else:
             keep = layout.supervised.to(labels.device, non_blocking=True)
             with self._fed_vision_tower(layout):
-                outputs = model(**{**inputs, **self._layout_inputs(layout, inputs)}, use_cache=False, logits_to_keep=keep)
+                outputs = model(**{**inputs, **self._layout_inputs(layout, inputs)}, use_cache=False,
+                                logits_to_keep=keep)
         logits = outputs.logits.float()
         picked = targets[:, keep]
-        # One softmax gives the loss, the logged entropy and the argmax accuracy counts (training/loss.py). Flat [positions, vocab]: a softmax
-        # over a transposed (strided) vocab dim is several times slower.
-        per_token, entropy, predicted = (t.view(picked.shape) for t in cross_entropy_with_entropy(logits.flatten(0, 1), picked.flatten()))
-        if self.args.loss_type == "dft":  # TRL's dynamic fine-tuning: each token's loss times its (constant) probability
+        # One softmax gives the loss, the logged entropy and the argmax accuracy counts (training/loss.py). Flat
+        # [positions, vocab]: a softmax over a transposed (strided) vocab dim is several times slower.
+        per_token, entropy, predicted = (
+            t.view(picked.shape) for t in cross_entropy_with_entropy(logits.flatten(0, 1), picked.flatten())
+        )
+        # TRL's dynamic fine-tuning: each token's loss times its (constant) probability
+        if self.args.loss_type == "dft":
             per_token = per_token * torch.exp(-per_token).detach()
         valid = picked != IGNORE_INDEX
         denominator = num_items_in_batch if num_items_in_batch is not None else valid.sum()
@@ -171,7 +176,8 @@ class EOGymSFTTrainer(SFTTrainer):
         its metadata from the layout (then nothing of the model reads the grid on the device)."""
         text_config = self.model.config.get_text_config()
         ids = inputs["input_ids"]
-        extra = packed_arguments(layout.cu_seq_lens, layout.max_length, text_config._attn_implementation, ids.shape[0], ids.device)
+        extra = packed_arguments(layout.cu_seq_lens, layout.max_length, text_config._attn_implementation, ids.shape[0],
+                                 ids.device)
         if layout.vision is not None and "image_grid_thw" in inputs and self._tower() is not None:
             extra["image_grid_thw"] = layout.image_grid_thw
         return extra
@@ -196,7 +202,8 @@ class EOGymSFTTrainer(SFTTrainer):
             grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
             if grid is not layout.image_grid_thw:
                 return None
-            return args, {**kwargs, **layout.vision_keywords(module.pos_embed.weight.device, module.config._attn_implementation)}
+            return args, {**kwargs,
+                          **layout.vision_keywords(module.pos_embed.weight.device, module.config._attn_implementation)}
 
         handle = tower.register_forward_pre_hook(add, with_kwargs=True) if tower is not None else None
         try:
@@ -207,7 +214,8 @@ class EOGymSFTTrainer(SFTTrainer):
 
     def _note_skipped(self, records: list[dict], mode: str) -> None:
         for record in records:
-            logger.warning("skipped sample %s (%s): %s: %s", record["sample_id"], record["reason"], record["file"], record["detail"])
+            logger.warning("skipped sample %s (%s): %s: %s", record["sample_id"], record["reason"], record["file"],
+                           record["detail"])
             self._skipped.append({**record, "mode": mode, "step": self.state.global_step})
 
     def _flush_skipped(self, mode: str) -> int:
@@ -229,7 +237,8 @@ class EOGymSFTTrainer(SFTTrainer):
         per_sample = torch.zeros(n_samples, 2, dtype=torch.long, device=flat.device)
         per_sample[:, 0].index_add_(0, flat, right.flatten().long())
         per_sample[:, 1].index_add_(0, flat, valid.flatten().long())
-        entropy_sums = torch.zeros(n_samples, dtype=torch.float64, device=flat.device).index_add_(0, flat, entropy.flatten().double())
+        entropy_sums = torch.zeros(n_samples, dtype=torch.float64,
+                                   device=flat.device).index_add_(0, flat, entropy.flatten().double())
         entropy_sums = self.accelerator.pad_across_processes(entropy_sums, dim=0)
         self._entropy_sums["eval"] += self.accelerator.gather_for_metrics(entropy_sums).sum().item()
         # One row per sample, so that on the last batch gather_for_metrics drops exactly the samples accelerate
@@ -246,7 +255,9 @@ class EOGymSFTTrainer(SFTTrainer):
             return
         steps = self.accelerator.reduce(torch.stack(self._train_steps), reduction="sum").cpu()
         self._train_steps = []
-        self._entropy_sums["train"] += self.accelerator.reduce(torch.stack(self._train_entropy).sum(), reduction="sum").item()
+        self._entropy_sums["train"] += self.accelerator.reduce(
+            torch.stack(self._train_entropy).sum(), reduction="sum"
+        ).item()
         self._train_entropy = []
         self._token_counts["train"] += steps[:, :2].sum(0)
         self._metrics["train"]["mean_token_accuracy"].extend((steps[:, 0] / steps[:, 1].clamp(min=1)).tolist())

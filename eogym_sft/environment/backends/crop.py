@@ -48,7 +48,8 @@ def parse_aoi(aoi) -> list[float]:
         raise ToolCallError("bad_arguments", f"aoi must be four numbers [x0, y0, x1, y1], got {quoted(aoi)}")
     x0, y0, x1, y1 = (float(v) for v in aoi)
     if not (0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1):
-        raise ToolCallError("bad_arguments", f"aoi must be normalised with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1, got {quoted(aoi)}")
+        raise ToolCallError("bad_arguments",
+                            f"aoi must be normalised with 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1, got {quoted(aoi)}")
     return [x0, y0, x1, y1]
 
 
@@ -141,16 +142,19 @@ class CropBackend:
         aoi = parse_aoi(arguments.get("aoi"))
         rel = arguments.get("image_url", self.default_image)
         if not isinstance(rel, str) or not rel:
-            raise ToolCallError("bad_arguments", "image_url must be the path of an image, e.g. EO_GYM_DATA/<id>/<hash>.jpg")
+            raise ToolCallError("bad_arguments",
+                                "image_url must be the path of an image, e.g. EO_GYM_DATA/<id>/<hash>.jpg")
         if len(rel) > MAX_PATH_CHARS:
-            raise ToolCallError("bad_arguments", f"image_url is {len(rel)} characters long, not an image path: {short(rel, 80)!r}")
+            raise ToolCallError("bad_arguments",
+                                f"image_url is {len(rel)} characters long, not an image path: {short(rel, 80)!r}")
         try:
             source = resolve_image_path(rel, self.data_root)
             found = source.is_file()
         except ImageError as err:
             raise ToolCallError("bad_arguments", f"image_url {short(rel, 80)!r}: {short(err.detail, 120)}") from None
         except OSError as err:  # ENAMETOOLONG for one path component, ELOOP, ...
-            raise ToolCallError("bad_arguments", f"image_url {short(rel, 80)!r} is not a usable path ({err.strerror})") from None
+            raise ToolCallError("bad_arguments",
+                                f"image_url {short(rel, 80)!r} is not a usable path ({err.strerror})") from None
         if not found:
             raise CannotAnswer(f"no image {short(rel, 120)} under the data root")
         try:
@@ -158,5 +162,6 @@ class CropBackend:
         except ImageError as err:
             raise CannotAnswer(f"cannot read {short(rel, 120)}: {err.reason}: {short(err.detail, 120)}") from None
         except OSError as err:  # the crop cache is full, read-only or not a folder: the tool failed, not the model
-            raise ToolCallError("tool_failed", f"the crop could not be saved to the crop cache ({err.strerror or err})") from None
+            raise ToolCallError("tool_failed",
+                                f"the crop could not be saved to the crop cache ({err.strerror or err})") from None
         return json.dumps(result), None

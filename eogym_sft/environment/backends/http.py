@@ -85,7 +85,8 @@ def _setting_problem(s: HttpToolServer) -> str | None:
         return f"row_id_field must be a non-empty string or null, got {s.row_id_field!r}"
     if not isinstance(s.extra, dict):
         return f"extra must be an object, got {type(s.extra).__name__}"
-    if not (isinstance(s.headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.headers.items())):
+    if not (isinstance(s.headers,
+                       dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.headers.items())):
         return "headers must be an object of strings"
     return None
 
@@ -120,13 +121,16 @@ class HttpBackend:
             payload[s.row_id_field] = self.row_id
         headers = {"Content-Type": "application/json", **s.headers}
         try:
-            body = net.post(s.url, json.dumps(payload).encode(), headers, s.timeout_s, s.max_response_bytes, s.retries, s.backoff_s)
+            body = net.post(s.url, json.dumps(payload).encode(), headers, s.timeout_s, s.max_response_bytes, s.retries,
+                            s.backoff_s)
         except net.HTTPStatusError as err:
             if err.status in (404, 501):
                 raise CannotAnswer(f"the tool server does not run {tool} ({err.status})") from None
             if err.status < 500 and err.status != 429:
-                raise ToolCallError("http_error", f"the tool server refused the call ({err.status}): {err.body}") from None
-            raise ToolCallError("http_error", f"the tool server did not answer after {s.retries + 1} attempts ({err.body})") from None
+                raise ToolCallError("http_error",
+                                    f"the tool server refused the call ({err.status}): {err.body}") from None
+            raise ToolCallError("http_error", f"the tool server did not answer after {s.retries + 1} attempts "
+                                              f"({err.body})") from None
         except net.NetError as err:
             raise ToolCallError("http_error", f"the tool server did not answer: {err}") from None
         return _result_at(body, s.result_field), None
