@@ -168,7 +168,6 @@ def run_secrets(cfg: RolloutConfig) -> list[str]:
 
 def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures, progress, env_factory,
          identity) -> dict | None:
-    import torch
     from tqdm.auto import tqdm
 
     from ..models.loading import resolve_device
@@ -212,14 +211,37 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
         return None
     records = merge_episodes(out, order_key(names, rows))
     ranks.leave(group)
+    settings = _ran_settings(cfg, local_arms, device, dtype, graphs, group.world, local.slots)
+    counts = _counts(rows, failures, records, earlier)
+    gold = {str(row.get("id")): gold_calls(row) for _, row in rows}
+    counts["questions_with_gold"] = sum(calls is not None for calls in gold.values())
+    summary = summarize_rollouts(records, names, cfg.ks, settings, counts, timing, gold)
+    problems = failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]
+    write_lines_atomic(out / "skipped.jsonl", (record_line(item) for item in problems))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=True) + "\n")
+    report = format_rollout_report(summary)
+    write_text_atomic(out / "report.txt", report + "\n")
+    print(report)
+    return summary
+
+
+def _ran_settings(cfg: RolloutConfig, local_arms, device, dtype, graphs: bool, world: int, slots) -> dict:
+    """The settings summary.json records: those asked for (secrets redacted), then what ran."""
+    import torch
+
     settings = redacted(recorded_settings(cfg, local_arms, device, dtype))  # a URL's user:password@ stays out
     settings["cuda_graphs"] = graphs  # what ran: the setting asks for graphs only where a GPU can replay them
     settings["peak_memory_bytes"] = (
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" and local_arms else None
     )
-    settings["world_size"] = group.world
-    settings["slots_used"] = local.slots  # what ran: --slots, or what the GPU held (None: no local arm ran)
-    counts = {
+    settings["world_size"] = world
+    settings["slots_used"] = slots  # what ran: --slots, or what the GPU held (None: no local arm ran)
+    return settings
+
+
+def _counts(rows: list, failures: list, records: list[dict], earlier) -> dict:
+    """The run's counts of rows, questions and episodes (resumed, failed and why) for summary.json."""
+    return {
         "rows_in": len(rows) + len(failures),
         "rows_failed": len(failures),
         "questions": len(rows),
@@ -231,16 +253,6 @@ def _run(cfg: RolloutConfig, out: Path, group, local_arms, names, rows, failures
         "judge_failed": sum(bool(r["judge_error"]) for r in records),
         "episodes_unrecordable": sum(str(r["error"] or "").startswith(UNRECORDABLE) for r in records),
     }
-    gold = {str(row.get("id")): gold_calls(row) for _, row in rows}
-    counts["questions_with_gold"] = sum(calls is not None for calls in gold.values())
-    summary = summarize_rollouts(records, names, cfg.ks, settings, counts, timing, gold)
-    problems = failures + [_episode_problem(r) for r in records if r["stop_reason"] == "error" or r["judge_error"]]
-    write_lines_atomic(out / "skipped.jsonl", (record_line(item) for item in problems))
-    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=True) + "\n")
-    report = format_rollout_report(summary)
-    write_text_atomic(out / "report.txt", report + "\n")
-    print(report)
-    return summary
 
 
 class _LocalArms:

@@ -268,18 +268,6 @@ def eval_mode(model):
         model.train(was_training)
 
 
-def loss_token_mask(inputs: dict) -> torch.Tensor | None:
-    """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
-    log-probability: without the old policy's log-probs (``num_iterations=1``), TRL takes the current ones
-    detached, so every other position is multiplied by 0 and is never read. With them (``old_per_token_logps``),
-    an unscored position's ratio ``exp(0 - old)`` may overflow to inf, and inf * 0 is NaN: None, every completion
-    token scored. The engines' sampled log-probs (``sampling_per_token_logps``) enter no ratio without vLLM; TRL's
-    off-policy mask reads them only as a difference, zeroed off the mask."""
-    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None:
-        return None
-    return inputs["completion_mask"] * inputs["tool_mask"]
-
-
 def check_whole_weights(accelerator_state) -> None:
     """The slot decoder runs the policy's own modules on whole weights, and its kept CUDA graphs read them in
     place: refuse ZeRO-3 and FSDP, which shard the weights and gather them only inside their own forward."""
@@ -372,9 +360,7 @@ class SlotEngine:
 
     def generate(self, trainer, prompts: list, inputs: list[dict]):
         """TRL's ``_generate(prompts)`` result for the examples ``inputs`` (each one's row, not only its prompt)."""
-        device = trainer.accelerator.device
         mode = "train" if trainer.model.training else "eval"
-        ra, args = self.rollout_args, trainer.args
         if inputs is None or len(inputs) != len(prompts):
             raise RuntimeError("the slots engine generates inside _generate_and_score_completions only")
         rows = [json.loads(x["row"]) for x in inputs]
@@ -383,6 +369,32 @@ class SlotEngine:
             for i, (row, x, env) in enumerate(zip(rows, inputs, trainer.environments))
         ]
         prompt_messages = [len(ep.row["messages"]) for ep in episodes]
+        stats, taken, pictures, slots = self._roll_out(trainer, episodes)
+        start = time.perf_counter()
+        samples = encode_episodes(episodes, trainer.processing_class, self.rollout_args, pictures,
+                                  trainer.max_completion_length)
+        for env, ep in zip(trainer.environments, episodes):  # the reward reads these counts
+            env.tool_calls = ep.calls
+            env.tool_errors = ep.tool_errors - ep.tool_error_codes.get("invalid_call", 0)
+        completions = [completion_messages(ep, n) for ep, n in zip(episodes, prompt_messages)]
+        images = [s.images for s in samples]
+        has_images = any(images)
+        log_rollout(trainer, mode, stats, time.perf_counter() - start, slots, samples, episodes)
+        return (
+            [s.prompt_ids for s in samples],
+            [s.completion_ids for s in samples],
+            [s.tool_mask for s in samples],
+            completions,
+            [completion_logps(s.tool_mask, taken.get(id(ep), []), ep.sampled_ids) for s, ep in zip(samples, episodes)],
+            {},
+            images if has_images else None,
+            images if has_images else [],  # every image as a tool image: TRL builds vision inputs from our ids
+        )
+
+    def _roll_out(self, trainer, episodes: list) -> tuple:
+        """Run ``episodes`` to their end on the slot decoder: ``(the loop's stats, the sampled log-probs by episode,
+        the picture cache, the decoder's slots)``."""
+        ra, args = self.rollout_args, trainer.args
         turns = args.max_tool_calling_iterations
         cfg = LoopConfig(
             max_turns=10**9 if turns is None else turns + 1,
@@ -405,56 +417,47 @@ class SlotEngine:
                 lambda ep: record.done(ep.slot, id(ep)), pictures=pictures,
             )
         self.sampling.decoder = self.sampling.record = None
-        taken = record.turns()
-        slots = decoder.slots
         if not ra.rollout_keep_cache:
-            self._decoder = decoder = None  # the loss forward may use the cache's memory now
-        start = time.perf_counter()
-        decoded = {}
-        samples = []
-        for ep in episodes:
-            try:
-                if ep.stop == "error":
-                    raise ValueError(ep.error)
-                samples.append(episode_sample(
-                    ep, processor, ra.data_root, ra.tool_images, pictures, trainer.max_completion_length, decoded,
-                ))
-            # one bad episode trains on nothing; the run goes on
-            except (TraceError, ImageError, ValueError, OSError) as err:
-                logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id,
-                               type(err).__name__, err)
-                samples.append(failed_sample(processor))
-        over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS for s, ep in zip(samples, episodes))
-        if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
-            logger.warning(
-                "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "
-                "their images count) and train on nothing: raise max_completion_length", over, len(episodes),
-                trainer.max_completion_length,
-            )
-        for env, ep in zip(trainer.environments, episodes):  # the reward reads these counts
-            env.tool_calls = ep.calls
-            env.tool_errors = ep.tool_errors - ep.tool_error_codes.get("invalid_call", 0)
-        completions = [completion_messages(ep, n) for ep, n in zip(episodes, prompt_messages)]
-        images = [s.images for s in samples]
-        has_images = any(images)
-        metrics = trainer._metrics[mode]
-        metrics["rollout/seconds"].append(stats["seconds"])
-        metrics["rollout/encode_seconds"].append(time.perf_counter() - start)
-        metrics["rollout/new_tokens_per_s"].append(stats["new_tokens"] / max(stats["seconds"], 1e-9))
-        metrics["rollout/slots"].append(float(slots))
-        metrics["rollout/failed"].append(sum(s.failed for s in samples) / len(samples))
-        log_lengths(trainer, samples, [ep.calls for ep in episodes], [env.tool_errors for env in trainer.environments],
-                    device, mode)
-        return (
-            [s.prompt_ids for s in samples],
-            [s.completion_ids for s in samples],
-            [s.tool_mask for s in samples],
-            completions,
-            [completion_logps(s.tool_mask, taken.get(id(ep), []), ep.sampled_ids) for s, ep in zip(samples, episodes)],
-            {},
-            images if has_images else None,
-            images if has_images else [],  # every image as a tool image: TRL builds vision inputs from our ids
+            self._decoder = None  # the loss forward may use the cache's memory now
+        return stats, record.turns(), pictures, decoder.slots
+
+
+def encode_episodes(episodes, processor, rollout_args, pictures, max_completion_length: int) -> list[RolloutSample]:
+    """Each ended episode as a :class:`RolloutSample` (:func:`episode_sample`); one that fails trains on nothing."""
+    decoded, samples = {}, []
+    for ep in episodes:
+        try:
+            if ep.stop == "error":
+                raise ValueError(ep.error)
+            samples.append(episode_sample(
+                ep, processor, rollout_args.data_root, rollout_args.tool_images, pictures, max_completion_length,
+                decoded,
+            ))
+        # one bad episode trains on nothing; the run goes on
+        except (TraceError, ImageError, ValueError, OSError) as err:
+            logger.warning("episode %s of %s trains on nothing: %s: %s", ep.sample, ep.question_id,
+                           type(err).__name__, err)
+            samples.append(failed_sample(processor))
+    over = sum(s.truncated and ep.stop not in TRUNCATING_STOPS for s, ep in zip(samples, episodes))
+    if over:  # a silent loss of signal otherwise: the reward is counted, the loss skips them
+        logger.warning(
+            "%d of %d episodes ended on their own but are longer than max_completion_length=%d (tool results and "
+            "their images count) and train on nothing: raise max_completion_length", over, len(episodes),
+            max_completion_length,
         )
+    return samples
+
+
+def log_rollout(trainer, mode: str, stats: dict, encode_seconds: float, slots: int, samples, episodes) -> None:
+    """The rollout's own metrics (``rollout/...``), then TRL's length and tool metrics (:func:`log_lengths`)."""
+    metrics = trainer._metrics[mode]
+    metrics["rollout/seconds"].append(stats["seconds"])
+    metrics["rollout/encode_seconds"].append(encode_seconds)
+    metrics["rollout/new_tokens_per_s"].append(stats["new_tokens"] / max(stats["seconds"], 1e-9))
+    metrics["rollout/slots"].append(float(slots))
+    metrics["rollout/failed"].append(sum(s.failed for s in samples) / len(samples))
+    log_lengths(trainer, samples, [ep.calls for ep in episodes], [env.tool_errors for env in trainer.environments],
+                trainer.accelerator.device, mode)
 
 
 def sampling_of(args) -> ProcessedSampling:

@@ -269,3 +269,15 @@ def _scatter(per_token: torch.Tensor, packed: PackedRows, batch: int, logits_to_
     out = per_token.new_zeros((batch, logits_to_keep))
     out[packed.rows, packed.cols] = per_token[0, packed.source]
     return out
+
+
+def loss_token_mask(inputs: dict) -> torch.Tensor | None:
+    """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
+    log-probability: without the old policy's log-probs (``num_iterations=1``), TRL takes the current ones
+    detached, so every other position is multiplied by 0 and is never read. With them (``old_per_token_logps``),
+    an unscored position's ratio ``exp(0 - old)`` may overflow to inf, and inf * 0 is NaN: None, every completion
+    token scored. The engines' sampled log-probs (``sampling_per_token_logps``) enter no ratio without vLLM; TRL's
+    off-policy mask reads them only as a difference, zeroed off the mask."""
+    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None:
+        return None
+    return inputs["completion_mask"] * inputs["tool_mask"]

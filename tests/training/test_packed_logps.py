@@ -379,7 +379,7 @@ def test_with_the_sampling_policys_logps_every_completion_token_is_scored():
     """``exp(0 - old)`` at an unscored position may be inf, and inf * 0 is NaN: with old log-probs
     (``num_iterations > 1``, vLLM) the forward scores every completion token, as TRL's. The engines' sampled
     log-probs (the mismatch log's) enter no ratio without vLLM: the mask stays."""
-    from eogym_sft.training.grpo_slots import loss_token_mask
+    from eogym_sft.training.packed_logps import loss_token_mask
 
     completion, tools = torch.tensor([[1, 1, 1, 0]]), torch.tensor([[1, 0, 1, 1]])
     base = {"completion_mask": completion, "tool_mask": tools}
