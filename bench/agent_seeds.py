@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info  # noqa: E402
 
 from eogym_sft.atomic import write_text_atomic  # noqa: E402
-from eogym_sft.demo import grpo_per_step, reward_by_part  # noqa: E402
+from eogym_sft.demo_report import grpo_per_step, reward_by_part  # noqa: E402
 
 RUN_ONE = """
 import json, sys

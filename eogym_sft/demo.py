@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
-from itertools import pairwise
+from dataclasses import dataclass
 from pathlib import Path
 
-from .demo_arguments import argument_figures, argument_lines, teacher_forced
+from .demo_arguments import teacher_forced
+from .demo_report import agent_report, format_agent_report, grpo_per_step
 
 SAMPLE_DIR = Path(__file__).resolve().with_name("sample")  # the bundled sample: data root and JSONL
 SAMPLE_JSONL = SAMPLE_DIR / "eogym_sample.jsonl"
@@ -31,8 +31,8 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vesp
 
 
 def demo_configs(
-    model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False, max_pixels: int = MAX_PIXELS,
-    min_pixels: int | None = None,
+    model_dir: Path, output: Path, steps: int, learning_rate: float, overwrite: bool = False,
+    max_pixels: int = MAX_PIXELS, min_pixels: int | None = None,
 ):
     """The recipe's ``(script, training, model)`` configs shrunk to a CPU smoke run: the published LoRA and
     the speed path (packed batches, variable-length attention, token-balanced micro-batches), few steps."""
@@ -127,7 +127,8 @@ def run_demo(
     print(demo_summary(report, output, adapter))
     from .evaluation.view import write_report
 
-    print(f"viewer:   {write_report([output], output / 'report.html')}  (in a browser: training curves, both arms' scores)")
+    print(f"viewer:   {write_report([output], output / 'report.html')}  (in a browser: training curves, both arms' "
+          "scores)")
     return report
 
 
@@ -137,7 +138,8 @@ def demo_summary(report: dict, output: Path, adapter: str) -> str:
     return "\n".join(
         [
             "",
-            f"demo done. Held-out traces (never trained on): {report['samples']} samples, {ours['tokens']} supervised tokens",
+            f"demo done. Held-out traces (never trained on): {report['samples']} samples, {ours['tokens']} supervised "
+            "tokens",
             f"  token accuracy  base {base['token_accuracy']:.4f}  ->  adapter {ours['token_accuracy']:.4f}",
             f"  loss            base {base['loss']:.4f}  ->  adapter {ours['loss']:.4f}",
             "  (a small random model trained a few steps: the path end to end, not an EO model)",
@@ -145,8 +147,9 @@ def demo_summary(report: dict, output: Path, adapter: str) -> str:
             f"report:   {output / 'validation.json'}",
             f"manifest: {output / 'prepared' / 'manifest.jsonl'}  (every input line: kept, split or dropped, and why)",
             "next:     the recipe's own script on this sample, on CPU: docs/training.md, 'A first run on CPU'",
-            "          on a GPU, score turn by turn (generates 512 tokens a turn: slow on a CPU): eogym-sft evaluate --model "
-            f"{output / 'small-qwen3-vl'} --adapter {adapter} --data {SAMPLE_JSONL} --data-root {SAMPLE_DIR} --output {output / 'evaluation'}",
+            "          on a GPU, score turn by turn (generates 512 tokens a turn: slow on a CPU): eogym-sft evaluate "
+            f"--model {output / 'small-qwen3-vl'} --adapter {adapter} --data {SAMPLE_JSONL} --data-root {SAMPLE_DIR} "
+            f"--output {output / 'evaluation'}",
             "          or train the real thing: see README.md, 'Train EO-Gym-4B'",
         ]
     )
@@ -161,13 +164,15 @@ class AgentDemoConfig:
     closed-loop rollouts -> GRPO -> rejection sampling on it (docs/agent.md). The defaults are the
     CPU demo's; ``bench/h200_session.sh agent_1gpu`` runs the same loop larger."""
 
-    task: str = "colour_grid"  # eogym_sft.environment.tasks.TASKS: colour_grid (one crop), colour_pair (two), colour_count (four)
+    # eogym_sft.environment.tasks.TASKS: colour_grid (one crop), colour_pair (two), colour_count (four)
+    task: str = "colour_grid"
     train_rows: int = 96  # questions trained on (SFT gold traces, GRPO prompts, rejection-sampling prompts)
     held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
     seed: int = 0
     max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
     min_pixels: int = 4096
-    sft_steps: int = 100  # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.73-0.78 in three
+    # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.73-0.78 in three
+    sft_steps: int = 100
     sft_learning_rate: float = 5e-3
     grpo_steps: int = 6
     grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
@@ -177,28 +182,39 @@ class AgentDemoConfig:
     grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
     grpo_warmup_steps: float = 0  # TRL's warmup_steps: a count of steps, or a float in [0, 1) for a share of them
-    grpo_temperature: float = 1.0  # GRPO's sampling temperature (TRL's, the recipe's 1.0); its loss scores at the same one
-    grpo_scale_rewards: str = "group"  # TRL's scale_rewards: "group" (by the group's std, the recipe's), "batch", or "none" (Dr. GRPO)
-    grpo_num_iterations: int = 1  # TRL's num_iterations: steps trained on each generated batch; above 1 its clipped ratio binds
-    grpo_epsilon_high: float | None = None  # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
-    grpo_disable_dropout: bool = False  # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
-    grpo_loss_type: str = "dapo"  # TRL's loss_type; "cispo" clips the importance weight at grpo_epsilon_high (ScaleRL: 5.0)
+    # GRPO's sampling temperature (TRL's, the recipe's 1.0); its loss scores at the same one
+    grpo_temperature: float = 1.0
+    # TRL's scale_rewards: "group" (by the group's std, the recipe's), "batch", or "none" (Dr. GRPO)
+    grpo_scale_rewards: str = "group"
+    # TRL's num_iterations: steps trained on each generated batch; above 1 its clipped ratio binds
+    grpo_num_iterations: int = 1
+    # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
+    grpo_epsilon_high: float | None = None
+    # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
+    grpo_disable_dropout: bool = False
+    # TRL's loss_type; "cispo" clips the importance weight at grpo_epsilon_high (ScaleRL: 5.0)
+    grpo_loss_type: str = "dapo"
     grpo_crop_iou_weight: float = 0.0  # the GRPO recipe's crop_iou_weight: the reward's crop-IoU term (0: off)
-    grpo_entropy_coef: float = 0.0  # TRL's entropy_coef: an entropy bonus in the loss (adaptive control's starting value)
+    # TRL's entropy_coef: an entropy bonus in the loss (adaptive control's starting value)
+    grpo_entropy_coef: float = 0.0
     # TRL's adaptive entropy control (Skywork-OR1) when set: the bonus applies while the policy's entropy (nats a
-    # trained token) is at or below this, its coefficient growing by TRL's entropy_coef_delta a step there, else shrinking
+    # trained token) is at or below this, its coefficient growing by TRL's entropy_coef_delta a step there,
+    # else shrinking
     grpo_entropy_target: float | None = None
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
-    # validation questions, the last val_rows of the train_rows (trained on by no stage, never the held-out ones): with
-    # sft_pick_every/grpo_pick_every N the stage saves every N steps and its checkpoint of best validation Pass@1 goes on
+    # validation questions, the last val_rows of the train_rows (trained on by no stage, never the held-out ones):
+    # with sft_pick_every/grpo_pick_every N the stage saves every N steps and its checkpoint of best validation
+    # Pass@1 goes on
     val_rows: int = 0
     sft_pick_every: int = 0
     grpo_pick_every: int = 0
-    held_out_base: bool = True  # roll the base model out on the held-out questions too (it scores 0: a study can skip it)
+    # roll the base model out on the held-out questions too (it scores 0: a study can skip it)
+    held_out_base: bool = True
     temperature: float = 0.7  # the held-out and rejection-sampling rollouts' temperature (GRPO's: grpo_temperature)
-    max_new_tokens: int | None = None  # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
+    # per turn; None: the task's turn_tokens (colour_grid 48: its gold call is 40 tokens)
+    max_new_tokens: int | None = None
     max_turns: int = 3
     # GRPO's max_completion_length: an episode's turns AND its tool results and their images (about 150
     # tokens here); an episode longer than this counts as truncated and trains on nothing
@@ -213,40 +229,46 @@ class AgentDemoConfig:
         if self.task not in TASKS:
             raise ValueError(f"no task {self.task!r}: choose one of {', '.join(TASKS)}")
         self.max_new_tokens = TASKS[self.task].turn_tokens if self.max_new_tokens is None else self.max_new_tokens
-        self.completion_tokens = TASKS[self.task].episode_tokens if self.completion_tokens is None else self.completion_tokens
+        self.completion_tokens = (TASKS[self.task].episode_tokens if self.completion_tokens is None
+                                  else self.completion_tokens)
         if min(self.train_rows, self.held_out_rows, self.sft_steps, self.samples, self.rft_samples) < 1:
             raise ValueError("train_rows, held_out_rows, sft_steps, samples and rft_samples must be at least 1")
         if self.grpo_steps < 0 or self.rft_steps < 0:
             raise ValueError("grpo_steps and rft_steps must be >= 0")
         if self.grpo_scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {self.grpo_scale_rewards!r}")
+            raise ValueError(f"grpo_scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got "
+                             f"{self.grpo_scale_rewards!r}")
         if self.grpo_num_iterations < 1:
             raise ValueError(f"grpo_num_iterations must be at least 1, got {self.grpo_num_iterations}")
         if self.grpo_epsilon_high is not None and self.grpo_epsilon_high <= 0:
             raise ValueError(f"grpo_epsilon_high must be > 0 (or None: TRL's epsilon), got {self.grpo_epsilon_high}")
         self._check_loss_levers()
-        for stage, every, steps in (("sft", self.sft_pick_every, self.sft_steps), ("grpo", self.grpo_pick_every, self.grpo_steps)):
+        for stage, every, steps in (("sft", self.sft_pick_every, self.sft_steps),
+                                    ("grpo", self.grpo_pick_every, self.grpo_steps)):
             if every and (not 0 < self.val_rows < self.train_rows or every < 0 or steps % every):
                 raise ValueError(f"{stage}_pick_every {every} needs 0 < val_rows < train_rows (got {self.val_rows}, "
-                                 f"{self.train_rows}) and to divide {stage}_steps ({steps}), so that the last step is a candidate")
+                                 f"{self.train_rows}) and to divide {stage}_steps ({steps}), so that the last step is "
+                                 "a candidate")
 
     def _check_loss_levers(self):
         if self.grpo_loss_type not in LOSS_TYPES:
             raise ValueError(f"grpo_loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.grpo_loss_type!r}")
         if self.grpo_loss_type == "cispo" and (self.grpo_epsilon_high or 0) <= 1:
-            raise ValueError("grpo_loss_type cispo caps the importance weight itself at grpo_epsilon_high: set it above 1 "
-                             f"(ScaleRL: 5.0), got {self.grpo_epsilon_high}")
+            raise ValueError("grpo_loss_type cispo caps the importance weight itself at grpo_epsilon_high: set it "
+                             f"above 1 (ScaleRL: 5.0), got {self.grpo_epsilon_high}")
         if self.grpo_entropy_coef < 0 or (self.grpo_entropy_target is not None and self.grpo_entropy_target <= 0):
             raise ValueError(f"grpo_entropy_coef must be >= 0 and grpo_entropy_target > 0 (or None), got "
                              f"{self.grpo_entropy_coef} and {self.grpo_entropy_target}")
 
 
 def _sft_configs(
-    cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int, overwrite: bool = False, pick_every: int = 0
+    cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, output: Path, steps: int,
+    overwrite: bool = False, pick_every: int = 0
 ):
     """The SFT demo's configs pointed at the task's JSONL: every row trained on (the held-out questions
     are a separate file), no evaluation pass, one save at the end (and a checkpoint every ``pick_every`` steps)."""
-    script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, overwrite, cfg.max_pixels, cfg.min_pixels)
+    script, training, model = demo_configs(model_dir, output, steps, cfg.sft_learning_rate, overwrite, cfg.max_pixels,
+                                           cfg.min_pixels)
     script.dataset_path, script.data_root, script.eval_fraction = str(dataset), str(data_root), 0.0
     script.prepared_dir = str(output / "prepared")
     training.output_dir, training.eval_strategy, training.save_strategy = str(output / "adapter"), "no", "no"
@@ -257,7 +279,8 @@ def _sft_configs(
     return script, training, model
 
 
-def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str, output: Path, overwrite: bool = False):
+def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_root: Path, sft_adapter: str,
+                  output: Path, overwrite: bool = False):
     """The GRPO recipe's settings (its reward, group-scaled advantages, no KL by default) shrunk to a CPU run from the
     SFT adapter; one checkpoint at the last step keeps ``trainer_state.json``, the reward per step (per generated
     batch: every ``grpo_num_iterations`` steps)."""
@@ -267,21 +290,25 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
     from .training.grpo import GRPOScriptArguments
 
     script = GRPOScriptArguments(
-        dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop", rollout_turn_tokens=cfg.max_new_tokens,
-        max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, overwrite_output_dir=overwrite, crop_iou_weight=cfg.grpo_crop_iou_weight,
+        dataset_path=str(dataset), data_root=str(data_root), sft_adapter=sft_adapter, tool_backends="crop",
+        rollout_turn_tokens=cfg.max_new_tokens, max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels,
+        overwrite_output_dir=overwrite, crop_iou_weight=cfg.grpo_crop_iou_weight,
     )
     batch = cfg.num_generations * cfg.grpo_questions_per_step
     training = GRPOConfig(
         output_dir=str(output), max_steps=cfg.grpo_steps, learning_rate=cfg.grpo_learning_rate,
         lr_scheduler_type=cfg.grpo_lr_scheduler_type, warmup_steps=cfg.grpo_warmup_steps,
         num_generations=cfg.num_generations, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        beta=cfg.grpo_beta, scale_rewards=cfg.grpo_scale_rewards, temperature=cfg.grpo_temperature, num_iterations=cfg.grpo_num_iterations,
-        epsilon_high=cfg.grpo_epsilon_high, disable_dropout=cfg.grpo_disable_dropout, max_completion_length=cfg.completion_tokens,
-        loss_type=cfg.grpo_loss_type, entropy_coef=cfg.grpo_entropy_coef, use_adaptive_entropy=cfg.grpo_entropy_target is not None,
+        beta=cfg.grpo_beta, scale_rewards=cfg.grpo_scale_rewards, temperature=cfg.grpo_temperature,
+        num_iterations=cfg.grpo_num_iterations, epsilon_high=cfg.grpo_epsilon_high,
+        disable_dropout=cfg.grpo_disable_dropout, max_completion_length=cfg.completion_tokens,
+        loss_type=cfg.grpo_loss_type, entropy_coef=cfg.grpo_entropy_coef,
+        use_adaptive_entropy=cfg.grpo_entropy_target is not None,
         **({} if cfg.grpo_entropy_target is None else {"entropy_target": cfg.grpo_entropy_target}),
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,
-        use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1, save_strategy="steps",
-        save_steps=cfg.grpo_pick_every or cfg.grpo_steps, save_only_model=True, report_to="none", dataloader_num_workers=0,
+        use_cpu=cfg.device == "cpu", bf16=False, activation_checkpointing=False, logging_steps=1,
+        save_strategy="steps", save_steps=cfg.grpo_pick_every or cfg.grpo_steps, save_only_model=True,
+        report_to="none", dataloader_num_workers=0,
     )
     model = ModelConfig(
         model_name_or_path=str(model_dir), dtype="float32", use_peft=True,
@@ -293,7 +320,8 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
 
 
 def _rollout(
-    cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path, samples: int, base: bool,
+    cfg: AgentDemoConfig, model_dir: Path, data: Path, data_root: Path, adapters: list[str], output: Path,
+    samples: int, base: bool,
     overwrite: bool = False,
 ):
     """Closed-loop episodes of the arms on ``data`` with the ``crop`` backend (real tool execution). One
@@ -305,7 +333,8 @@ def _rollout(
         RolloutConfig(
             model=str(model_dir), data=[str(data)], output=str(output), adapters=adapters, data_root=str(data_root),
             include_base=base, samples=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples, max_episode_tokens=cfg.completion_tokens + 512, seed=cfg.seed,
+            max_turns=cfg.max_turns, tools=["crop"], slots=rows * samples,
+            max_episode_tokens=cfg.completion_tokens + 512, seed=cfg.seed,
             max_pixels=cfg.max_pixels, min_pixels=cfg.min_pixels, device=cfg.device, dtype="float32",
             overwrite=overwrite,
         ),
@@ -335,36 +364,11 @@ def save_agent_model(output: Path, cfg: AgentDemoConfig) -> Path:
     return output
 
 
-def grpo_per_step(grpo_dir: str | Path, key: str = "reward") -> list[float]:
-    """``key`` of each GRPO step (the mean training reward by default), from the last checkpoint's
-    ``trainer_state.json``. TRL logs the reward (and the rollout metrics) only on steps that generate: with
-    ``num_iterations`` N, one value every N steps."""
-    states = sorted(Path(grpo_dir).glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    if not states:
-        raise FileNotFoundError(f"no checkpoint-*/trainer_state.json under {grpo_dir}: the GRPO run saved no state")
-    history = json.loads(states[-1].read_text())["log_history"]
-    return [h[key] for h in history if key in h]
-
-
-MIN_STEPS_PER_QUARTER = 5  # one step's reward is one group's: a quarter's mean over fewer steps follows the questions drawn
-
-
-def reward_by_part(rewards: list[float], parts: int = 4, min_steps: int = MIN_STEPS_PER_QUARTER) -> list[float] | None:
-    """GRPO's training reward averaged over ``parts`` consecutive runs of steps (the last takes the remainder),
-    to show whether the policy's reward rises; None when a part would hold fewer than ``min_steps`` steps
-    (the per-step rewards are then the curve)."""
-    if len(rewards) < parts * min_steps:
-        return None
-    size = len(rewards) // parts
-    bounds = [k * size for k in range(parts)] + [len(rewards)]
-    return [sum(rewards[a:b]) / (b - a) for a, b in pairwise(bounds)]
-
-
-def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False, cfg: AgentDemoConfig | None = None) -> dict:
-    """The agent loop on ``cfg.task`` (``colour_grid`` by default); prints the table and writes ``agent_report.json``."""
-    from .atomic import write_text_atomic
+def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = False,
+                   cfg: AgentDemoConfig | None = None) -> dict:
+    """The agent loop on ``cfg.task`` (``colour_grid`` by default); prints the table and writes
+    ``agent_report.json``."""
     from .demo_pick import pick_checkpoint
-    from .environment.tasks import write_task
     from .guards import refuse_nonempty_output
     from .training import grpo
     from .training.sft import train
@@ -382,15 +386,13 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         clock = now
         print(f"[agent demo] {stage} done in {seconds[stage]:.1f} s", flush=True)
 
-    root, fit = output / "task", cfg.train_rows - cfg.val_rows
-    train_rows = write_task(root, fit, cfg.seed, start=0, name="train.jsonl", task=cfg.task)
-    val = write_task(root, cfg.val_rows, cfg.seed, start=fit, name="validation.jsonl", task=cfg.task) if cfg.val_rows else None
-    held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl", task=cfg.task)
-    model_dir = save_agent_model(output / "small-qwen3-vl", cfg)
+    root, train_rows, val, held_out, model_dir = _task_and_model(cfg, output)
     lap("task and model")
 
-    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite, cfg.sft_pick_every))
-    picked, on_val = {}, lambda arms, name: _rollout(cfg, model_dir, val, root, arms, output / name, cfg.samples, False, overwrite)
+    sft = train(*_sft_configs(cfg, model_dir, train_rows, root, output / "sft", cfg.sft_steps, overwrite,
+                              cfg.sft_pick_every))
+    picked, on_val = {}, lambda arms, name: _rollout(cfg, model_dir, val, root, arms, output / name, cfg.samples,
+                                                     False, overwrite)
     if cfg.sft_pick_every:
         sft, picked["sft"] = pick_checkpoint(sft, on_val)
     lap("sft")
@@ -406,28 +408,61 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         lap("grpo")
 
     if cfg.rft_steps:
-        sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples, False, overwrite)
-        union, rft_info = rejection_data(output / "rft_sampling", train_rows, sampled["counts"]["episodes"])
-        if union is None:  # nothing to train on: the arm is left out of the table, and the report says why
-            print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm", flush=True)
-        else:
-            rft = train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite))
+        rft, rft_info = _rejection_sampling(cfg, model_dir, train_rows, root, sft, output, overwrite)
+        if rft is not None:
             arms.append(f"rft={rft}")
         lap("rejection sampling")
     else:
         rft_info = None
 
-    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, cfg.held_out_base, overwrite)
+    summary = _rollout(cfg, model_dir, held_out, root, arms, output / "rollout", cfg.samples, cfg.held_out_base,
+                       overwrite)
     lap("held-out rollouts")
     forced = teacher_forced(cfg, model_dir, held_out, root, arms, output / "evaluation", overwrite)
     lap("held-out teacher-forced")
     report = agent_report(summary, rewards, rft_info, seconds, cfg, forced) | {"picked": picked or None}
-    write_text_atomic(output / "agent_report.json", json.dumps(report, indent=2) + "\n")
-    print(format_agent_report(report, output))
+    _write_agent_report(report, output)
+    return report
+
+
+def _write_agent_report(report: dict, output: Path) -> None:
+    """``agent_report.json``, its table printed, and the run's page (``report.html``)."""
+    from .atomic import write_text_atomic
     from .evaluation.view import write_report
 
-    print(f"viewer: {write_report([output], output / 'report.html')}  (in a browser: every episode turn by turn, GRPO's curves)")
-    return report
+    write_text_atomic(output / "agent_report.json", json.dumps(report, indent=2) + "\n")
+    print(format_agent_report(report, output))
+    print(f"viewer: {write_report([output], output / 'report.html')}  (in a browser: every episode turn by turn, "
+          "GRPO's curves)")
+
+
+def _task_and_model(cfg: AgentDemoConfig, output: Path) -> tuple[Path, Path, Path | None, Path, Path]:
+    """The task's questions (``root``: training, validation when ``cfg.val_rows``, held out) and the small model."""
+    from .environment.tasks import write_task
+
+    root, fit = output / "task", cfg.train_rows - cfg.val_rows
+    train_rows = write_task(root, fit, cfg.seed, start=0, name="train.jsonl", task=cfg.task)
+    val = (write_task(root, cfg.val_rows, cfg.seed, start=fit, name="validation.jsonl", task=cfg.task)
+           if cfg.val_rows else None)
+    held_out = write_task(root, cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl",
+                          task=cfg.task)
+    return root, train_rows, val, held_out, save_agent_model(output / "small-qwen3-vl", cfg)
+
+
+def _rejection_sampling(cfg: AgentDemoConfig, model_dir: Path, train_rows: Path, root: Path, sft: str | Path,
+                        output: Path, overwrite: bool) -> tuple[str | None, dict]:
+    """One round of rejection sampling: the SFT arm's correct episodes on the training questions, with the gold
+    traces, train the ``rft`` adapter (None when no episode was correct); and the round's counts."""
+    from .training.sft import train
+
+    sampled = _rollout(cfg, model_dir, train_rows, root, [f"sft={sft}"], output / "rft_sampling", cfg.rft_samples,
+                       False, overwrite)
+    union, rft_info = rejection_data(output / "rft_sampling", train_rows, sampled["counts"]["episodes"])
+    if union is None:  # nothing to train on: the arm is left out of the table, and the report says why
+        print("[agent demo] rejection sampling kept no episode (SFT answered no training question right): no rft arm",
+              flush=True)
+        return None, rft_info
+    return train(*_sft_configs(cfg, model_dir, union, root, output / "rft", cfg.rft_steps, overwrite)), rft_info
 
 
 def rejection_data(sampling_dir: Path, gold: Path, sampled: int) -> tuple[Path | None, dict]:
@@ -445,55 +480,3 @@ def rejection_data(sampling_dir: Path, gold: Path, sampled: int) -> tuple[Path |
     union.write_text(gold_text + correct.read_text())
     info["rows_trained"] = sum(1 for line in gold_text.splitlines() if line.strip()) + kept
     return union, info
-
-
-ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes", "stop_reasons")
-
-
-def agent_report(summary: dict, rewards: list[float], rft: dict | None, seconds: dict, cfg: AgentDemoConfig, forced: dict | None = None) -> dict:
-    """``agent_report.json``: per arm the rollout's overall and argument figures (``forced``: the teacher-forced summary),
-    the paired deltas over held-out questions, GRPO's reward per step, the rejection-sampling counts and stage seconds."""
-    k, arms = cfg.samples, {}
-    for name, entry in summary["arms"].items():
-        overall = entry["overall"]
-        arms[name] = {f: overall.get(f) for f in ARM_FIELDS} | {f"pass@{k}": overall.get(f"pass@{k}")} | argument_figures(name, overall, forced)
-    return {
-        "arms": arms,
-        "paired": summary["paired"],
-        "grpo_reward_per_step": rewards,
-        "grpo_reward_by_quarter": reward_by_part(rewards),
-        "rejection_sampling": rft,
-        "seconds": seconds | {"total": round(sum(seconds.values()), 1)},
-        "settings": asdict(cfg),
-    }
-
-
-def format_agent_report(report: dict, output: Path) -> str:
-    """The table (arm, Pass@1, Pass@k, mean score, tool_any, calls/episode) and paired deltas with 95% CIs."""
-    k = report["settings"]["samples"]
-    lines = ["", f"agent demo: held-out questions, {k} episodes each (never trained on)",
-             f"  {'arm':<6}{'Pass@1':>8}{f'Pass@{k}':>8}{'score':>8}{'tool_any':>10}{'calls/ep':>10}"]
-    for name, a in report["arms"].items():
-        cells = [a["pass@1"], a[f"pass@{k}"], a["mean_score"], a["tool_any"], a["calls_per_episode"]]
-        lines.append(f"  {name:<6}" + "".join(f"{v:>{w}.3f}" if v is not None else f"{'-':>{w}}" for v, w in zip(cells, (8, 8, 8, 10, 10))))
-    methods = sorted({p["ci_method"] for p in report["paired"]})
-    lines += [*argument_lines(report["arms"]), f"  paired over questions (B - A, 95% CI, {', '.join(methods)}):"]
-    for p in report["paired"]:
-        if p["metric"] in ("pass@1", "tool_any"):
-            ci = p["ci95"]
-            ci_text = f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "(n < 2)"
-            lines.append(f"    {p['b']:>4} - {p['a']:<4} {p['metric']:<8} {p['delta']:+.3f} {ci_text}  n={p['n']}")
-    rewards = report["grpo_reward_per_step"]
-    if rewards:
-        passes = report["settings"].get("grpo_num_iterations", 1)  # TRL logs a reward where it generated
-        per = "per step" if passes == 1 else f"per generated batch (every {passes} steps)"
-        lines.append(f"  GRPO training reward {per}: " + " ".join(f"{r:.2f}" for r in rewards))
-        if report["grpo_reward_by_quarter"] is not None:
-            lines.append("  GRPO training reward by quarter of its steps: " + " ".join(f"{r:.3f}" for r in report["grpo_reward_by_quarter"]))
-    if report["rejection_sampling"]:
-        r = report["rejection_sampling"]
-        lines.append(f"  rejection sampling: kept {r['episodes_kept']} correct of {r['episodes_sampled']} SFT episodes on training questions"
-                     + ("" if r["episodes_kept"] else " (nothing to train on: no rft arm)"))
-    lines.append("  seconds: " + ", ".join(f"{s} {v}" for s, v in report["seconds"].items()))
-    lines.append(f"report: {output / 'agent_report.json'}   episodes: {output / 'rollout' / 'episodes.jsonl'}")
-    return "\n".join(lines)

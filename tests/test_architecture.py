@@ -101,6 +101,49 @@ def test_no_module_of_the_package_passes_500_lines():
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by job): {long}"
 
 
+MAX_FUNCTION_LINES = 60  # a function is a few named steps: past this, name the steps and call them
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """``{qualified name: lines}`` of the functions and methods in ``path`` (nested ones included) longer than
+    ``limit``, counted from the ``def`` line to the last line of the body, docstring included."""
+    found = {}
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = f"{prefix}{getattr(child, 'name', '')}"
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = child.end_lineno - child.lineno + 1
+                if lines > limit:
+                    found[name] = lines
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_of_the_package_passes_60_lines():
+    long = {f"{p.relative_to(ROOT).as_posix()}::{name}": n for p in sorted(PACKAGE.rglob("*.py"))
+            for name, n in long_functions(p).items()}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split each into named steps): {long}"
+
+
+def test_the_length_check_counts_def_to_last_line_in_methods_and_nested_functions(tmp_path):
+    def body(n: int, indent: int) -> str:
+        return "".join(f"{' ' * indent}x{i} = {i}\n" for i in range(n))
+
+    source = tmp_path / "m.py"
+    source.write_text("def fits():\n" + body(59, 4)  # 60 lines: at the limit, not past it
+                      + "class C:\n    def over(self):\n" + body(58, 8)
+                      + "        def inner():\n" + body(60, 12))  # inner: 61 lines; over: 1 + 58 + 61
+    assert long_functions(source) == {"C.over": 120, "C.over.inner": 61}
+    assert long_functions(source, limit=120) == {}
+
+
 def import_circle(graph: dict[str, set[str]]) -> list[str]:
     """One circle of ``graph`` (``{module: modules it imports}``) as ``[a, b, ..., a]``, or ``[]`` if it has none."""
     done: set[str] = set()

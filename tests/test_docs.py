@@ -103,6 +103,18 @@ def test_every_marker_names_a_known_reason_or_an_existing_test():
     assert not wrong, "\n".join(wrong)
 
 
+def test_a_block_a_script_runs_shows_the_scripts_commands():
+    """README's test block (``runs-in: .ci/run``) is what CI runs: each of its commands is a line of the script."""
+    wrong = []
+    for block in ALL:
+        for kind, value in block.markers:
+            script = REPO / value
+            if kind == "runs-in" and "::" not in value and script.suffix != ".py" and script.is_file():
+                lines = {line.strip() for line in script.read_text().splitlines()}
+                wrong += [f"{block.where}: {c!r} is no line of {value}" for c in block.commands() if c not in lines]
+    assert not wrong, "\n".join(wrong)
+
+
 HELP = [(b.where, c) for b in ALL if runs_here(b) and b.language == "bash" for c in b.commands()]
 
 

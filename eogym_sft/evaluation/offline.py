@@ -169,10 +169,9 @@ def turn_decoder(model, prompts: list[TurnPrompt], cfg: EvalConfig):
 
 
 def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig, bar=None) -> list[dict]:
-    """Greedy outputs for every prompt with the active arm on ``decoder`` (the same tokens as
-    :func:`generate_turns` gives; the test pins it): ``decoder.slots`` prompts at a time, a finished
-    turn's slot refilled at once, and the next turn of the same trace reusing the slot's cached prefix.
-    Returns what :func:`generate_turns` returns."""
+    """Greedy outputs for every prompt with the active arm on ``decoder`` (the same tokens as :func:`generate_turns`
+    gives; the test pins it): ``decoder.slots`` prompts at a time, a finished turn's slot refilled at once, and the
+    next turn of the same trace reusing the slot's cached prefix. Returns what :func:`generate_turns` returns."""
     from ..agent.sampling import Sampling
     from ..agent.episodes import picture_cache
 
@@ -194,8 +193,7 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
             try:
                 images = [pictures.get(path) for path in p.images]
             except ImageError as err:
-                results[i] = {"error": problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}",
-                                               err.detail)}
+                results[i] = _image_problem(p, err)
                 if bar is not None:
                     bar.update(1)
                 continue
@@ -230,6 +228,11 @@ def decode_turns(decoder, processor, prompts: list[TurnPrompt], cfg: EvalConfig,
         for s in list(order):
             settle(s)
     return results
+
+
+def _image_problem(p: TurnPrompt, err: ImageError) -> dict:
+    """The result of a turn whose image cannot be read: its ``skipped.jsonl`` entry."""
+    return {"error": problem("turn", p.source, p.trace_id, p.turn, err.reason, f"image {err.path}", err.detail)}
 
 
 # ---------------------------------------------------------------- scoring and reports

@@ -390,8 +390,8 @@ def _tool_lines(arms: dict) -> list[str]:
     """The free-running tool metrics' tables, when some question had gold calls."""
     if not any(a["overall"].get("questions_with_gold") for a in arms.values()):
         return []
-    lines = ["", "EO benchmark metrics, free running: mean over questions with gold calls (docs/evaluation.md, "
-                 "section 17)"]
+    lines = ["", "EO benchmark metrics, free running: mean over questions with gold calls "
+                 "(docs/evaluation.md, section 17)"]
     rows = [r for r in (_tool_row(name, a["overall"]) for name, a in arms.items()) if r is not None]
     lines += table("overall", [("quest.", 6), ("eff=inf", 7)], list(EARTH_AGENT_COLUMNS), rows)
     lines += ["", *table("overall", [("quest.", 6)], list(OEA_COLUMNS), [(n, c[:1], f) for n, c, f in rows])]

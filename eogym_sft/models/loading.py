@@ -23,7 +23,8 @@ VISION_MARKER = ".visual."
 DECODER_LAYER_RE = re.compile(r"(^|\.)language_model\.layers\.\d+$")
 
 
-def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
+def load_base_model(name_or_path: str, dtype: str | torch.dtype = "bfloat16", attn_implementation: str | None = "sdpa",
+                    trust_remote_code: bool = False):
     """``AutoModelForImageTextToText`` from a hub id or local folder, with the KV cache off for training, the
     text tower's sample boundaries found once a forward (the ``eogym_varlen`` attentions) and the vision tower's
     patch embedding run as a matmul (:mod:`.patch_embed`)."""
@@ -92,7 +93,8 @@ def continue_lora(model, adapter_dir: str):
 
 def check_trainable(model) -> dict:
     """Fail if anything but language-model LoRA weights would train; return the parameter counts."""
-    bad = [n for n, p in model.named_parameters() if p.requires_grad and (VISION_MARKER in f".{n}" or "lora_" not in n)]
+    bad = [n
+           for n, p in model.named_parameters() if p.requires_grad and (VISION_MARKER in f".{n}" or "lora_" not in n)]
     if bad:
         raise RuntimeError(f"only language-model LoRA weights may train, but these are trainable: {bad[:8]}")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -172,7 +174,8 @@ class Arm:
     trained_on: str | None = None  # the adapter's base_model_name_or_path, recorded to catch a wrong base
 
 
-def parse_arms(adapters: list[str], model: str, include_base: bool = True, allow_other_base: bool = False) -> list[Arm]:
+def parse_arms(adapters: list[str], model: str, include_base: bool = True,
+               allow_other_base: bool = False) -> list[Arm]:
     """The base arm (unless excluded) then one arm per ``DIR`` or ``NAME=DIR`` in ``adapters``, each
     checked to be trained on ``model`` (:func:`eogym_sft.guards.check_adapter_base`)."""
     from ..guards import adapter_base, check_adapter_base

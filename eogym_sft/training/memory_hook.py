@@ -13,7 +13,8 @@ import os
 from pathlib import Path
 
 from ..models.memory import MicroBatch, ModelShape, Setup, budget_bytes
-from .memory_plan import EVAL_BATCHES, PLANNED, Plan, choose, choose_eval, dealt_batches, eval_batches, plan_line, run_steps, worst_case_batches
+from .memory_plan import (EVAL_BATCHES, PLANNED, Plan, choose, choose_eval, dealt_batches, eval_batches, plan_line,
+                          run_steps, worst_case_batches)
 
 logger = logging.getLogger(__name__)
 PLAN_COMMAND = "eogym-sft plan --config CONFIG --gpu-memory SIZE"
@@ -30,7 +31,8 @@ def settings_given(argv: list[str], config: dict | None = None) -> frozenset[str
     given = {planned for name, planned in names.items() if name in (config or {})}
     for word in argv:
         flag = word.split("=", 1)[0]
-        given.update(planned for name, planned in names.items() if flag in (f"--{name}", f"--{name.replace('_', '-')}"))
+        given.update(planned
+                     for name, planned in names.items() if flag in (f"--{name}", f"--{name.replace('_', '-')}"))
     return frozenset(given)
 
 
@@ -39,7 +41,8 @@ def config_file(argv: list[str]) -> dict:
     import yaml
 
     for i, word in enumerate(argv):
-        path = word.split("=", 1)[1] if word.startswith("--config=") else argv[i + 1] if word == "--config" and i + 1 < len(argv) else None
+        path = (word.split("=", 1)[1] if word.startswith("--config=")
+                else argv[i + 1] if word == "--config" and i + 1 < len(argv) else None)
         if path:
             return yaml.safe_load(Path(path).read_text()) or {}
     return {}
@@ -64,7 +67,8 @@ def zero_stage(training_args) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0)) if isinstance(ds, dict) else 0
 
 
-def fixed_settings(training_args, samples_per_step: int | None, given: frozenset[str], processes: int) -> tuple[int | None, int | None]:
+def fixed_settings(training_args, samples_per_step: int | None, given: frozenset[str],
+                   processes: int) -> tuple[int | None, int | None]:
     """``(per_device_train_batch_size, checkpoint_every)`` the plan must keep (``None``: its to choose). Without
     ``samples_per_step`` the batch size sets the step's size, so it is never the plan's."""
     batch = None
@@ -101,15 +105,19 @@ def plan_for(script_args, training_args, model_args, dataset, free_bytes: float,
     """The plan for this run on a GPU with ``free_bytes`` free: the settings not ``given`` chosen, the given kept."""
     shape = ModelShape.of(architecture, model_args.lora_target_modules or (), model_args.lora_r)
     setup = Setup(processes, zero, model_args.lora_dropout)
-    samples = script_args.samples_per_step or training_args.per_device_train_batch_size * processes * training_args.gradient_accumulation_steps
+    samples = script_args.samples_per_step or (training_args.per_device_train_batch_size * processes
+                                               * training_args.gradient_accumulation_steps)
     max_length = training_args.max_length or 8192
     if dataset is None:
         batches_for = lambda b: worst_case_batches(b, max_length)  # noqa: E731
     else:
-        steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs, training_args.dataloader_drop_last)
-        batches_for = batches_from(dataset, samples, processes, steps, training_args.seed, training_args.dataloader_drop_last)
+        steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs,
+                          training_args.dataloader_drop_last)
+        batches_for = batches_from(dataset, samples, processes, steps, training_args.seed,
+                                   training_args.dataloader_drop_last)
     batch, every = fixed_settings(training_args, script_args.samples_per_step, given, processes)
-    plan = choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch, checkpoint_every=every)
+    plan = choose(shape, setup, batches_for, budget_bytes(free_bytes), samples, batch_size=batch,
+                  checkpoint_every=every)
     eval_given = training_args.per_device_eval_batch_size if "per_device_eval_batch_size" in given else None
     if eval_dataset is None:
         eval_for = lambda b: worst_case_batches(b, max_length)  # noqa: E731
@@ -124,16 +132,18 @@ def refusal(plan: Plan, auto: Plan, given: frozenset[str], device: str) -> str |
     when it fits."""
     if plan.fits:
         return None
-    need = f"its largest micro-batch ({plan.micro_batch_tokens:,} tokens) is predicted to need {plan.predicted_reserved_gib:.1f} GiB"
+    need = (f"its largest micro-batch ({plan.micro_batch_tokens:,} tokens) is predicted to need "
+            f"{plan.predicted_reserved_gib:.1f} GiB")
     if plan.predicted_reserved_gib <= plan.budget_gib:  # training fits: the evaluation batch does not
         need = f"its largest evaluation batch is predicted to need {plan.predicted_eval_peak_gib:.1f} GiB allocated"
     budget = f"a budget of {plan.budget_gib:.1f} GiB on {device}"
     if not given or not auto.fits:
-        return (f"no setting fits: even at one sample a micro-batch with every layer checkpointed {need} against {budget}; "
-                f"lower max_length, use a larger GPU, or see `{PLAN_COMMAND}`")
+        return (f"no setting fits: even at one sample a micro-batch with every layer checkpointed {need} against "
+                f"{budget}; lower max_length, use a larger GPU, or see `{PLAN_COMMAND}`")
     named = " with ".join(f"{name} {value}" for name, value in settings_of(plan).items() if name in given)
     would = ", ".join(f"{name} {value}" for name, value in settings_of(auto).items())
-    return f"{named} does not fit: {need} against {budget}; {would} fits ({auto.predicted_reserved_gib:.1f} GiB); see `{PLAN_COMMAND}`"
+    return (f"{named} does not fit: {need} against {budget}; {would} fits ({auto.predicted_reserved_gib:.1f} GiB); "
+            f"see `{PLAN_COMMAND}`")
 
 
 def settings_of(plan: Plan) -> dict:
@@ -184,13 +194,15 @@ def plan_run(script_args, training_args, model_args, dataset, given: frozenset[s
         training_args.per_device_train_batch_size = batch or 1
         if "per_device_eval_batch_size" not in given:
             training_args.per_device_eval_batch_size = EVAL_BATCHES[0]
-        logger.info("memory plan: no CUDA device, %d sample(s) a micro-batch", training_args.per_device_train_batch_size)
+        logger.info("memory plan: no CUDA device, %d sample(s) a micro-batch",
+                    training_args.per_device_train_batch_size)
         return None
     device, free = gpu
     architecture = model_config(model_args.model_name_or_path)
     args = (script_args, training_args, model_args, dataset, free, training_args.world_size, zero_stage(training_args))
     plan = plan_for(*args, given, architecture, eval_dataset)
-    message = refusal(plan, plan if plan.fits else plan_for(*args, frozenset(), architecture, eval_dataset), given, device)
+    message = refusal(plan, plan if plan.fits else plan_for(*args, frozenset(), architecture, eval_dataset), given,
+                      device)
     if message:
         raise ValueError(message)
     apply(plan, training_args, given)
@@ -200,7 +212,8 @@ def plan_run(script_args, training_args, model_args, dataset, given: frozenset[s
 
 def lora_targets(model) -> tuple[list[str], int]:
     """The projection names LoRA wraps in ``model`` and its rank."""
-    wrapped = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    wrapped = [(name.rsplit(".", 1)[-1], m)
+               for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     ranks = [a.weight.shape[0] for _, m in wrapped for a in m.lora_A.values()]
     return sorted({name for name, _ in wrapped}), max(ranks, default=0)
 
@@ -209,7 +222,8 @@ def grpo_loss_batch(args, rollout_args, shared_prompts: bool) -> MicroBatch:
     """GRPO's largest loss micro-batch: ``per_device_train_batch_size`` episodes of at most ``max_episode_tokens``
     each, of which ``max_completion_length`` are the model's; with shared prompts the prompt counts once. Nothing is
     counted for the loss's logits: TRL's fused LM head keeps no vocabulary-wide ones."""
-    episodes, episode, completion = args.per_device_train_batch_size, rollout_args.max_episode_tokens, args.max_completion_length
+    episodes, episode, completion = (args.per_device_train_batch_size, rollout_args.max_episode_tokens,
+                                     args.max_completion_length)
     completion = min(completion, episode)
     tokens = (episode - completion) + episodes * completion if shared_prompts else episodes * episode
     return MicroBatch(tokens, 0, tokens, episodes)
@@ -222,7 +236,8 @@ def grpo_loss_reserve(model, args, rollout_args, processes: int, shared_prompts:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     targets, rank = lora_targets(model)
     shape = ModelShape.of(base.config.to_dict(), targets, rank)
-    dropout = max((d.p for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values() if hasattr(d, "p")), default=0.0)
+    dropout = max((d.p for m in model.modules() if hasattr(m, "lora_dropout")
+                   for d in m.lora_dropout.values() if hasattr(d, "p")), default=0.0)
     setup = Setup(processes, zero_stage(args), dropout, checkpoint_every(args))
     terms = peak_terms(shape, setup, grpo_loss_batch(args, rollout_args, shared_prompts))
     return terms["reserved"] - terms["frozen_weights"]
@@ -232,9 +247,11 @@ def out_of_memory_message(training_args, step: int) -> str:
     """One line for a CUDA OOM that came mid-run despite the plan: the setting to lower, and the plan command."""
     batch, checkpointing = training_args.per_device_train_batch_size, training_args.activation_checkpointing
     if not checkpointing:
-        fix = "set activation_checkpointing true" + (f" or lower per_device_train_batch_size {batch}" if batch > 1 else "")
+        fix = "set activation_checkpointing true" + (f" or lower per_device_train_batch_size {batch}"
+                                                     if batch > 1 else "")
     else:
-        fix = f"lower per_device_train_batch_size {batch}" if batch > 1 else f"lower max_length {training_args.max_length}"
+        fix = (f"lower per_device_train_batch_size {batch}" if batch > 1
+               else f"lower max_length {training_args.max_length}")
     return (f"CUDA out of memory at step {step} with per_device_train_batch_size {batch} and activation_checkpointing "
-            f"{str(bool(checkpointing)).lower()} (the GPU had less than planned, or another process took memory): {fix}; "
-            f"`{PLAN_COMMAND}` shows what fits")
+            f"{str(bool(checkpointing)).lower()} (the GPU had less than planned, or another process took memory): "
+            f"{fix}; `{PLAN_COMMAND}` shows what fits")

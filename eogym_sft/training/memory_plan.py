@@ -16,11 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..models.memory import GIB, Calibration, MicroBatch, ModelShape, Setup, budget_bytes, peak_terms
+from ..models.memory import GIB, Calibration, MicroBatch, ModelShape, Setup, peak_terms
 
 # The settings the plan chooses when they are not given (on the command line or in the config file).
-PLANNED = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing", "per_device_eval_batch_size")
-# Samples an evaluation batch may hold, most first (evaluation is a forward without gradients: its batch changes no figure)
+PLANNED = ("per_device_train_batch_size", "gradient_accumulation_steps", "activation_checkpointing",
+           "per_device_eval_batch_size")
+# Samples an evaluation batch may hold, most first (evaluation is a forward without gradients: its batch
+# changes no figure)
 EVAL_BATCHES = (4, 2, 1)
 # Activation checkpointing, least recompute first: off, every 2nd decoder layer, every layer.
 CHECKPOINT_CHOICES = (0, 2, 1)
@@ -95,7 +97,8 @@ def choose(shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, sa
     tried = []
     for every in checkpoints:
         for b in sizes:
-            worst = evaluate(shape, Setup(setup.processes, setup.zero_stage, setup.lora_dropout, every), batches_for(b), cal)
+            worst = evaluate(shape, Setup(setup.processes, setup.zero_stage, setup.lora_dropout, every),
+                             batches_for(b), cal)
             plan = make_plan(b, samples_per_step // (b * setup.processes), every, worst, budget_bytes)
             if plan.fits:
                 return plan
@@ -103,8 +106,8 @@ def choose(shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, sa
     return min(tried, key=lambda pair: pair[0])[1]
 
 
-def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget_bytes: float, batch_size: int | None = None,
-                cal: Calibration | None = None) -> Plan:
+def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget_bytes: float,
+                batch_size: int | None = None, cal: Calibration | None = None) -> Plan:
     """``plan`` with its evaluation batch: ``batch_size`` if given, else the most of :data:`EVAL_BATCHES` samples whose
     largest forward fits beside the training state (``batches_for(b)``: the evaluation batches of b samples). A
     given one that does not fit, or none, makes the plan not fit."""
@@ -114,7 +117,8 @@ def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget
     static = sum(static_terms(shape, setup, cal).values()) - cal.budget_margin_bytes  # forward_bytes adds the margin
     peak = 0.0
     for b in [batch_size] if batch_size else EVAL_BATCHES:
-        peak = max(static + forward_bytes(batch, shape.vocab, shape.patches_per_token, cal) for batch in batches_for(b))
+        peak = max(static + forward_bytes(batch, shape.vocab, shape.patches_per_token, cal)
+                   for batch in batches_for(b))
         if peak * cal.reserved_over_allocated <= budget_bytes:
             break
     plan.per_device_eval_batch_size, plan.predicted_eval_peak_gib = b, round(peak / GIB, 2)
@@ -123,9 +127,11 @@ def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget
 
 
 def eval_batches(tokens: list[int], supervised: list[int], images: list[int], b: int) -> list[MicroBatch]:
-    """The evaluation batches of ``b`` consecutive samples (the evaluation loader's order; ranks take whole batches)."""
+    """The evaluation batches of ``b`` consecutive samples (the evaluation loader's order; ranks take whole
+    batches)."""
     starts = range(0, len(tokens), b)
-    return [MicroBatch(sum(tokens[i:i + b]), sum(supervised[i:i + b]), sum(images[i:i + b]), len(tokens[i:i + b])) for i in starts]
+    return [MicroBatch(sum(tokens[i:i + b]), sum(supervised[i:i + b]), sum(images[i:i + b]), len(tokens[i:i + b]))
+            for i in starts]
 
 
 def make_plan(batch: int, accumulation: int, every: int, worst: dict, budget_bytes: float) -> Plan:
@@ -152,7 +158,8 @@ def dealt_batches(lengths: list[int], supervised: list[int], images: list[int], 
         for i, group in enumerate(sampler):
             if (epoch * per_epoch) + i // groups >= steps:
                 break
-            seen.add((sum(lengths[j] for j in group), sum(supervised[j] for j in group), sum(images[j] for j in group), len(group)))
+            seen.add((sum(lengths[j] for j in group), sum(supervised[j] for j in group), sum(images[j] for j in group),
+                      len(group)))
     return [MicroBatch(*sizes) for sizes in sorted(seen)]
 
 
@@ -177,9 +184,10 @@ def plan_line(plan: Plan, device: str, free_bytes: float, processes: int) -> str
     checkpointing = ("off" if not plan.checkpoint_every else
                      "every layer" if plan.checkpoint_every == 1 else f"every {ordinal(plan.checkpoint_every)} layer")
     return (
-        f"memory plan: {device}, {free_bytes / GIB:.1f} GiB free, budget {plan.budget_gib:.1f} GiB: {micro} micro-batches a "
-        f"step on each of {processes} process(es), {plan.per_device_train_batch_size} sample(s) each (largest "
-        f"{plan.micro_batch_tokens:,} tokens), activation checkpointing {checkpointing}, predicted peak "
+        f"memory plan: {device}, {free_bytes / GIB:.1f} GiB free, budget {plan.budget_gib:.1f} GiB: {micro} "
+        f"micro-batches a step on each of {processes} process(es), {plan.per_device_train_batch_size} sample(s) each "
+        f"(largest {plan.micro_batch_tokens:,} tokens), activation checkpointing {checkpointing}, predicted peak "
         f"{plan.predicted_peak_gib:.1f} GiB allocated, {plan.predicted_reserved_gib:.1f} GiB reserved"
-        + (f"; evaluation batches of {plan.per_device_eval_batch_size} sample(s)" if plan.per_device_eval_batch_size else "")
+        + (f"; evaluation batches of {plan.per_device_eval_batch_size} sample(s)"
+           if plan.per_device_eval_batch_size else "")
     )

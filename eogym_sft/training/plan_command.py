@@ -22,10 +22,15 @@ DEFAULT_CONFIG = "recipes/eo_gym_4b.yaml"
 class PlanConfig:
     """The ``eogym-sft plan`` flags (the recipe's own flags follow them, as on the recipe's command line)."""
 
-    gpu_memory: str = field(metadata={"help": "the GPU's free memory: 80GB (10^9 bytes), 79.2GiB; a plain number is GB"})
-    config: str = field(default=DEFAULT_CONFIG, metadata={"help": "the recipe's YAML: SFT, or GRPO (a YAML that sets num_generations)"})
-    gpus: int = field(default=1, metadata={"min": 1, "help": "processes (one a GPU), as accelerate launch --num_processes"})
-    zero_stage: int = field(default=2, metadata={"max": 3, "help": "DeepSpeed ZeRO stage of the launch (0: one process or DDP)"})
+    gpu_memory: str = field(
+        metadata={"help": "the GPU's free memory: 80GB (10^9 bytes), 79.2GiB; a plain number is GB"}
+    )
+    config: str = field(default=DEFAULT_CONFIG,
+                        metadata={"help": "the recipe's YAML: SFT, or GRPO (a YAML that sets num_generations)"})
+    gpus: int = field(default=1,
+                      metadata={"min": 1, "help": "processes (one a GPU), as accelerate launch --num_processes"})
+    zero_stage: int = field(default=2,
+                            metadata={"max": 3, "help": "DeepSpeed ZeRO stage of the launch (0: one process or DDP)"})
     model_config: str | None = field(
         default=None,
         metadata={"help": "architecture config.json to plan for (default: model_name_or_path's own; offline, e.g. "
@@ -60,7 +65,8 @@ def recipe_configs(config: str, recipe_argv: list[str]):
 
 
 def train_dataset(script_args, training_args):
-    """The train and evaluation splits the recipe would use, from a prepared folder (or the recipe's prepared cache)."""
+    """The train and evaluation splits the recipe would use, from a prepared folder (or the recipe's prepared
+    cache)."""
     from ..data.datasets import split_by_trace
     from ..data.prepared import load_prepared
 
@@ -86,14 +92,16 @@ def run_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     given = settings_given(argv, config_file(argv))
     script, training, model = recipe_configs(cfg.config, recipe_argv)
     with_data = any(word.split("=", 1)[0] in ("--dataset_path", "--dataset-path") for word in recipe_argv)
-    dataset, held_out, source = train_dataset(script, training) if with_data else (None, None, "worst case: every sample max_length tokens")
+    dataset, held_out, source = (train_dataset(script, training) if with_data
+                                 else (None, None, "worst case: every sample max_length tokens"))
     architecture = model_config(model.model_name_or_path, cfg.model_config)
     args = (script, training, model, dataset, cfg.gpu_bytes, cfg.gpus, cfg.zero_stage)
     plan = plan_for(*args, given, architecture, held_out)
     device = f"a {cfg.gpu_memory} GPU"
     auto = plan if plan.fits else plan_for(*args, frozenset(), architecture, held_out)
     result = {
-        "recipe": "sft", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus, "zero_stage": cfg.zero_stage,
+        "recipe": "sft", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus,
+        "zero_stage": cfg.zero_stage,
         "data": source, "given": sorted(given), **plan.to_json(), "refused": refusal(plan, auto, given, device),
         "line": plan_line(plan, device, cfg.gpu_bytes, cfg.gpus),
     }
@@ -113,7 +121,8 @@ def grpo_configs(config: str, recipe_argv: list[str]):
 
 def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     """GRPO on a GPU of ``cfg.gpu_bytes``: the loss micro-batches as set, and the slot decoder's KV cache sized as the
-    recipe sizes it at its first step (beside the weights, the loss micro-batch, a prefill and the merged LoRA weights)."""
+    recipe sizes it at its first step (beside the weights, the loss micro-batch, a prefill and the merged LoRA
+    weights)."""
     from ..agent.decoder import PREFILL_TOKENS
     from ..agent.rollout_config import fitting_slots, slots_for
     from ..models.attention import NAMES as VARLEN_NAMES
@@ -129,10 +138,13 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     batch = grpo_loss_batch(training, script, model.attn_implementation in VARLEN_NAMES)
     terms = peak_terms(shape, Setup(cfg.gpus, cfg.zero_stage, model.lora_dropout, checkpoint_every(training)), batch)
     loss = terms["reserved"] - terms["frozen_weights"] if script.rollout_keep_cache else 0.0
-    generation = generation_reserve(shape.patches_per_token, PREFILL_TOKENS, shape.targeted_weights * shape.weight_bytes)
-    reserve = generation["merged_weights"] + max(generation["prefill"], loss) + generation["margin"]  # loss and prefill: apart
+    generation = generation_reserve(shape.patches_per_token, PREFILL_TOKENS,
+                                    shape.targeted_weights * shape.weight_bytes)
+    # loss and prefill: apart
+    reserve = generation["merged_weights"] + max(generation["prefill"], loss) + generation["margin"]
     usable = cfg.gpu_bytes - terms["frozen_weights"]
-    episodes = training.per_device_train_batch_size * (training.steps_per_generation or training.gradient_accumulation_steps)
+    episodes = training.per_device_train_batch_size * (training.steps_per_generation
+                                                       or training.gradient_accumulation_steps)
     refused, slots = None, 0
     try:
         if script.rollout_cache_gib is None:
@@ -144,16 +156,21 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     cache = slots * script.max_episode_tokens * per_token
     peak = terms["frozen_weights"] + loss + generation["merged_weights"] + cache
     every = checkpoint_every(training)
-    line = (f"memory plan (GRPO): a {cfg.gpu_memory} GPU: KV cache {slots} slots of {script.max_episode_tokens:,} tokens "
-            f"({cache / GIB:.1f} GiB) for {episodes} episodes a generation, loss micro-batches of {training.per_device_train_batch_size} "
-            f"episodes (at most {batch.tokens:,} tokens), activation checkpointing {'off' if not every else 'every layer' if every == 1 else f'every {ordinal(every)} layer'}, "
+    line = (f"memory plan (GRPO): a {cfg.gpu_memory} GPU: KV cache {slots} slots of {script.max_episode_tokens:,} "
+            f"tokens ({cache / GIB:.1f} GiB) for {episodes} episodes a generation, loss micro-batches of "
+            f"{training.per_device_train_batch_size} episodes (at most {batch.tokens:,} tokens), "
+            "activation checkpointing "
+            f"{'off' if not every else 'every layer' if every == 1 else f'every {ordinal(every)} layer'}, "
             f"predicted peak {peak / GIB:.1f} GiB")
     return {
-        "recipe": "grpo", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus, "zero_stage": cfg.zero_stage,
-        "slots": slots, "kv_cache_gib": round(cache / GIB, 2), "prefill_tokens": PREFILL_TOKENS, "episodes_per_generation": episodes,
+        "recipe": "grpo", "gpu_memory_gib": round(cfg.gpu_bytes / GIB, 2), "gpus": cfg.gpus,
+        "zero_stage": cfg.zero_stage,
+        "slots": slots, "kv_cache_gib": round(cache / GIB, 2), "prefill_tokens": PREFILL_TOKENS,
+        "episodes_per_generation": episodes,
         "per_device_train_batch_size": training.per_device_train_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps, "activation_checkpointing": bool(every),
         "checkpoint_every": every, "micro_batch_tokens": batch.tokens, "predicted_peak_gib": round(peak / GIB, 2),
         "loss_gib": round(loss / GIB, 2), "merged_lora_gib": round(generation["merged_weights"] / GIB, 2),
-        "budget_gib": round(budget_bytes(cfg.gpu_bytes) / GIB, 2), "fits": refused is None, "refused": refused, "line": line,
+        "budget_gib": round(budget_bytes(cfg.gpu_bytes) / GIB, 2), "fits": refused is None, "refused": refused,
+        "line": line,
     }

@@ -47,19 +47,22 @@ def set_samples_per_step(script_args: EOGymScriptArguments, training_args: SFTCo
     A ``gradient_accumulation_steps`` other than 1 (TRL's default) was chosen by the user: one that differs from
     what ``samples_per_step`` derives is refused, naming both, never replaced silently."""
     if script_args.samples_per_step is not None:
-        derived = accumulation_steps(script_args.samples_per_step, training_args.per_device_train_batch_size, training_args.world_size)
+        derived = accumulation_steps(script_args.samples_per_step, training_args.per_device_train_batch_size,
+                                     training_args.world_size)
         given = training_args.gradient_accumulation_steps
         if given != 1 and given != derived:
             raise ValueError(
                 f"samples_per_step {script_args.samples_per_step} and gradient_accumulation_steps {given} disagree: "
                 f"{script_args.samples_per_step} samples a step at per_device_train_batch_size "
                 f"{training_args.per_device_train_batch_size} on {training_args.world_size} process(es) is {derived} "
-                "micro-batches a step. Set one of them: --samples_per_step None keeps gradient_accumulation_steps as given"
+                "micro-batches a step. Set one of them: --samples_per_step None keeps gradient_accumulation_steps as "
+                "given"
             )
         training_args.gradient_accumulation_steps = derived
     logger.info(
         "samples per optimizer step: %d = %d per micro-batch x %d micro-batches x %d processes",
-        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps * training_args.world_size,
+        training_args.per_device_train_batch_size * training_args.gradient_accumulation_steps
+        * training_args.world_size,
         training_args.per_device_train_batch_size, training_args.gradient_accumulation_steps, training_args.world_size,
     )
 
@@ -96,16 +99,18 @@ def refuse_unusable_data(dataset, data_root: str, source: str, max_missing_share
         sid, path = missing[0]
         raise FileNotFoundError(
             f"{len(missing)} of the {len(images)} images of the first {len(head)} samples are not under --data_root "
-            f"{data_root} (e.g. {path} of {sid}): pass the --data_root the data was prepared with, or {ALLOW_FLAG} to go on"
+            f"{data_root} (e.g. {path} of {sid}): pass the --data_root the data was prepared with, or {ALLOW_FLAG} to "
+            "go on"
         )
 
 
 def refuse_no_training(training_args: SFTConfig) -> None:
-    """``max_steps`` 0, or ``num_train_epochs`` 0 without ``max_steps``, would save the untrained adapter as the result."""
+    """``max_steps`` 0, or ``num_train_epochs`` 0 without ``max_steps``, would save the untrained adapter as the
+    result."""
     if training_args.max_steps == 0 or (training_args.max_steps < 0 and training_args.num_train_epochs <= 0):
         raise ValueError(
-            f"max_steps {training_args.max_steps} and num_train_epochs {training_args.num_train_epochs} train nothing: "
-            "set num_train_epochs > 0 (or max_steps > 0)"
+            f"max_steps {training_args.max_steps} and num_train_epochs {training_args.num_train_epochs} train "
+            "nothing: set num_train_epochs > 0 (or max_steps > 0)"
         )
 
 
@@ -115,12 +120,14 @@ def refuse_empty_split(script_args: EOGymScriptArguments, seed: int) -> None:
     if script_args.eval_fraction <= 0 or Path(script_args.dataset_path).is_dir():
         return
     files = [p for p in script_args.dataset_path.split(",") if p]
-    ids = {str(row["id"]) for _, row in read_rows(files) if isinstance(row, dict) and isinstance(row.get("id"), (str, int))}
+    ids = {str(row["id"])
+           for _, row in read_rows(files) if isinstance(row, dict) and isinstance(row.get("id"), (str, int))}
     held_out = sum(is_held_out(trace_id, script_args.eval_fraction, seed) for trace_id in ids)
     if ids and held_out in (0, len(ids)):
         raise ValueError(
-            f"eval_fraction={script_args.eval_fraction} holds out {held_out} of the {len(ids)} traces of {script_args.dataset_path} "
-            f"(seed {seed}): raise eval_fraction, or set it to 0 to train on every trace with no eval set"
+            f"eval_fraction={script_args.eval_fraction} holds out {held_out} of the {len(ids)} traces of "
+            f"{script_args.dataset_path} (seed {seed}): raise eval_fraction, or set it to 0 to train on every trace "
+            "with no eval set"
         )
 
 
@@ -155,10 +162,13 @@ def build_model(script_args: EOGymScriptArguments, training_args: SFTConfig, mod
     (enable_full_determinism if training_args.full_determinism else set_seed)(training_args.seed)
     if base is None:
         base = load_base_model(model_args.model_name_or_path, model_args.dtype, model_args.attn_implementation)
-    model = apply_lora(base, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout, model_args.lora_target_modules)
+    model = apply_lora(base, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
+                       model_args.lora_target_modules)
     if script_args.compile_layers:
-        # Before the collator reads the vision tower's settings: compiling switches its attention (models/vision_blocks.py).
-        logger.info("compiled %d decoder layers and %d vision modules", compile_language_layers(model), compile_vision_blocks(model))
+        # Before the collator reads the vision tower's settings: compiling switches its attention
+        # (models/vision_blocks.py).
+        logger.info("compiled %d decoder layers and %d vision modules", compile_language_layers(model),
+                    compile_vision_blocks(model))
     return model
 
 
@@ -175,7 +185,8 @@ def build_collator(script_args: EOGymScriptArguments, training_args: SFTConfig, 
     )
 
 
-def build_trainer(training_args: SFTConfig, model, collator, processor, train_dataset, eval_dataset=None, callbacks=()):
+def build_trainer(training_args: SFTConfig, model, collator, processor, train_dataset, eval_dataset=None,
+                  callbacks=()):
     """The run's :class:`EOGymSFTTrainer` over the pieces above."""
     return EOGymSFTTrainer(
         model=model, args=training_args, data_collator=collator, train_dataset=train_dataset,
@@ -183,7 +194,8 @@ def build_trainer(training_args: SFTConfig, model, collator, processor, train_da
     )
 
 
-def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig, given: frozenset[str] | None = None) -> str:
+def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_args: ModelConfig,
+          given: frozenset[str] | None = None) -> str:
     """Train a LoRA adapter and save it, its processor and ``eogym_run.json`` to ``output_dir``; return that folder.
 
     ``given``: which of the memory plan's settings (:data:`~.memory_plan.PLANNED`) the user set; the plan chooses
@@ -206,7 +218,8 @@ def train(script_args: EOGymScriptArguments, training_args: SFTConfig, model_arg
     identity, checkpoint = resume_point(training_args, configs, data_stats.get("content_hash"))
     if checkpoint is not None and finished(checkpoint):
         return training_args.output_dir
-    plan_run(script_args, training_args, model_args, train_dataset, given, eval_dataset)  # before the model loads: sized or refused
+    # before the model loads: sized or refused
+    plan_run(script_args, training_args, model_args, train_dataset, given, eval_dataset)
     if not batch_given:
         set_samples_per_step(script_args, training_args)
 

@@ -253,8 +253,8 @@ def test_a_truncated_answer_does_not_cancel_the_correct_ones_advantage(tmp_path,
 
 def test_the_policys_entropy_is_logged_where_the_demo_reads_it(policy_run, tmp_path):
     """Both engines (the slots engine through its packed forward) log TRL's ``entropy`` each step, and it is
-    in trainer_state.json's log_history, where ``demo.grpo_per_step(dir, "entropy")`` reads it."""
-    from eogym_sft.demo import grpo_per_step
+    in trainer_state.json's log_history, where ``demo_report.grpo_per_step(dir, "entropy")`` reads it."""
+    from eogym_sft.demo_report import grpo_per_step
 
     trainer = policy_run["trainer"]
     entropy = trainer.state.log_history[0]["entropy"]
