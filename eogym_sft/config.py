@@ -268,6 +268,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, config_type: type) -> No
 def config_from_args(config_type: type, args: argparse.Namespace, **given):
     """``config_type`` built from the flags :func:`add_dataclass_args` made (and ``given``, for fields off the
     command line): its ``__post_init__`` checks them all before a command touches anything."""
-    values = {f.name: getattr(args,
-                              f.name) for f in dataclasses.fields(config_type) if f.init and hasattr(args, f.name)}
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(config_type) if f.init and hasattr(args, f.name)
+    }
     return config_type(**{**values, **given})

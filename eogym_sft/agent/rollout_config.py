@@ -57,8 +57,9 @@ class SlotRolloutArguments:
             parent()
         if self.rollout_engine not in ENGINES:
             raise ValueError(f"rollout_engine must be one of {ENGINES}, got {self.rollout_engine!r}")
-        if min(self.max_episode_tokens,
-               self.rollout_turn_tokens) < 1 or (self.rollout_cache_gib is not None and self.rollout_cache_gib <= 0):
+        if min(self.max_episode_tokens, self.rollout_turn_tokens) < 1 or (
+            self.rollout_cache_gib is not None and self.rollout_cache_gib <= 0
+        ):
             raise ValueError("max_episode_tokens, rollout_turn_tokens and rollout_cache_gib must be positive")
 
 

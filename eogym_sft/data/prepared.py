@@ -74,8 +74,9 @@ def compute_stats(results, samples: list[dict]) -> dict:
         "token_histogram": {f"{k}-{k + HISTOGRAM_BIN - 1}": v for k, v in sorted(hist.items())},
         "max_tokens_seen": max((s["n_tokens"] for s in samples), default=0),
         "images_per_sample": {str(k): v for k, v in sorted(Counter(len(s["images"]) for s in samples).items())},
-        "tool_images_attached": dict(sorted(sum((Counter(r.tool_images) for r in results if r.status != "dropped"),
-                                                Counter()).items())),
+        "tool_images_attached": dict(
+            sorted(sum((Counter(r.tool_images) for r in results if r.status != "dropped"), Counter()).items())
+        ),
         "content_hash": content_hash(samples),
     }
 

@@ -142,8 +142,11 @@ def rollout(cfg: RolloutConfig, progress: bool = True, env_factory=None) -> dict
 
     out = Path(cfg.output)
     group = ranks.join()
-    local_arms = parse_arms(cfg.adapters, cfg.model, cfg.include_base,
-                            cfg.allow_other_base) if cfg.include_base or cfg.adapters else []
+    local_arms = (
+        parse_arms(cfg.adapters, cfg.model, cfg.include_base, cfg.allow_other_base)
+        if cfg.include_base or cfg.adapters
+        else []
+    )
     names = [a.name for a in local_arms] + [p.name for p in cfg.policies]
     if len(set(names)) != len(names):
         raise ValueError(f"arm names must be unique, got {names}: name adapters NAME=DIR and policies --policy-model "

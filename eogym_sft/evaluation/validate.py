@@ -312,8 +312,11 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
     config = unwrap_peft(model).config
     vocab, merge = config.get_text_config().vocab_size, config.vision_config.spatial_merge_size ** 2
     columns = [list(dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
-    rank, world = (torch.distributed.get_rank(),
-                   torch.distributed.get_world_size()) if torch.distributed.is_initialized() else (0, 1)
+    rank, world = (
+        (torch.distributed.get_rank(), torch.distributed.get_world_size())
+        if torch.distributed.is_initialized()
+        else (0, 1)
+    )
     mine = list(range(rank, len(dataset), world))
 
     def largest(b: int) -> float:

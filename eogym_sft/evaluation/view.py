@@ -118,9 +118,10 @@ def paired_html(paired: list[dict], unit: str) -> str:
 
 def rollout_summary_html(summary: dict, skipped: list[dict]) -> str:
     """Pass@k and tool use per arm, per ``EO_task``, paired deltas, stop reasons, tool errors by code, skips."""
-    ks = summary.get("settings",
-                     {}).get("ks") or sorted({int(k[5:]) for a in summary["arms"].values() for k in a["overall"]
-                                                         if k.startswith("pass@") and k[5:].isdigit()})
+    ks = summary.get("settings", {}).get("ks") or sorted(
+        {int(k[5:]) for a in summary["arms"].values() for k in a["overall"]
+         if k.startswith("pass@") and k[5:].isdigit()}
+    )
     arms = summary["arms"]
     cols = ["questions", "episodes", *(f"pass@{k}" for k in ks), *EPISODE_METRICS, "judge_failed"]
     rows = [[arm, *(a["overall"].get(c) for c in cols)] for arm, a in arms.items()]

@@ -139,8 +139,10 @@ def find_runs(paths: list[str | Path]) -> list[Run]:
         if given.is_file() and given.name in ("episodes.jsonl", "results.jsonl", "trainer_state.json"):
             given = given.parent  # the run is the folder the file is in
         root = given.resolve()
-        found = [Run(r.kind, r.path, r.name,
-                     (root if root.is_dir() else root.parent,)) for r in _runs_in(given, given, depth=2)]
+        found = [
+            Run(r.kind, r.path, r.name, (root if root.is_dir() else root.parent,))
+            for r in _runs_in(given, given, depth=2)
+        ]
         if not found:
             raise ViewError(
                 f"{given}: no run found (looked for episodes.jsonl, results.jsonl, trainer_state.json or "

@@ -122,8 +122,11 @@ def rollout_episode(record: dict, data_root: Path | None, store: ImageStore, tex
         "judged": record.get("rule_correct") is not None and record.get("correct") is not record.get("rule_correct"),
         "answer": None if answer is None else str(answer),
         "gt": None if record.get("gt_answer") is None else str(record.get("gt_answer")),
-        "meta": {k: record.get(k) for k in ("source", "turns", "tool_calls", "tool_errors",
-                                            "new_tokens") if record.get(k) is not None},
+        "meta": {
+            k: record.get(k)
+            for k in ("source", "turns", "tool_calls", "tool_errors", "new_tokens")
+            if record.get(k) is not None
+        },
         "codes": record.get("tool_error_codes") if isinstance(record.get("tool_error_codes"), dict) else {},
         "error": record.get("error"),
         "judge_error": record.get("judge_error"),
@@ -136,8 +139,9 @@ def gold_view(gold, messages) -> dict | None:
     """The episode's gold calls (its row's trace) beside the calls the tools ran, and how many leading calls
     match: by name (``tool_exact_match``), name and arguments (``param_prefix``), with a box within IoU 0.5
     (``param_prefix_aoi@0.5``). ``None`` without a well-formed gold list (a question-only row, an older run)."""
-    if not isinstance(gold,
-                      list) or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in gold):
+    if not isinstance(gold, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in gold
+    ):
         return None
     ran = executed_calls(messages)
     return {

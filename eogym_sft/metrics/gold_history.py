@@ -83,8 +83,9 @@ def _call_steps(parsed: ParsedOutput, ref: Reference) -> dict[str, float]:
         if pred["name"] != gold["name"]:
             continue
         hits["tool_acc"] += 1
-        hits["arg_keys_acc"] += isinstance(pred["arguments"],
-                                           dict) and pred["arguments"].keys() == gold["arguments"].keys()
+        hits["arg_keys_acc"] += (
+            isinstance(pred["arguments"], dict) and pred["arguments"].keys() == gold["arguments"].keys()
+        )
         hits["arg_acc"] += same_call(pred, gold)
         hits["arg_acc_aoi@0.5"] += same_call_aoi(pred, gold)
     return hits

@@ -21,8 +21,9 @@ def call_of(call: dict | None) -> dict | None:
     """``{"name", "arguments"}`` of a flat call or an OpenAI ``{"function": {...}}`` one; ``None`` stays."""
     if call is None:
         return None
-    return {"name": call["function"]["name"],
-            "arguments": call["function"]["arguments"]} if "function" in call else call
+    return (
+        {"name": call["function"]["name"], "arguments": call["function"]["arguments"]} if "function" in call else call
+    )
 
 
 def names_of(calls: list[dict]) -> list[str]:

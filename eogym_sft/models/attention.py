@@ -331,9 +331,12 @@ def shared_prefix_attention(q, k, v, shared: SharedPrefixes, scale: float) -> to
     parts = []
     for start, end, prefix_start, prefix_end in shared.segments:
         qs = q[start:end].transpose(0, 1)[None]
-        ks, vs = ((torch.cat([t[prefix_start:prefix_end],
-                              t[start:end]]) if prefix_end > prefix_start else t[start:end])
-                  .transpose(0, 1)[None] for t in (k, v))
+        ks, vs = (
+            (
+                torch.cat([t[prefix_start:prefix_end], t[start:end]]) if prefix_end > prefix_start else t[start:end]
+            ).transpose(0, 1)[None]
+            for t in (k, v)
+        )
         n, total = end - start, end - start + prefix_end - prefix_start
         mask = causal_lower_right(n, total) if total > n else None
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -103,8 +103,9 @@ class HostLayout:
                  ignore_index: int = -100) -> HostLayout:
         """From a collated batch's host tensors (``position_ids`` 4-row, as the collator gives them)."""
         cu, max_length = sample_boundaries(text_positions(position_ids))
-        vision = vision_metadata(image_grid_thw,
-                                 geometry) if image_grid_thw is not None and geometry is not None else None
+        vision = (
+            vision_metadata(image_grid_thw, geometry) if image_grid_thw is not None and geometry is not None else None
+        )
         return cls(supervised_positions(labels, ignore_index), cu, max_length, image_grid_thw, vision)
 
     def vision_keywords(self, device, attn_implementation: str) -> dict:

@@ -120,6 +120,7 @@ class GeneratedLogps:
         """The last ``generate``'s log-probabilities, row ``r`` cut to ``lengths[r]`` tokens; NaN for a row when
         fewer steps were recorded than its length or rows than asked for (never paired wrongly)."""
         table = torch.stack(self.steps, dim=1) if self.steps else None
-        return [table[r,
-                      :n].tolist() if table is not None and r < len(table) and n <= table.shape[1] else [math.nan] * n
-                for r, n in enumerate(lengths)]
+        return [
+            table[r, :n].tolist() if table is not None and r < len(table) and n <= table.shape[1] else [math.nan] * n
+            for r, n in enumerate(lengths)
+        ]

@@ -344,8 +344,8 @@ class SlotEngine:
         if usable is None:
             return episodes
         # the loss runs beside a kept cache, never beside a prefill
-        loss = grpo_loss_reserve(model, self.trainer_args, ra, self.processes,
-                                 self.shared_prompts) if ra.rollout_keep_cache else 0.0
+        loss = (grpo_loss_reserve(model, self.trainer_args, ra, self.processes, self.shared_prompts)
+                if ra.rollout_keep_cache else 0.0)
         reserve = decoder_reserve(model, PREFILL_TOKENS, adapters=True, other_phase=loss)
         per_token = kv_bytes_per_token(model)
         self._auto_slots = fitting_slots(episodes, ra.max_episode_tokens, per_token, usable, reserve, KEEP_OR_LOWER)

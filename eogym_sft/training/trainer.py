@@ -237,8 +237,9 @@ class EOGymSFTTrainer(SFTTrainer):
         per_sample = torch.zeros(n_samples, 2, dtype=torch.long, device=flat.device)
         per_sample[:, 0].index_add_(0, flat, right.flatten().long())
         per_sample[:, 1].index_add_(0, flat, valid.flatten().long())
-        entropy_sums = torch.zeros(n_samples, dtype=torch.float64,
-                                   device=flat.device).index_add_(0, flat, entropy.flatten().double())
+        entropy_sums = torch.zeros(n_samples, dtype=torch.float64, device=flat.device).index_add_(
+            0, flat, entropy.flatten().double()
+        )
         entropy_sums = self.accelerator.pad_across_processes(entropy_sums, dim=0)
         self._entropy_sums["eval"] += self.accelerator.gather_for_metrics(entropy_sums).sum().item()
         # One row per sample, so that on the last batch gather_for_metrics drops exactly the samples accelerate

@@ -85,8 +85,9 @@ def _setting_problem(s: HttpToolServer) -> str | None:
         return f"row_id_field must be a non-empty string or null, got {s.row_id_field!r}"
     if not isinstance(s.extra, dict):
         return f"extra must be an object, got {type(s.extra).__name__}"
-    if not (isinstance(s.headers,
-                       dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.headers.items())):
+    if not (
+        isinstance(s.headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in s.headers.items())
+    ):
         return "headers must be an object of strings"
     return None
 
