@@ -2,6 +2,7 @@
 
     python bench/memory_plan.py --workdir /tmp/bm --json bench/results/h100_memory_plan.json
     python bench/memory_plan.py --fit bench/results/h100_memory_plan.json     # the fitted Calibration, to paste
+                                                        # (--config: the architecture it was measured with)
 
 Model: the Qwen3-VL-4B architecture with random bf16 weights; data: the bench's EO-Gym-shaped rows
 (``train_throughput.prepare_data``); configs parsed by the SFT recipe's own parser from its YAML, the model, collator
@@ -162,8 +163,10 @@ def measure(ctx: dict, name: str, **settings) -> dict:
             handle.remove()
         restore(base, trainer.model)
     setup = mm.Setup(1, 0, settings["dropout"], settings["every"])
-    for record in meter.records:
-        batch = mm.MicroBatch(record["tokens"], record["supervised"], record["image_tokens"], record["samples"])
+    for i, record in enumerate(meter.records):
+        step = meter.records[i - i % settings["accumulation"]:][:settings["accumulation"]]
+        batch = mm.MicroBatch(record["tokens"], record["supervised"], record["image_tokens"], record["samples"],
+                              sum(r["image_tokens"] for r in step))
         terms = mm.peak_terms(ctx["shape"], setup, batch)
         record.update(predicted_allocated_gib=terms["allocated"] / mm.GIB, predicted_reserved_gib=terms["reserved"] / mm.GIB)
     return {"name": name, "settings": {k: v for k, v in settings.items() if k != "groups"}, "wall_s": time.perf_counter() - started,
@@ -238,22 +241,35 @@ def mp_batches(ctx: dict, steps: int):
     return batches_from(ctx["dataset"], 64, 1, steps, RECIPE["seed"], False)
 
 
-def fit(report: dict) -> mm.Calibration:
-    """Calibration constants fitted to a report's calibration points (least squares on the allocated peaks)."""
+def report_shape(report: dict, config: Path) -> mm.ModelShape:
+    """The model shape of ``config`` (the architecture JSON), checked against the one the report was measured with."""
+    shape = mm.ModelShape.of(json.loads(config.read_text()), RECIPE["lora_target_modules"], RECIPE["lora_r"])
+    differ = sorted(k for k, v in report["shape"].items() if getattr(shape, k) != v)
+    if differ:
+        raise SystemExit(f"{config}: the report was measured with another shape ({', '.join(differ)} differ)")
+    return shape
+
+
+def fit(report: dict, config: Path = REPO / "recipes/configs/qwen3_vl_4b_instruct.json") -> mm.Calibration:
+    """Calibration constants fitted to a report's calibration points (least squares on the allocated peaks); runs
+    that ended in an error are left out, and a constant no point measures keeps its value."""
     import numpy as np
 
-    shape = mm.ModelShape(**report["shape"])
+    shape = report_shape(report, config)
     cal = mm.CALIBRATION
     rows, targets = [], []
-    points = [(run["settings"], r) for run in report["calibration"] for r in run["micro_batches"]]
+    points = [(run["settings"], r) for run in report["calibration"] if not run["error"] for r in run["micro_batches"]]
     for settings, r in points:
         if settings["every"] == 0:
             static = sum(v for k, v in mm.static_terms(shape, mm.Setup(1, 0, settings["dropout"]), cal).items() if k != "fixed")
+            static += mm.step_input_bytes(shape, mm.MicroBatch(r["tokens"], r["supervised"], r["image_tokens"]))  # one a step
             dropped = shape.lora_inputs if settings["dropout"] > 0 else 0
             loss = r["supervised"] * shape.vocab * cal.loss_bytes_per_logit
             rows.append([1.0, r["tokens"] * shape.layers, r["tokens"] * shape.layers * dropped])
             targets.append(r["peak_allocated_gib"] * mm.GIB - static - loss)
     fixed, per_layer, per_dropped = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
+    if fixed < 0:  # workspaces take no negative bytes: the points say none beyond the other terms
+        fixed, (per_layer, per_dropped) = 0.0, np.linalg.lstsq(np.array(rows)[:, 1:], np.array(targets), rcond=None)[0]
     cal = mm.Calibration(**{**cal.__dict__, "fixed_bytes": float(fixed), "layer_bytes_per_token": float(per_layer),
                             "dropped_input_bytes_per_element": float(per_dropped)})
     kept = []
@@ -263,6 +279,8 @@ def fit(report: dict) -> mm.Calibration:
             rest = terms["allocated"] - terms["decoder_activations"]
             kept.append((r["peak_allocated_gib"] * mm.GIB - rest) / (r["tokens"] * shape.layers))
     ratios = [r["peak_reserved_gib"] / r["peak_allocated_gib"] for _, r in points if r["peak_allocated_gib"]]
+    ratios += [max(r["peak_reserved_gib"] for r in run["micro_batches"]) / max(r["peak_allocated_gib"] for r in run["micro_batches"])
+               for run in report.get("checks", []) if not run["error"] and run.get("measured_peak_allocated_gib")]  # a reserve kept
     vision = [r["vision_increment_gib"] * mm.GIB / (r["image_tokens"] * shape.patches_per_token) for _, r in points if r.get("image_tokens")]
     return mm.Calibration(**{**cal.__dict__, "checkpointed_layer_bytes_per_token": float(np.mean(kept)) if kept else cal.checkpointed_layer_bytes_per_token,
                              "reserved_over_allocated": max(ratios, default=cal.reserved_over_allocated),
@@ -299,7 +317,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--fit", type=Path, help="only print the Calibration fitted to this report")
     args = parser.parse_args(argv)
     if args.fit:
-        print(fit(json.loads(args.fit.read_text())))
+        print(fit(json.loads(args.fit.read_text()), args.config))
         return {}
     from train_throughput import build_base, prepare_data
 

@@ -49,4 +49,4 @@ def test_memory_bench_runs_its_calibration_and_checks_on_cpu(tmp_path):
     assert len(checked["micro_batches"]) == plan["gradient_accumulation_steps"]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
-    assert bench.main(["--fit", str(path)]) == {}
+    assert bench.main(["--fit", str(path), "--config", str(config)]) == {}

@@ -4,7 +4,8 @@ measured constants (:data:`CALIBRATION`, the one table of them).
 A training micro-batch's peak (:func:`peak_terms`): the frozen weights, LoRA's weights, gradients and optimizer
 state (split by ZeRO over the processes), what the decoder keeps for the backward per token (with and without
 activation checkpointing, LoRA's dropped inputs counted by target), the vision tower per patch, the loss per
-supervised position, attention's backward workspace and a fixed part. Generation's (:func:`generation_reserve`):
+supervised position, attention's backward workspace, the pixel values of the micro-batch's whole optimizer step
+(:func:`step_input_bytes`) and a fixed part. Generation's (:func:`generation_reserve`):
 the merged LoRA weights, a prefill's forward and the tower, beside the KV cache that
 :mod:`eogym_sft.agent.rollout_config` sizes. The plan that uses them to choose micro-batches is
 :mod:`eogym_sft.training.memory_plan`. Nothing here touches a GPU.
@@ -32,17 +33,20 @@ class Calibration:
     loss_bytes_per_logit: float = 8.0  # the loss per supervised position and vocab entry (bench/sft_loss.py's peak)
 
 
-# The one calibration table, fitted by `python bench/memory_plan.py --fit REPORT` to the peaks that bench measures
-# (the 4B architecture, the bench's EO-Gym-shaped data, the recipe's settings); docs/benchmarks.md ("The memory plan")
-# holds the figures. Provisional until that runs on a GPU: fitted by hand to the H200 peaks of one and two samples a
-# micro-batch and of one with every layer checkpointed (docs/benchmarks.md, training throughput).
+# The one calibration table, fitted by `python bench/memory_plan.py --fit bench/results/h100_memory_plan.json` to the
+# peaks that bench measured on an H100 (the 4B architecture, the bench's EO-Gym-shaped data, the recipe's settings);
+# docs/benchmarks.md ("The memory plan") holds the figures. That report has no checkpointed point (those runs failed),
+# so the checkpointed constant is still the hand fit to the H200 peak of one sample with every layer checkpointed
+# (docs/benchmarks.md, training throughput). The vision constant is the tower's own increment, not a peak: the
+# tower's phase is never the peak at these sizes.
 CALIBRATION = Calibration(
-    layer_bytes_per_token=106_750.0,
-    checkpointed_layer_bytes_per_token=6_150.0,
-    vision_bytes_per_patch=60_000.0,  # not measured yet: the tower's phase is never the peak at these sizes
-    fixed_bytes=1.0 * GIB,
-    reserved_over_allocated=1.06,
+    layer_bytes_per_token=119_720.0,
+    checkpointed_layer_bytes_per_token=6_150.0,  # H200 hand fit: no H100 point yet
+    vision_bytes_per_patch=26_690.0,
+    fixed_bytes=0.0,  # the fit's intercept, negative unconstrained: nothing beyond the named terms
+    reserved_over_allocated=1.024,
     budget_margin_bytes=2.0 * GIB,
+    dropped_input_bytes_per_element=1.572,
 )
 
 
@@ -58,8 +62,10 @@ class ModelShape:
     lora_parameters: int
     lora_inputs: int  # input features summed over one decoder layer's LoRA targets
     patches_per_token: int  # vision patches merged into one image token
+    patch_elements: int  # pixel values of one vision patch (channels x frames x patch height x width)
     targeted_weights: int = 0  # weights of the projections LoRA targets, all layers (the slot decoder merges them)
     weight_bytes: int = 2  # bf16
+    pixel_bytes: int = 2  # the collator's pixel dtype (bfloat16 in the recipes)
 
     @classmethod
     def of(cls, config: dict, targets, rank: int) -> ModelShape:
@@ -84,6 +90,7 @@ class ModelShape:
             parameters=text + vision_parameters(v), layers=layers, hidden=h, vocab=vocab, attention_width=q,
             lora_parameters=layers * sum(rank * sum(shapes[name]) for name in targets),
             lora_inputs=sum(shapes[name][0] for name in targets), patches_per_token=v["spatial_merge_size"] ** 2,
+            patch_elements=v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2,
             targeted_weights=layers * sum(i * o for i, o in (shapes[name] for name in targets)),
         )
 
@@ -106,6 +113,7 @@ class MicroBatch:
     supervised: int
     image_tokens: int
     samples: int = 1
+    step_image_tokens: int = 0  # image tokens of its optimizer step's micro-batches on this process (0: its own)
 
 
 @dataclass(frozen=True)
@@ -165,11 +173,20 @@ def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibrat
     terms["loss"] = batch.supervised * shape.vocab * cal.loss_bytes_per_logit
     terms["recomputed_layer"] = batch.tokens * per_token["recomputed"]
     terms["attention_workspace"] = batch.tokens * shape.attention_width * 4  # float32 dQ accumulator of one layer
+    terms["step_inputs"] = step_input_bytes(shape, batch)
     static = sum(static_terms(shape, setup, cal).values())
     backward = max(terms["loss"], terms["recomputed_layer"] + terms["attention_workspace"])
-    terms["allocated"] = static + max(terms["vision_tower"], terms["decoder_activations"] + backward)
+    terms["allocated"] = static + terms["step_inputs"] + max(terms["vision_tower"], terms["decoder_activations"] + backward)
     terms["reserved"] = terms["allocated"] * cal.reserved_over_allocated
     return terms
+
+
+def step_input_bytes(shape: ModelShape, batch: MicroBatch) -> float:
+    """The pixel values of the micro-batch's whole optimizer step: the Trainer fetches a step's micro-batches before
+    its first (to count the step's supervised tokens) and accelerate's loader has already moved each to the GPU, so
+    all of them stay there until the step ends."""
+    images = max(batch.step_image_tokens, batch.image_tokens)
+    return float(images * shape.patches_per_token * shape.patch_elements * shape.pixel_bytes)
 
 
 def budget_bytes(free_bytes: float, cal: Calibration | None = None) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def batches_from(dataset, samples_per_step: int, processes: int, steps: int, see
 
     def batches_for(b: int) -> list[MicroBatch]:
         if b not in cache:
-            cache[b] = dealt_batches(*columns, samples_per_step, samples_per_step // b, steps, seed, drop_last)
+            cache[b] = dealt_batches(*columns, samples_per_step, samples_per_step // b, steps, seed, drop_last, processes)
         return cache[b]
 
     return batches_for
@@ -109,7 +110,7 @@ def plan_for(script_args, training_args, model_args, dataset, free_bytes: float,
                                                * training_args.gradient_accumulation_steps)
     max_length = training_args.max_length or 8192
     if dataset is None:
-        batches_for = lambda b: worst_case_batches(b, max_length)  # noqa: E731
+        batches_for = lambda b: worst_case_batches(b, max_length, math.ceil(samples / processes))  # noqa: E731
     else:
         steps = run_steps(len(dataset), samples, training_args.max_steps, training_args.num_train_epochs,
                           training_args.dataloader_drop_last)

@@ -33,10 +33,11 @@ CHECKPOINT_CHOICES = (0, 2, 1)
 WORST_SUPERVISED_SHARE = 0.5
 
 
-def worst_case_batches(samples: int, max_length: int) -> list[MicroBatch]:
-    """Without data: ``samples`` samples of ``max_length`` tokens, each an image's and half of them supervised."""
+def worst_case_batches(samples: int, max_length: int, step_samples: int = 0) -> list[MicroBatch]:
+    """Without data: ``samples`` samples of ``max_length`` tokens, each an image's and half of them supervised, in a
+    step of ``step_samples`` samples on the process (0: the micro-batch alone)."""
     tokens = samples * max_length
-    return [MicroBatch(tokens, int(tokens * WORST_SUPERVISED_SHARE), tokens, samples)]
+    return [MicroBatch(tokens, int(tokens * WORST_SUPERVISED_SHARE), tokens, samples, step_samples * max_length)]
 
 
 @dataclass
@@ -145,21 +146,28 @@ def make_plan(batch: int, accumulation: int, every: int, worst: dict, budget_byt
 
 
 def dealt_batches(lengths: list[int], supervised: list[int], images: list[int], samples_per_step: int, groups: int,
-                  steps: int, seed: int, drop_last: bool = False) -> list[MicroBatch]:
+                  steps: int, seed: int, drop_last: bool = False, processes: int = 1) -> list[MicroBatch]:
     """Every distinct micro-batch :class:`TokenBalancedSampler` deals over ``steps`` optimizer steps, a step's
-    samples in ``groups`` groups over all processes (the groups are the same however they are spread over ranks)."""
+    samples in ``groups`` groups over all processes (the groups are the same however they are spread over ranks).
+    A micro-batch's step image tokens are those of the step's largest ``groups / processes`` groups: the most any
+    process can hold, however the groups are spread."""
     from .sampler import TokenBalancedSampler
 
     sampler = TokenBalancedSampler(lengths, samples_per_step, 1, groups, seed=seed, drop_last=drop_last)
     per_epoch = max(1, len(sampler) // groups)
-    seen = set()
+    by_step: dict[int, list] = {}
     for epoch in range(math.ceil(steps / per_epoch)):
         sampler.set_epoch(epoch)
         for i, group in enumerate(sampler):
             if (epoch * per_epoch) + i // groups >= steps:
                 break
-            seen.add((sum(lengths[j] for j in group), sum(supervised[j] for j in group), sum(images[j] for j in group),
-                      len(group)))
+            by_step.setdefault(epoch * per_epoch + i // groups, []).append(group)
+    seen = set()
+    for step_groups in by_step.values():
+        sizes = [(sum(lengths[j] for j in g), sum(supervised[j] for j in g), sum(images[j] for j in g), len(g))
+                 for g in step_groups]
+        held = sum(sorted((s[2] for s in sizes), reverse=True)[:math.ceil(groups / processes)])
+        seen.update(size + (held,) for size in sizes)
     return [MicroBatch(*sizes) for sizes in sorted(seen)]
 
 

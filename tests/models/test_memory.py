@@ -12,7 +12,7 @@ from eogym_sft.models import memory as mm
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPE = mm.ModelShape(parameters=1000, layers=4, hidden=8, vocab=10, attention_width=16, lora_parameters=100, lora_inputs=20,
-                      patches_per_token=4, targeted_weights=600)
+                      patches_per_token=4, patch_elements=3, targeted_weights=600)
 CAL = mm.Calibration(layer_bytes_per_token=100, checkpointed_layer_bytes_per_token=10, vision_bytes_per_patch=5, fixed_bytes=1000,
                      reserved_over_allocated=1.5, budget_margin_bytes=300, dropped_input_bytes_per_element=2, loss_bytes_per_logit=8)
 BATCH = mm.MicroBatch(tokens=50, supervised=10, image_tokens=20)
@@ -59,7 +59,9 @@ def test_peak_terms_without_checkpointing():
     assert terms["decoder_activations"] == 50 * 4 * 140 == 28_000
     assert (terms["loss"], terms["vision_tower"], terms["attention_workspace"], terms["recomputed_layer"]) == (800, 400, 3200, 0)
     static = 2000 + 400 + 200 + 400 + 1000
-    assert terms["allocated"] == static + 28_000 + 3200 and terms["reserved"] == 1.5 * terms["allocated"]
+    # its own pixel values (no step given): 20 image tokens x 4 patches x 3 values x 2 bytes
+    assert terms["step_inputs"] == 20 * 4 * 3 * 2 == 480
+    assert terms["allocated"] == static + 480 + 28_000 + 3200 and terms["reserved"] == 1.5 * terms["allocated"]
     undropped = mm.peak_terms(SHAPE, mm.Setup(lora_dropout=0.0), BATCH, CAL)
     assert undropped["decoder_activations"] == 50 * 4 * 100
 
@@ -68,12 +70,20 @@ def test_peak_terms_with_layers_recomputed():
     every2 = mm.peak_terms(SHAPE, mm.Setup(checkpoint_every=2), BATCH, CAL)
     assert mm.checkpointed_layers(4, 2) == 2 and mm.checkpointed_layers(36, 2) == 18 and mm.checkpointed_layers(5, 2) == 3
     assert every2["decoder_activations"] == 50 * (2 * 140 + 2 * 10) and every2["recomputed_layer"] == 50 * 140
-    assert every2["allocated"] == 4600 + 15_000 + 7000 + 3200
+    assert every2["allocated"] == 4600 + 480 + 15_000 + 7000 + 3200
     every1 = mm.peak_terms(SHAPE, mm.Setup(checkpoint_every=1), BATCH, CAL)
-    assert every1["decoder_activations"] == 50 * 4 * 10 and every1["allocated"] == 4600 + 2000 + 10_200
+    assert every1["decoder_activations"] == 50 * 4 * 10 and every1["allocated"] == 4600 + 480 + 2000 + 10_200
     # the tower's phase is the peak when its patches outweigh the decoder's activations
     images = mm.peak_terms(SHAPE, mm.Setup(checkpoint_every=1), mm.MicroBatch(50, 10, 5000), CAL)
-    assert images["allocated"] == 4600 + 5000 * 4 * 5
+    assert images["allocated"] == 4600 + 5000 * 4 * 3 * 2 + 5000 * 4 * 5
+
+
+def test_the_pixel_values_of_the_whole_step_stay_on_the_gpu():
+    step = mm.peak_terms(SHAPE, mm.Setup(), mm.MicroBatch(50, 10, 20, 1, step_image_tokens=300), CAL)
+    assert step["step_inputs"] == 300 * 4 * 3 * 2 == 7200
+    assert step["allocated"] == 4600 + 7200 + 28_000 + 3200
+    assert mm.step_input_bytes(mm.ModelShape.of(json.loads((REPO / "recipes/configs/qwen3_vl_4b_instruct.json").read_text()), TARGETS, 16),
+                               mm.MicroBatch(8192, 0, 5000)) == 5000 * 4 * (3 * 2 * 16 * 16) * 2  # bf16 patches of 3x2x16x16
 
 
 

@@ -74,12 +74,13 @@ def test_the_plan_sets_what_was_not_given_and_prints_one_line(fake_gpu, caplog):
     script, training, model = run_args()
     with caplog.at_level(logging.INFO, logger="eogym_sft.training.memory_hook"):
         plan = hook.plan_run(script, training, model, fake_gpu, frozenset())
-    # per token: 36 layers x (100,000 + 2 x 26,624 dropped inputs); two samples fit, four (93.8 GiB) do not
+    # per token: 36 layers x (100,000 + 2 x 26,624 dropped inputs), and the step's pixel values (64 x 2,000 image
+    # tokens x 4 patches x 1,536 bf16 values: 1.46 GiB); two samples fit, four (95.2 GiB) do not
     assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps, plan.checkpoint_every) == (2, 32, 0)
     assert (training.per_device_train_batch_size, training.activation_checkpointing, training.gradient_checkpointing) == (2, False, False)
     assert [r.getMessage() for r in caplog.records] == [
         "memory plan: Fake GPU, 80.0 GiB free, budget 80.0 GiB: 32 micro-batches a step on each of 1 process(es), 2 sample(s) "
-        "each (largest 8,000 tokens), activation checkpointing off, predicted peak 51.8 GiB allocated, 51.8 GiB reserved; "
+        "each (largest 8,000 tokens), activation checkpointing off, predicted peak 53.2 GiB allocated, 53.2 GiB reserved; "
         "evaluation batches of 4 sample(s)"
     ]
 
@@ -97,13 +98,13 @@ def test_a_given_batch_keeps_and_the_plan_recomputes_layers_to_fit_it(fake_gpu):
 
 def test_a_request_that_cannot_fit_is_refused_before_the_model_loads(fake_gpu, monkeypatch):
     fits = ("per_device_train_batch_size 2, gradient_accumulation_steps 32, activation_checkpointing false, "
-            "per_device_eval_batch_size 4 fits (51.8 GiB)")
+            "per_device_eval_batch_size 4 fits (53.2 GiB)")
     script, training, model = run_args(per_device_train_batch_size=4, activation_checkpointing=False)
     with pytest.raises(ValueError) as refused:
         hook.plan_run(script, training, model, fake_gpu, frozenset({"per_device_train_batch_size", "activation_checkpointing"}))
     assert str(refused.value) == (
         "per_device_train_batch_size 4 with activation_checkpointing false does not fit: its largest micro-batch (16,000 tokens) "
-        f"is predicted to need 93.8 GiB against a budget of 80.0 GiB on Fake GPU; {fits}; {PLAN_HINT}"
+        f"is predicted to need 95.2 GiB against a budget of 80.0 GiB on Fake GPU; {fits}; {PLAN_HINT}"
     )
     assert training.per_device_train_batch_size == 4  # nothing was changed
     monkeypatch.setattr(hook, "read_gpu", lambda: ("Fake GPU", 5 * mm.GIB))
@@ -111,7 +112,7 @@ def test_a_request_that_cannot_fit_is_refused_before_the_model_loads(fake_gpu, m
         hook.plan_run(*run_args(), fake_gpu, frozenset())
     assert str(refused.value) == (
         "no setting fits: even at one sample a micro-batch with every layer checkpointed its largest micro-batch (4,000 tokens) "
-        "is predicted to need 11.1 GiB against a budget of 5.0 GiB on Fake GPU; lower max_length, use a larger GPU, or "
+        "is predicted to need 12.5 GiB against a budget of 5.0 GiB on Fake GPU; lower max_length, use a larger GPU, or "
         "see `eogym-sft plan --config CONFIG --gpu-memory SIZE`"
     )
 

@@ -12,7 +12,7 @@ from eogym_sft.training import memory_plan as mp
 from eogym_sft.training.sampler import TokenBalancedSampler
 
 SHAPE = mm.ModelShape(parameters=1000, layers=4, hidden=8, vocab=10, attention_width=16, lora_parameters=100, lora_inputs=20,
-                      patches_per_token=4)
+                      patches_per_token=4, patch_elements=0)  # no pixel values: the plan's choices alone
 CAL = mm.Calibration(layer_bytes_per_token=100, checkpointed_layer_bytes_per_token=10, vision_bytes_per_patch=5, fixed_bytes=1000,
                      reserved_over_allocated=1.5, budget_margin_bytes=300, dropped_input_bytes_per_element=2, loss_bytes_per_logit=8)
 
@@ -72,6 +72,18 @@ def test_the_planned_micro_batches_are_the_samplers_on_every_rank_step_and_epoch
     assert len(mp.dealt_batches(lengths, supervised, images, 16, 8, 3, seed=42)) == 3 * 8  # the run's first 3 steps only
 
 
+def test_a_planned_micro_batch_carries_the_most_image_tokens_a_process_holds_in_its_step():
+    rng = random.Random(1)
+    lengths = [rng.randint(500, 8192) for _ in range(64)]
+    images = [rng.randint(0, length) for length in lengths]
+    sampler = TokenBalancedSampler(lengths, 16, 1, 8, seed=42)
+    sampler.set_epoch(0)
+    first = sorted((sum(images[i] for i in group) for group in list(sampler)[:8]), reverse=True)
+    for processes, held in ((1, sum(first)), (2, sum(first[:4])), (3, sum(first[:3]))):
+        planned = mp.dealt_batches(lengths, [0] * 64, images, 16, 8, 1, seed=42, processes=processes)
+        assert len(planned) == 8 and {b.step_image_tokens for b in planned} == {held}
+
+
 def test_max_steps_decides_the_steps_planned_for():
     assert mp.run_steps(200, 64, 5, 3.0) == 5
     assert mp.run_steps(256, 64, -1, 3.0) == 12 and mp.run_steps(200, 64, -1, 1.5) == 6
@@ -80,6 +92,7 @@ def test_max_steps_decides_the_steps_planned_for():
 
 def test_without_data_the_plan_is_for_max_length_samples():
     assert mp.worst_case_batches(2, 8192) == [mm.MicroBatch(16384, 8192, 16384, 2)]
+    assert mp.worst_case_batches(2, 8192, 64) == [mm.MicroBatch(16384, 8192, 16384, 2, 64 * 8192)]
 
 
 def test_the_plan_line():

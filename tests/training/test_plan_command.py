@@ -33,9 +33,10 @@ def test_sizes_read_as_their_units():
 def test_without_data_the_plan_is_for_max_length_samples(capsys, monkeypatch):
     monkeypatch.setattr(mm, "CALIBRATION", CAL)
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json"))
-    # 8,192 tokens a sample, half supervised: one sample 9.76 + 42.09 decoder + 4.64 loss GiB; two do not fit
+    # 8,192 tokens a sample, half supervised: one sample 9.76 + 42.09 decoder + 4.64 loss GiB, and the step's pixel
+    # values, 64 x 8,192 image tokens x 4 patches x 1,536 bf16 values (6.0 GiB); two do not fit
     assert (out["per_device_train_batch_size"], out["gradient_accumulation_steps"], out["activation_checkpointing"]) == (1, 64, False)
-    assert out["micro_batch_tokens"] == 8192 and out["predicted_peak_gib"] == 56.49 and out["refused"] is None
+    assert out["micro_batch_tokens"] == 8192 and out["predicted_peak_gib"] == 62.49 and out["refused"] is None
     assert (out["recipe"], out["gpus"], out["zero_stage"], out["given"]) == ("sft", 1, 2, [])
     assert out["data"] == "worst case: every sample max_length tokens"
     assert out["terms_gib"]["frozen_weights"] == 8.266 and out["terms_gib"]["loss"] == 4.637
@@ -59,7 +60,8 @@ def test_with_data_the_plan_reads_the_samples_the_sampler_will_deal(capsys, monk
     data = Dataset.from_dict({"n_tokens": [4000] * 64, "n_trained_tokens": [400] * 64, "n_image_tokens": [2000] * 64})
     monkeypatch.setattr(plan_command, "train_dataset", lambda script, training: (data, data.select(range(8)), str(tmp_path)))
     out = json.loads(plan(capsys, "--gpu-memory", "80GiB", "--json", "--dataset_path", str(tmp_path)))
-    assert (out["per_device_train_batch_size"], out["micro_batch_tokens"], out["predicted_peak_gib"], out["data"]) == (2, 8000, 51.77, str(tmp_path))
+    # the step's pixel values: 64 x 2,000 image tokens x 4 patches x 1,536 bf16 values (1.46 GiB) of 53.23
+    assert (out["per_device_train_batch_size"], out["micro_batch_tokens"], out["predicted_peak_gib"], out["data"]) == (2, 8000, 53.23, str(tmp_path))
 
 
 def test_a_dataset_that_is_not_prepared_is_refused(tmp_path):
@@ -83,6 +85,7 @@ def plan_table() -> str:
         out = plan_command.run_plan(plan_command.PlanConfig(gpu_memory=size, model_config=ARCH), [])
         every = out["checkpoint_every"]
         checkpointing = "off" if not every else "every layer" if every == 1 else f"every {mp.ordinal(every)} layer"
+        checkpointing += " (does not fit: refused)" if out["refused"] else ""
         rows.append(f"| {size[:-2]} GB | {out['gradient_accumulation_steps']} | {out['per_device_train_batch_size']} | {checkpointing} | "
                     f"{out['micro_batch_tokens']:,} tokens | {out['predicted_peak_gib']:.1f} / {out['predicted_reserved_gib']:.1f} | "
                     f"{out['per_device_eval_batch_size']} |")
@@ -101,11 +104,12 @@ def test_the_grpo_plan_sizes_the_kv_cache_beside_the_loss_micro_batch(capsys, mo
     monkeypatch.setattr(mm, "CALIBRATION", CAL)
     grpo = str(REPO / "recipes" / "eo_gym_4b_grpo.yaml")
     out = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "80GiB", "--json"))
-    # 8 episodes, the prompt once: 10,240 + 8 x 6,144 tokens, every layer recomputed -> 20.83 GiB beside the weights;
+    # 8 episodes, the prompt once: 10,240 + 8 x 6,144 tokens, every layer recomputed -> 20.83 GiB beside the weights,
+    # and their pixel values, every token an image's (0.68 GiB);
     # beside them too the merged LoRA copies (6.77 GiB); the rest holds 19 slots of 2.25 GiB, 16 episodes need 16
     assert out["recipe"] == "grpo" and out["micro_batch_tokens"] == 59392 and out["activation_checkpointing"] is True
     assert (out["slots"], out["kv_cache_gib"], out["episodes_per_generation"], out["prefill_tokens"]) == (16, 36.0, 16, 16384)
-    assert (out["loss_gib"], out["merged_lora_gib"], out["predicted_peak_gib"], out["refused"]) == (20.83, 6.77, 71.87, None)
+    assert (out["loss_gib"], out["merged_lora_gib"], out["predicted_peak_gib"], out["refused"]) == (21.51, 6.77, 72.54, None)
     assert json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "48GB", "--json"))["slots"] == 3
     refused = plan(capsys, "--config", grpo, "--gpu-memory", "24GB")
     assert refused.startswith("refused at launch: one slot of 16,384 tokens (2.25 GiB each) does not fit") and "rollout_keep_cache false" in refused
