@@ -1,7 +1,7 @@
 """The memory plan against the GPU: calibration points for ``eogym_sft.training.memory_plan`` and checks of its plans.
 
     python bench/memory_plan.py --workdir /tmp/bm --json bench/results/h100_memory_plan.json
-    python bench/memory_plan.py --fit bench/results/h100_memory_plan.json     # the fitted Calibration, to paste
+    python bench/memory_plan.py --fit bench/results/h100_memory_plan_gc.json  # the fitted Calibration, to paste
                                                         # (--config: the architecture it was measured with)
 
 Model: the Qwen3-VL-4B architecture with random bf16 weights; data: the bench's EO-Gym-shaped rows

@@ -33,18 +33,16 @@ class Calibration:
     loss_bytes_per_logit: float = 8.0  # the loss per supervised position and vocab entry (bench/sft_loss.py's peak)
 
 
-# The one calibration table, fitted by `python bench/memory_plan.py --fit bench/results/h100_memory_plan.json` to the
-# peaks that bench measured on an H100 (the 4B architecture, the bench's EO-Gym-shaped data, the recipe's settings);
-# docs/benchmarks.md ("The memory plan") holds the figures. That report has no checkpointed point (those runs failed),
-# so the checkpointed constant is still the hand fit to the H200 peak of one sample with every layer checkpointed
-# (docs/benchmarks.md, training throughput). The vision constant is the tower's own increment, not a peak: the
-# tower's phase is never the peak at these sizes.
+# The one calibration table, fitted by `python bench/memory_plan.py --fit bench/results/h100_memory_plan_gc.json` to
+# the peaks that bench measured on an H100 (the 4B architecture, the bench's EO-Gym-shaped data, the recipe's
+# settings); docs/benchmarks.md ("The memory plan") holds the figures. The vision constant is the tower's own
+# increment, not a peak: the tower's phase is never the peak at these sizes.
 CALIBRATION = Calibration(
     layer_bytes_per_token=119_720.0,
-    checkpointed_layer_bytes_per_token=6_150.0,  # H200 hand fit: no H100 point yet
+    checkpointed_layer_bytes_per_token=8_870.0,
     vision_bytes_per_patch=26_690.0,
     fixed_bytes=0.0,  # the fit's intercept, negative unconstrained: nothing beyond the named terms
-    reserved_over_allocated=1.024,
+    reserved_over_allocated=1.041,
     budget_margin_bytes=2.0 * GIB,
     dropped_input_bytes_per_element=1.572,
 )
