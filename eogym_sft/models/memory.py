@@ -174,7 +174,8 @@ def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibrat
     terms["step_inputs"] = step_input_bytes(shape, batch)
     static = sum(static_terms(shape, setup, cal).values())
     backward = max(terms["loss"], terms["recomputed_layer"] + terms["attention_workspace"])
-    terms["allocated"] = static + terms["step_inputs"] + max(terms["vision_tower"], terms["decoder_activations"] + backward)
+    phase = max(terms["vision_tower"], terms["decoder_activations"] + backward)
+    terms["allocated"] = static + terms["step_inputs"] + phase
     terms["reserved"] = terms["allocated"] * cal.reserved_over_allocated
     return terms
 

@@ -95,7 +95,8 @@ def batches_from(dataset, samples_per_step: int, processes: int, steps: int, see
 
     def batches_for(b: int) -> list[MicroBatch]:
         if b not in cache:
-            cache[b] = dealt_batches(*columns, samples_per_step, samples_per_step // b, steps, seed, drop_last, processes)
+            groups = samples_per_step // b
+            cache[b] = dealt_batches(*columns, samples_per_step, groups, steps, seed, drop_last, processes)
         return cache[b]
 
     return batches_for
