@@ -403,7 +403,7 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
         grpo_dir = grpo.train(*_grpo_configs(cfg, model_dir, train_rows, root, sft, output / "grpo", overwrite))
         rewards = grpo_per_step(grpo_dir)
         if cfg.grpo_pick_every:
-            grpo_dir, picked["grpo"] = pick_checkpoint(grpo_dir, on_val)
+            grpo_dir, picked["grpo"] = pick_checkpoint(grpo_dir, on_val, start=sft)
         arms.append(f"grpo={grpo_dir}")
         lap("grpo")
 

@@ -29,11 +29,12 @@ def best_step(scores: dict[int, float]) -> int:
     return max(scores, key=lambda step: (scores[step], step))
 
 
-def pick_checkpoint(run_dir: str | Path, score_arms) -> tuple[Path, dict]:
+def pick_checkpoint(run_dir: str | Path, score_arms, start: str | Path | None = None) -> tuple[Path, dict]:
     """The checkpoint under ``run_dir`` with the best validation Pass@1, and ``{"step": picked, "pass@1": {step:
     score}}``. ``score_arms(arms, name)`` rolls the ``NAME=DIR`` arms out on the validation questions (into a
-    folder named ``name``) and returns the rollout's summary."""
-    found = {checkpoint_step(c): c for c in checkpoints(run_dir)}
+    folder named ``name``) and returns the rollout's summary. ``start`` (the adapter the stage began from) is
+    step 0's candidate: early stopping may stop before the first step."""
+    found = ({0: Path(start)} if start is not None else {}) | {checkpoint_step(c): c for c in checkpoints(run_dir)}
     summary = score_arms([f"step{step}={path}" for step, path in found.items()], f"validation_{Path(run_dir).name}")
     scores = {step: summary["arms"][f"step{step}"]["overall"]["pass@1"] for step in found}
     step = best_step(scores)

@@ -20,6 +20,13 @@ def test_the_checkpoint_of_best_validation_pass_at_1_goes_on_a_tie_to_the_later(
     assert seen["arms"] == [f"step{s}={tmp_path}/checkpoint-{s}" for s in (20, 40, 60)]
     assert seen["name"] == f"validation_{tmp_path.name}"
     assert best_step({20: 0.5, 40: 0.5, 60: 0.25}) == 40
+    sft = tmp_path / "sft"
+
+    def worse(arms, name):  # no step beats where the stage began: it stops at step 0
+        assert arms[0] == f"step0={sft}"
+        return {"arms": {a.split("=")[0]: {"overall": {"pass@1": 0.5 if a.startswith("step0=") else 0.25}} for a in arms}}
+
+    assert pick_checkpoint(tmp_path, worse, start=sft) == (sft, {"step": 0, "pass@1": {0: 0.5, 20: 0.25, 40: 0.25, 60: 0.25}})
     with pytest.raises(FileNotFoundError, match="no checkpoint-\\* under .*: the stage saved no checkpoint"):
         pick_checkpoint(tmp_path / "checkpoint-20", score)
 
