@@ -39,7 +39,7 @@ from . import grpo_slots
 from .grpo_data import EpisodeData, episode_dataset, load_episodes
 from .grpo_mismatch import mismatch
 from .grpo_trl import GenerationProgress, TRLEngine, with_logits_processors
-from .packed_logps import loss_token_mask, pack_rows, packed_logps_and_entropies
+from .packed_logps import loss_batch, pack_rows, packed_logps_and_entropies
 from .rewards import EpisodeReward
 
 logger = logging.getLogger(__name__)
@@ -262,8 +262,9 @@ class EOGymGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         """TRL's loss, its forward scoring only the tokens the loss counts
-        (:func:`~eogym_sft.training.packed_logps.loss_token_mask`)."""
-        self._loss_mask = loss_token_mask(inputs) if self.engine.packed_loss else None
+        (:func:`~eogym_sft.training.packed_logps.loss_batch`)."""
+        if self.engine.packed_loss:
+            inputs, self._loss_mask = loss_batch(inputs)
         self._loss_logps = []
         try:
             loss = super()._compute_loss(model, inputs)

@@ -271,13 +271,18 @@ def _scatter(per_token: torch.Tensor, packed: PackedRows, batch: int, logits_to_
     return out
 
 
-def loss_token_mask(inputs: dict) -> torch.Tensor | None:
-    """The completion tokens TRL's loss counts, ``completion_mask * tool_mask``, when only they need a
-    log-probability: without the old policy's log-probs (``num_iterations=1``), TRL takes the current ones
-    detached, so every other position is multiplied by 0 and is never read. With them (``old_per_token_logps``),
-    an unscored position's ratio ``exp(0 - old)`` may overflow to inf, and inf * 0 is NaN: None, every completion
-    token scored. The engines' sampled log-probs (``sampling_per_token_logps``) enter no ratio without vLLM; TRL's
-    off-policy mask reads them only as a difference, zeroed off the mask."""
-    if "tool_mask" not in inputs or inputs.get("old_per_token_logps") is not None:
-        return None
-    return inputs["completion_mask"] * inputs["tool_mask"]
+def loss_batch(inputs: dict) -> tuple[dict, torch.Tensor | None]:
+    """The loss's batch and the completion tokens its forward scores, ``completion_mask * tool_mask``: only the
+    tokens TRL's loss counts need a log-probability. Without the old policy's log-probs (``num_iterations=1``) TRL
+    takes the current ones detached, so every other position is multiplied by 0 and never read. With them
+    (``old_per_token_logps``) an unscored position's ratio ``exp(0 - old)`` may overflow to inf, and inf * 0 is NaN:
+    the batch returned (a copy) holds 0 there, a ratio of 1 that the mask then drops. The reference's log-probs
+    (``beta`` > 0) are at most 0, so ``exp(ref - 0)`` stays finite; the engines' sampled ones enter no ratio without
+    vLLM (TRL's off-policy mask reads them as a difference, zeroed off the mask). None: every token scored."""
+    if "tool_mask" not in inputs:
+        return inputs, None
+    mask = inputs["completion_mask"] * inputs["tool_mask"]
+    old = inputs.get("old_per_token_logps")
+    if old is not None:
+        inputs = inputs | {"old_per_token_logps": old.masked_fill(mask == 0, 0.0)}
+    return inputs, mask

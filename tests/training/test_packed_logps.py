@@ -272,13 +272,18 @@ def test_pack_rows_restarts_positions_per_episode_and_labels_completions_only(se
     assert packed.inputs["pixel_values"].shape[0] == int(grid[:3].prod(-1).sum())
 
 
-@pytest.mark.parametrize("batch", ["episodes", "shared"])
+@pytest.mark.parametrize("batch", ["episodes", "shared", "old"])
 def test_the_loss_and_its_gradients_equal_the_padded_path(setup, batch):
     """``_compute_loss`` (TRL's) over the packed log-probabilities equals it over TRL's padded ones, with three
-    episodes of one prompt sharing it (``shared``, under ``eogym_varlen``) too."""
+    episodes of one prompt sharing it (``shared``, under ``eogym_varlen``) too, and against old log-probs off the
+    current ones (``old``: ``num_iterations`` > 1, the clip binding), where the packed forward scores only the
+    counted tokens and the padded one every token."""
     trainer, processor, _ = setup
     eps = shared_episodes(processor) if batch == "shared" else episodes(processor, truncated_crop=False)
     inputs = loss_inputs(trainer, processor, eps)
+    if batch == "old":
+        with torch.no_grad():
+            inputs["old_per_token_logps"] = logps(trainer, inputs, padded=True)[0] - 0.3
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
@@ -375,18 +380,21 @@ def test_the_loss_forward_scores_only_the_tokens_the_loss_counts(setup, monkeypa
     assert trainer._loss_mask is None  # only for the loss's own forward
 
 
-def test_with_the_sampling_policys_logps_every_completion_token_is_scored():
+def test_with_the_old_policys_logps_the_unscored_positions_hold_a_ratio_of_one():
     """``exp(0 - old)`` at an unscored position may be inf, and inf * 0 is NaN: with old log-probs
-    (``num_iterations > 1``, vLLM) the forward scores every completion token, as TRL's. The engines' sampled
-    log-probs (the mismatch log's) enter no ratio without vLLM: the mask stays."""
-    from eogym_sft.training.packed_logps import loss_token_mask
+    (``num_iterations > 1``) the loss's batch holds 0 there (a copy; the buffered batch keeps its own), so the
+    forward still scores only the counted tokens. The engines' sampled log-probs enter no ratio: left as they are."""
+    from eogym_sft.training.packed_logps import loss_batch
 
     completion, tools = torch.tensor([[1, 1, 1, 0]]), torch.tensor([[1, 0, 1, 1]])
     base = {"completion_mask": completion, "tool_mask": tools}
-    assert torch.equal(loss_token_mask(base), torch.tensor([[1, 0, 1, 0]]))
-    assert loss_token_mask({"completion_mask": completion}) is None
-    assert loss_token_mask(base | {"old_per_token_logps": torch.zeros(1, 4)}) is None
-    assert torch.equal(loss_token_mask(base | {"sampling_per_token_logps": torch.zeros(1, 4)}), torch.tensor([[1, 0, 1, 0]]))
+    counted = torch.tensor([[1, 0, 1, 0]])
+    assert loss_batch(base)[0] is base and torch.equal(loss_batch(base)[1], counted)
+    assert loss_batch({"completion_mask": completion}) == ({"completion_mask": completion}, None)
+    old = torch.tensor([[-1.0, -900.0, -2.0, -900.0]])
+    batch, mask = loss_batch(base | {"old_per_token_logps": old, "sampling_per_token_logps": old})
+    assert torch.equal(mask, counted) and torch.equal(batch["old_per_token_logps"], torch.tensor([[-1.0, 0.0, -2.0, 0.0]]))
+    assert torch.equal(batch["sampling_per_token_logps"], old) and old[0, 1] == -900.0
 
 
 def test_pack_rows_labels_exactly_the_tokens_of_the_score_mask(setup):
