@@ -166,7 +166,7 @@ class AgentDemoConfig:
 
     # eogym_sft.environment.tasks.TASKS: colour_grid (one crop), colour_pair (two), colour_count (four)
     task: str = "colour_grid"
-    train_rows: int = 96  # questions trained on (SFT gold traces, GRPO prompts, rejection-sampling prompts)
+    train_rows: int = 112  # training questions: SFT gold traces, GRPO and rejection-sampling prompts (val_rows split off)
     held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
     seed: int = 0
     max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
@@ -174,10 +174,10 @@ class AgentDemoConfig:
     # 60 learned the AOIs in one run and not in another (held-out Pass@1 0.68 vs 0.23); 100: 0.73-0.78 in three
     sft_steps: int = 100
     sft_learning_rate: float = 5e-3
-    grpo_steps: int = 6
-    grpo_learning_rate: float = 1e-4  # measured to keep SFT's held-out Pass@1 over the demo's 6 steps (docs/agent.md)
+    grpo_steps: int = 24  # 6 generated batches, each trained on 4 times (grpo_num_iterations), checkpoints every 8
+    grpo_learning_rate: float = 1e-4
     num_generations: int = 8  # GRPO's group: episodes per question, the recipe's 8
-    grpo_questions_per_step: int = 1
+    grpo_questions_per_step: int = 2
     # Levers of a GRPO seed study (issue 37); the defaults are the demo's measured run (docs/agent.md)
     grpo_beta: float = 0.0  # KL to the SFT policy (TRL keeps a frozen copy of the SFT adapter as the reference)
     grpo_lr_scheduler_type: str = "constant"  # TRL's lr_scheduler_type, e.g. "cosine" or "constant_with_warmup"
@@ -187,11 +187,11 @@ class AgentDemoConfig:
     # TRL's scale_rewards: "group" (by the group's std, the recipe's), "batch", or "none" (Dr. GRPO)
     grpo_scale_rewards: str = "group"
     # TRL's num_iterations: steps trained on each generated batch; above 1 its clipped ratio binds
-    grpo_num_iterations: int = 1
+    grpo_num_iterations: int = 4  # the demo's: four passes a batch move the policy on a CPU (docs/agent.md)
     # TRL's epsilon_high (DAPO's clip-higher, e.g. 0.28); None: TRL's epsilon, 0.2
-    grpo_epsilon_high: float | None = None
+    grpo_epsilon_high: float | None = 0.28
     # TRL's disable_dropout (LoRA's 0.05 off): with grpo_num_iterations > 1, first passes' ratio 1
-    grpo_disable_dropout: bool = False
+    grpo_disable_dropout: bool = True
     # TRL's loss_type; "cispo" clips the importance weight at grpo_epsilon_high (ScaleRL: 5.0)
     grpo_loss_type: str = "dapo"
     grpo_crop_iou_weight: float = 0.0  # the GRPO recipe's crop_iou_weight: the reward's crop-IoU term (0: off)
@@ -207,9 +207,9 @@ class AgentDemoConfig:
     # validation questions, the last val_rows of the train_rows (trained on by no stage, never the held-out ones):
     # with sft_pick_every/grpo_pick_every N the stage saves every N steps and its checkpoint of best validation
     # Pass@1 goes on
-    val_rows: int = 0
+    val_rows: int = 16
     sft_pick_every: int = 0
-    grpo_pick_every: int = 0
+    grpo_pick_every: int = 8
     # roll the base model out on the held-out questions too (it scores 0: a study can skip it)
     held_out_base: bool = True
     temperature: float = 0.7  # the held-out and rejection-sampling rollouts' temperature (GRPO's: grpo_temperature)

@@ -89,7 +89,7 @@ def test_agent_sft_trains_on_every_training_row_and_never_on_held_out(tmp_path):
     from eogym_sft.demo import AgentDemoConfig, _sft_configs
     from eogym_sft.environment.tasks import write_task
 
-    cfg = AgentDemoConfig(train_rows=3, held_out_rows=2)
+    cfg = AgentDemoConfig(train_rows=3, held_out_rows=2, val_rows=1)
     train = write_task(tmp_path / "task", cfg.train_rows, cfg.seed, start=0, name="train.jsonl")
     held = write_task(tmp_path / "task", cfg.held_out_rows, cfg.seed, start=cfg.train_rows, name="held_out.jsonl")
     ids = lambda p: {line.split('"id": "')[1].split('"')[0] for line in p.read_text().splitlines()}
@@ -118,9 +118,11 @@ def test_rejection_data_is_the_gold_plus_the_sft_arms_correct_episodes(tmp_path)
 
 
 # The agent demo's loop as `eogym-sft demo --agent` runs it (the same code, model, questions and SFT), shortened
-# where the assertions allow (16 held-out questions of 1 episode, 2 GRPO steps, no rejection-sampling round: its
-# data is test_rejection_data_...'s), run once for the tests below: they assert what the demo shows.
-LEARNING_RUN = dict(held_out_rows=16, samples=1, grpo_steps=2, rft_steps=0)
+# where the assertions allow (16 held-out questions of 1 episode, 2 GRPO steps of one question and one pass each, picked
+# on validation against the SFT adapter, no rejection-sampling round: its data is test_rejection_data_...'s), run once
+# for the tests below: they assert what the demo shows.
+LEARNING_RUN = dict(held_out_rows=16, samples=1, grpo_steps=2, grpo_pick_every=2, grpo_num_iterations=1, grpo_questions_per_step=1,
+                    rft_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,7 @@ def test_grpo_does_not_fall_below_sft(learned):
     paired = _paired(report, "sft", "grpo")
     assert paired["ci95"][1] >= 0, paired  # not significantly worse than SFT
     assert report["arms"]["grpo"]["tool_any"] >= 0.8
+    assert set(report["picked"]["grpo"]["pass@1"]) == {0, 2} and report["picked"]["grpo"]["step"] in (0, 2)
 
 
 @pytest.mark.slow
@@ -182,10 +185,10 @@ def test_agent_grpo_settings_are_the_recipes_reward_shrunk(tmp_path):
     assert (script.tool_call_cost, script.action_cost_scale, script.max_cost_penalty) == (0.1, 0.2, 0.2)  # the recipe's reward
     assert script.sft_adapter == str(tmp_path / "sft") and script.tool_backends == "crop"
     assert (training.beta, training.scale_rewards, training.temperature) == (0.0, "group", 1.0)
-    # each batch trained on once (on-policy: TRL's ratio is 1), TRL's own clip and dropout
-    assert (training.num_iterations, training.epsilon_high, training.epsilon, training.disable_dropout) == (1, None, 0.2, False)
-    assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step
-    assert training.save_steps == training.max_steps == cfg.grpo_steps  # one checkpoint: the reward curve
+    # each batch trained on four times against the log-probabilities it was sampled with, DAPO's clip-higher, no dropout
+    assert (training.num_iterations, training.epsilon_high, training.epsilon, training.disable_dropout) == (4, 0.28, 0.2, True)
+    assert training.per_device_train_batch_size == cfg.num_generations * cfg.grpo_questions_per_step == 16
+    assert (training.save_steps, training.max_steps) == (8, 24)  # checkpoints for the pick on validation
     assert model.attn_implementation == "eogym_varlen"  # the packed loss forward, as the recipe (cuDNN's is CUDA only)
 
 
@@ -264,8 +267,10 @@ def test_the_demo_flags_say_both_defaults(capsys):
     assert "(default: None)" not in text
 
 
-# The smallest agent demo that still runs every stage (SFT, GRPO, rejection sampling, held-out rollouts): run twice.
-SMALLEST_RUN = dict(train_rows=4, held_out_rows=2, sft_steps=2, grpo_steps=1, num_generations=2, rft_steps=1, samples=1)
+# The smallest agent demo that still runs every stage (SFT, GRPO, rejection sampling, held-out rollouts; no pick: the
+# learning run above picks): run twice.
+SMALLEST_RUN = dict(train_rows=4, held_out_rows=2, sft_steps=2, grpo_steps=1, num_generations=2, rft_steps=1, samples=1, val_rows=0,
+                    grpo_pick_every=0)
 
 
 @pytest.mark.slow(90)

@@ -39,8 +39,9 @@ def test_picking_needs_validation_rows_and_a_step_count_it_divides(tmp_path):
     assert (sft.save_strategy, sft.save_steps, sft.save_only_model) == ("steps", 20, True)
     assert _sft_configs(cfg, tmp_path / "m", tmp_path / "t.jsonl", tmp_path, tmp_path / "rft", 60)[1].save_strategy == "no"
     assert _grpo_configs(cfg, tmp_path / "m", tmp_path / "t.jsonl", tmp_path, "s", tmp_path / "g")[1].save_steps == 3
-    assert _grpo_configs(AgentDemoConfig(), tmp_path / "m", tmp_path / "t.jsonl", tmp_path, "s", tmp_path / "g")[1].save_steps == 6
-    for bad in ({"sft_pick_every": 20}, {"val_rows": 96, "sft_pick_every": 20}, {"val_rows": 8, "sft_pick_every": 30},
-                {"val_rows": 8, "grpo_pick_every": 4}):
+    no_pick = AgentDemoConfig(val_rows=0, grpo_pick_every=0)
+    assert _grpo_configs(no_pick, tmp_path / "m", tmp_path / "t.jsonl", tmp_path, "s", tmp_path / "g")[1].save_steps == 24
+    for bad in ({"val_rows": 0, "sft_pick_every": 20}, {"val_rows": 112, "sft_pick_every": 20}, {"val_rows": 8, "sft_pick_every": 30},
+                {"val_rows": 8, "grpo_pick_every": 5}):
         with pytest.raises(ValueError, match="_pick_every .* needs 0 < val_rows < train_rows"):
             AgentDemoConfig(**bad)
