@@ -18,7 +18,8 @@ data=/tmp/eo_synth
 bench="--rows 160 --steps 6 --warmup 2 --grad-accum 2 --workdir /tmp/bt"
 # the GPU agent study's AgentDemoConfig settings (docs/rl.md#five-seeds-on-one-h200), for agent_seeds and agent_1gpu
 agent_gpu="train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=240 grpo_questions_per_step=2 num_generations=8
-  grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true grpo_epsilon_high=0.28 rft_steps=0"
+  grpo_learning_rate=2e-4 grpo_num_iterations=2 grpo_disable_dropout=true grpo_epsilon_high=0.28 rft_steps=0
+  val_rows=32 sft_pick_every=20 grpo_pick_every=0 held_out_base=false"
 
 make_model() { [ -f $model/config.json ] || python -m eogym_sft.cli tiny-model --config $cfg --dtype bfloat16 --device cuda --output $model; }
 make_adapters() {  # two random rank-16 adapters of the recipe's targets, lora_B from N(0, 0.02), seeds 1 and 2: /tmp/cl_adapters/{a,b}
