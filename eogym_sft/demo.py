@@ -166,7 +166,7 @@ class AgentDemoConfig:
 
     # eogym_sft.environment.tasks.TASKS: colour_grid (one crop), colour_pair (two), colour_count (four)
     task: str = "colour_grid"
-    train_rows: int = 112  # training questions: SFT gold traces, GRPO and rejection-sampling prompts (val_rows split off)
+    train_rows: int = 112  # SFT gold traces, GRPO and rejection-sampling prompts (val_rows split off)
     held_out_rows: int = 32  # questions only ever rolled out on: never in any training stage
     seed: int = 0
     max_pixels: int = SCENE_CAP  # the full scene downscaled 2x (its checkerboards average to grey); crops native
