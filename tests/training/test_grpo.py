@@ -274,9 +274,9 @@ def test_the_agent_demos_grpo_levers_reach_the_configs(tmp_path):
 
     script, training, _ = configs()
     assert (training.beta, training.lr_scheduler_type, training.warmup_steps, training.temperature) == (0.0, "constant", 0, 1.0)
-    assert training.per_device_train_batch_size == 8
-    # on-policy, group-scaled, TRL's clip: each batch trained on once, its ratio exactly 1
-    assert (training.scale_rewards, training.num_iterations, training.epsilon_high, training.disable_dropout) == ("group", 1, None, False)
+    assert training.per_device_train_batch_size == 16  # 2 questions x a group of 8
+    # group-scaled; four passes a batch under DAPO's clip-higher, dropout off so the first pass's ratio is 1
+    assert (training.scale_rewards, training.num_iterations, training.epsilon_high, training.disable_dropout) == ("group", 4, 0.28, True)
     script, training, _ = configs(
         grpo_beta=0.04, grpo_lr_scheduler_type="cosine", grpo_warmup_steps=0.1, grpo_questions_per_step=4, grpo_temperature=1.3,
         grpo_scale_rewards="none", grpo_num_iterations=2, grpo_epsilon_high=0.28, grpo_disable_dropout=True,
