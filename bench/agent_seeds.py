@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_info  # noqa: E402
 
 from eogym_sft.atomic import write_text_atomic  # noqa: E402
+from eogym_sft.demo_arguments import ARGUMENT_FIELDS  # noqa: E402
 from eogym_sft.demo_report import grpo_per_step, reward_by_part  # noqa: E402
+from eogym_sft.metrics.scoring import paired_stats  # noqa: E402
 
 RUN_ONE = """
 import json, sys
@@ -41,9 +43,10 @@ run_agent_demo(sys.argv[2], overwrite=True, cfg=AgentDemoConfig(**settings))
 # Declared before the report seeds ran (issue 64). Seeds 0-4 chose the GRPO settings and 5-9 were looked at, so
 # all of 0-9 are tuning seeds; each task's report seeds are run only with settings frozen on tuning seeds.
 # colour_grid's 10-19 were reported on (2026-12-07, grpo_entropy_target=0.05, docs/rl.md): looked at since, they
-# tune, and a setting changed after them reports on 30-39.
+# tune, and a setting changed after them reports on 30-39. 40-49 report the crop-IoU reward term against the
+# answer-only reward (issue 66), a setting no seed tuned.
 SEED_ROLES = {
-    "colour_grid": {"tuning": list(range(20)), "report": list(range(30, 40))},
+    "colour_grid": {"tuning": list(range(20)), "report": list(range(30, 50))},
     "colour_count": {"tuning": list(range(10)), "report": list(range(20, 30))},
     "colour_pair": {"tuning": list(range(10)), "report": list(range(20, 30))},
 }
@@ -157,7 +160,7 @@ def seed_row(seed: int, report: dict, a: str = "sft", b: str = "grpo") -> dict:
         "entropy_by_part": by_part(report["grpo_entropy_per_step"]),
         "picked": report.get("picked"),
         "wall_s": report["wall_s"],
-    } | ({"base": report["arms"]["base"]["pass@1"]} if "base" in report["arms"] else {})
+    } | {f"{b}_{f}": report["arms"].get(b, {}).get(f) for f in ARGUMENT_FIELDS} | ({"base": report["arms"]["base"]["pass@1"]} if "base" in report["arms"] else {})
 
 
 def criteria(rows: list[dict]) -> dict:
@@ -186,6 +189,20 @@ def criteria(rows: list[dict]) -> dict:
     sft = [r["sft"] for r in ok]
     return {"seeds": n, "failed": n - len(ok), "mean_delta": mean, "sft_range": [min(sft), max(sft)] if sft else None,
             **counts, "checks": checks, "meets_issue_64": bool(n) and all(checks.values())}
+
+
+def against(rows: list[dict], baseline_rows: list[dict], arm: str = "grpo") -> dict:
+    """This run's ``arm`` against a baseline run's, over the seeds both finished: per figure (held-out Pass@1
+    and the argument figures) the mean over seeds of this run's minus the baseline's, its t CI and the wins."""
+    base = {r["seed"]: r for r in baseline_rows if "failed" not in r}
+    pairs = [(base[r["seed"]], r) for r in rows if "failed" not in r and r["seed"] in base]
+    out = {}
+    for field in (arm, *(f"{arm}_{f}" for f in ARGUMENT_FIELDS)):
+        both = [(a[field], b[field]) for a, b in pairs if a.get(field) is not None and b.get(field) is not None]
+        if both:
+            stats = paired_stats([a for a, _ in both], [b for _, b in both])
+            out[field] = {k: stats[k] for k in ("n", "mean_a", "mean_b", "delta", "ci95", "wins", "losses", "ties")}
+    return out
 
 
 def _cell(value, fmt: str, width: int) -> str:
@@ -228,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--headline", action="store_true", help="mark the table as the docs' headline: report seeds only")
     parser.add_argument("--workdir", default="/tmp/agent_seeds")
     parser.add_argument("--json", default="agent_seeds.json")
+    parser.add_argument("--against", metavar="JSON", help="another run's JSON: compare this run's GRPO with its, seed by seed")
     args = parser.parse_args(argv)
     import torch
 
@@ -242,12 +260,18 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [seed_row(seed, reports[seed]) for seed in args.seeds if seed in reports]
         result = {"protocol": declared, "settings": settings, "seeds": rows, "summary": criteria(rows) if rows else None,
                   "machine": machine}
+        if args.against:
+            result["against"] = {"baseline": args.against, **against(rows, json.loads(Path(args.against).read_text())["seeds"])}
         write_text_atomic(Path(args.json), json.dumps(result, indent=1) + "\n")
         return result
 
     write({})  # the seed roles are on disk before any seed runs
     result = write(run_seeds(args.seeds, settings, Path(args.workdir), args.parallel, write))
     print(format_table(result["seeds"]))
+    for field, c in result.get("against", {}).items():
+        if field != "baseline":
+            print(f"{field}: {c['mean_b']:.3f} against the baseline's {c['mean_a']:.3f}, {c['delta']:+.3f} {_ci(c['ci95'])} "
+                  f"over {c['n']} seeds ({c['wins']} up, {c['losses']} down)")
     return result
 
 

@@ -35,7 +35,8 @@ def test_seed_row_reads_pass_at_1_and_pass_at_k_and_keeps_a_failed_seed():
     row = agent_seeds.seed_row(3, _report(0.25, 0.5, 0.25, [0.1, 0.4], 0.5, 0.625, [-0.05, 0.3], [0.1, 0.2]))
     assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "k": 4, "sft_pass_k": 0.5,
                    "grpo_pass_k": 0.625, "pass_k_delta": 0.125, "pass_k_ci95": [-0.05, 0.3], "reward_by_part": [0.1, 0.2],
-                   "entropy_by_part": [0.05, 0.04], "picked": None, "wall_s": 9.0}
+                   "entropy_by_part": [0.05, 0.04], "picked": None, "wall_s": 9.0, "grpo_param_prefix": None,
+                   "grpo_param_prefix_aoi@0.5": None, "grpo_arg_acc_aoi@0.5": None}
     assert agent_seeds.seed_row(5, {"failed": 1, "wall_s": 2.0}) == {"seed": 5, "failed": 1, "wall_s": 2.0}
     with_base = _report(0.25, 0.5, 0.25, [0.1, 0.4], 0.5, 0.625, [-0.05, 0.3], [0.1, 0.2])
     with_base["arms"]["base"] = {"pass@1": 0.0}
@@ -60,6 +61,22 @@ def test_criteria_count_issue_64s_checks_and_a_failed_seed_fails_them():
     assert table[3] == "   2  failed (exit 1)"
     assert table[4].startswith("mean GRPO-SFT +0.075 over 2 seeds (1 failed); GRPO >= SFT in 1; CI lower bound > 0 in 1;")
     assert table[5].endswith("-> not met")
+
+
+def test_against_compares_the_grpo_arms_of_two_runs_seed_by_seed():
+    def row(seed, grpo, arg_acc):
+        report = _report(0.25, grpo, grpo - 0.25, [0.0, 0.1], 0.5, 0.5, [0.0, 0.0], [0.1])
+        report["arms"]["grpo"]["arg_acc_aoi@0.5"] = arg_acc
+        return agent_seeds.seed_row(seed, report)
+
+    baseline = [row(0, 0.5, 0.5), row(1, 0.25, None), row(2, 0.75, 0.5), row(3, 0.5, 0.5)]
+    rows = [row(0, 0.75, 0.75), row(1, 0.5, 0.75), row(2, 0.75, 1.0), agent_seeds.seed_row(3, {"failed": 1, "wall_s": 1.0})]
+    out = agent_seeds.against(rows, baseline)
+    assert set(out) == {"grpo", "grpo_arg_acc_aoi@0.5"}  # a figure neither run has is left out
+    assert {k: out["grpo"][k] for k in ("n", "mean_a", "mean_b", "delta", "wins", "losses", "ties")} == {
+        "n": 3, "mean_a": 0.5, "mean_b": 2 / 3, "delta": pytest.approx(1 / 6), "wins": 2, "losses": 0, "ties": 1}
+    assert out["grpo_arg_acc_aoi@0.5"]["n"] == 2 and out["grpo_arg_acc_aoi@0.5"]["delta"] == pytest.approx(0.375)
+    assert out["grpo"]["ci95"][0] < 1 / 6 < out["grpo"]["ci95"][1]
 
 
 def test_a_headline_takes_report_seeds_only_and_the_roles_are_written_before_any_seed_runs(tmp_path, monkeypatch):
