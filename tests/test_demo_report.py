@@ -33,7 +33,7 @@ def test_agent_report_and_table(tmp_path):
         "paired": [{"a": "base", "b": "sft", "metric": "pass@1", "delta": 0.75, "n": 4, "ci95": [0.3, 1.2], "ci_method": "paired t"}],
     }
     report = agent_report(summary, [0.2, 0.5], {"episodes_sampled": 8, "episodes_kept": 5, "rows_trained": 9}, {"sft": 1.5, "grpo": 2.0},
-                          AgentDemoConfig(samples=2))
+                          AgentDemoConfig(samples=2, grpo_num_iterations=1))
     assert report["arms"]["sft"]["pass@1"] == 0.75 and report["arms"]["base"]["tool_any"] == 0.0
     assert report["arms"]["sft"]["episodes"] == 8 and report["seconds"]["total"] == 3.5
     text = format_agent_report(report, tmp_path)
