@@ -304,3 +304,38 @@ def test_benchmarks_md_stays_within_its_line_limit():
 
 def test_word_count_counts_as_wc_does():
     assert word_count("a  b\tc\n\n`d`-e |  | f\n") == 7  # a, b, c, `d`-e, |, |, f
+
+
+# ---------------------------------------------------------------- GPU stages the docs name
+
+SESSION = REPO / "bench" / "h200_session.sh"
+
+
+def session_stages(script: str) -> set[str]:
+    """The stage names of bench/h200_session.sh: its ``case`` labels."""
+    return set(re.findall(r"^([a-z0-9_]+)\)$", script, re.M))
+
+
+def named_stages(text: str) -> list[str]:
+    """Stages a doc names: the one-word commands of a ``## Headline`` table's command column, and ``h200_session.sh NAME``."""
+    found = re.findall(r"h200_session\.sh ([a-z0-9_]+)\b", text)
+    headline = re.search(r"^## Headline\n(.*?)(?=^## )", text, re.S | re.M)
+    rows = [line.strip().strip("|").split("|") for line in (headline.group(1) if headline else "").splitlines() if line.startswith("|")]
+    header = [c.strip() for c in rows[0]] if rows else []
+    if "command" in header:
+        column = header.index("command")
+        found += [name for row in rows[2:] for name in re.findall(r"`([a-z0-9_]+)`", row[column])]
+    return found
+
+
+def test_the_docs_name_only_stages_that_h200_session_sh_has():
+    stages = session_stages(SESSION.read_text())
+    stale = [f"{doc.name}: {name}" for doc in DOCS for name in named_stages(doc.read_text()) if name not in stages]
+    assert not stale, f"stages no longer in bench/h200_session.sh (its case labels): {stale}"
+
+
+def test_named_stages_reads_the_headlines_command_column_and_script_calls():
+    text = ("## Headline\n\n| claim | command | results |\n|---|---|---|\n| x | `after_1gpu`, then `gone` | `a.json` |\n"
+            "| y | `python bench/x.py --arms B` | `b.json` |\n\n## Next\n\nRun `bash bench/h200_session.sh gaps` and `other`.\n")
+    assert named_stages(text) == ["gaps", "after_1gpu", "gone"]
+    assert session_stages("case \"$1\" in\nsetup)\n  x\n  ;;\ngaps)\n  y\nesac\n") == {"setup", "gaps"}
