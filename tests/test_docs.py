@@ -313,7 +313,7 @@ SESSION = REPO / "bench" / "h200_session.sh"
 
 def session_stages(script: str) -> set[str]:
     """The stage names of bench/h200_session.sh: its ``case`` labels."""
-    return set(re.findall(r"^([a-z0-9_]+)\)$", script, re.M))
+    return set(re.findall(r"^([a-z0-9_]+)\)(?:\s|$)", script, re.M))
 
 
 def named_stages(text: str) -> list[str]:
@@ -338,4 +338,5 @@ def test_named_stages_reads_the_headlines_command_column_and_script_calls():
     text = ("## Headline\n\n| claim | command | results |\n|---|---|---|\n| x | `after_1gpu`, then `gone` | `a.json` |\n"
             "| y | `python bench/x.py --arms B` | `b.json` |\n\n## Next\n\nRun `bash bench/h200_session.sh gaps` and `other`.\n")
     assert named_stages(text) == ["gaps", "after_1gpu", "gone"]
-    assert session_stages("case \"$1\" in\nsetup)\n  x\n  ;;\ngaps)\n  y\nesac\n") == {"setup", "gaps"}
+    script = "case \"$1\" in\nsetup)\n  x\n  ;;\ngaps)  # a comment\n  y\n  ;;\n*)\n  z(a)\nesac\n"
+    assert session_stages(script) == {"setup", "gaps"}
