@@ -1,17 +1,13 @@
 """GRPO after SFT on the agent demo's task, several seeds side by side: the per-seed table of held-out Pass@1.
 
-Each seed runs ``eogym_sft.demo.run_agent_demo`` in its own process (they share one GPU: the demo's model is
-small, so ten seeds at once take about as long as one), then the table lists per seed SFT's and GRPO's
-held-out Pass@1, GRPO - SFT with its paired 95% CI, both arms' Pass@k with the CI of their difference, the
-training reward and the policy's entropy by quarter of the run, and a line checking issue 64's criteria.
-``--set name=value`` overrides an ``AgentDemoConfig`` field for every seed (JSON values).
+Each seed runs ``eogym_sft.demo.run_agent_demo`` in its own process (they share one GPU), then the table lists per
+seed SFT's and GRPO's held-out Pass@1, GRPO - SFT with its paired 95% CI, both arms' Pass@k with the CI of their
+difference, the training reward and the policy's entropy by quarter of the run, and a line checking issue 64's
+criteria. ``--set name=value`` overrides an ``AgentDemoConfig`` field for every seed (JSON values).
 
 Tuning and report seeds are declared here (:data:`SEED_ROLES`) and written into the JSON before any seed runs.
 Settings are chosen on tuning seeds; only a table of report seeds, run after the settings were frozen, may be
 the headline (``--headline``), and a headline over any tuning seed is refused.
-
-    python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --workdir /tmp/seeds --json agent_seeds.json \\
-        --set train_rows=384 held_out_rows=128 samples=4 sft_steps=60 grpo_steps=120 rft_steps=0
 """
 
 from __future__ import annotations
@@ -86,8 +82,7 @@ def protocol(task: str, seeds: list[int], headline: bool) -> dict:
 
 def child_env(parallel: int, env: dict | None = None, cpus: int | None = None) -> dict:
     """The environment of each seed's process: ``OMP_NUM_THREADS`` (unless set) shares the host's cores between the
-    seeds running at once. Each torch process otherwise starts a thread per core: ten seeds on 16 cores then took
-    38 s for each SFT step, against 20.6 s for all 60 with one thread each (one H200, 2026-12-02)."""
+    seeds running at once; each torch process otherwise starts a thread per core, and ten of them crawl."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (cpus or os.cpu_count() or 1) // max(1, parallel))))
     return env

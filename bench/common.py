@@ -1,13 +1,5 @@
 """What the benches share: where and when a bench ran (:func:`machine_info`), how it writes and prints its result,
-the arguments and data of the GPU benches, and the EO-Gym-shaped sample they run on (:func:`generate_sample`).
-
-The sample: a deterministic, scaled-up EO-Gym-shaped JSONL (row images up to 4000x4000 px, tool results naming
-``image_cache/...png`` crops, 5-15 tool schemas a row, mostly the OpenAI ``tool_calls`` dialect, some Qwen/Hermes
-``<tool_call>`` text). Images are written fast: a handful of distinct files (a small noise tile upscaled, with
-pixel-level grain so that JPEG and PNG bodies are as dense as imagery's) are written once and hard-linked (copied
-where links fail) under many hashed names. Data prep checks each distinct path once, so every row naming its own
-files costs what real data costs, except for disk reads: the linked files share the page cache.
-"""
+the arguments and data of the GPU benches, and the EO-Gym-shaped sample they run on (:func:`generate_sample`)."""
 
 from __future__ import annotations
 
@@ -19,7 +11,9 @@ import os
 import platform
 import random
 import shutil
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,10 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def machine_info(device=None) -> dict:
     """Where and when a bench ran: the CPU (model, count, usable, load), the device (``device``: a torch device,
-    CPU when ``None``), the versions of Python, torch, transformers and peft, and the UTC time."""
+    CPU when ``None``), the versions of Python, torch, transformers, trl and peft, and the UTC time."""
     import peft
     import torch
     import transformers
+    import trl
 
     cpu_model = platform.processor() or ""
     try:
@@ -40,7 +35,7 @@ def machine_info(device=None) -> dict:
     except (OSError, StopIteration):
         pass
     on_gpu = device is not None and torch.device(device).type == "cuda"
-    info = {
+    return {
         "device": str(device or "cpu"),
         "device_name": torch.cuda.get_device_name(device) if on_gpu else cpu_model or "cpu",
         "cpu_model": cpu_model,
@@ -50,14 +45,15 @@ def machine_info(device=None) -> dict:
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        **{m.__name__: m.__version__ for m in (torch, transformers, trl, peft)},
+        **({"cuda": torch.version.cuda} if on_gpu else {}),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    if on_gpu:
-        info["cuda"] = torch.version.cuda
-    return info
+
+
+def command(bench: str, argv: list[str] | None) -> str:
+    """The command line a bench ran with, for its JSON."""
+    return " ".join(["python", f"bench/{bench}.py", *(sys.argv[1:] if argv is None else argv)])
 
 
 def sync(device=None) -> None:
@@ -68,6 +64,12 @@ def sync(device=None) -> None:
         torch.cuda.synchronize(device)
 
 
+def now() -> float:
+    """``time.perf_counter()`` once the GPU is done (:func:`sync`): the GPU's time, not the host's."""
+    sync()
+    return time.perf_counter()
+
+
 def peak_gib(device) -> float | None:
     """Peak allocated GPU memory on ``device`` since the last reset, in GiB (``None`` off a GPU)."""
     import torch
@@ -76,14 +78,14 @@ def peak_gib(device) -> float | None:
 
 
 def write_result(result: dict, json_path, table: str | None = None) -> dict:
-    """Print ``table`` (when given), write a bench's result as JSON (its folder made as needed), say where,
-    and return it; every bench ends so."""
+    """Print ``table`` (when given), write ``result`` as JSON to ``json_path`` (when given), say where, return it."""
     if table is not None:
         print(table)
-    json_path = Path(json_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {json_path}")
+    if json_path is not None:
+        json_path = Path(json_path)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_path}")
     return result
 
 
@@ -91,6 +93,7 @@ def write_result(result: dict, json_path, table: str | None = None) -> dict:
 def scratch_dir(workdir: str | None, prefix: str):
     """A bench's work folder: ``workdir`` when given (kept), else a temp folder removed on exit."""
     if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
         yield Path(workdir)
         return
     tmp = tempfile.mkdtemp(prefix=prefix)
@@ -100,29 +103,28 @@ def scratch_dir(workdir: str | None, prefix: str):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def runs_table(result: dict, subtitle: str, columns: list[tuple]) -> str:
-    """A GPU bench's printed table: where and when it ran (:func:`machine_info`), ``subtitle``, then a line
-    per run of ``result["runs"]`` with ``(header, width, key)`` columns right-aligned, ``key`` a run's
-    field or a function of the run (``-`` for None); a run that failed shows its error instead."""
+def machine_line(result: dict) -> str:
+    """Where and when a GPU bench ran, from its ``machine`` and ``dtype``: the first line of its table."""
     m = result["machine"]
-    lines = [
-        f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}",
-        subtitle,
-        " ".join(f"{head:>{width}}" for head, width, _ in columns),
-    ]
-    for r in result["runs"]:
+    return f"{m['device_name']} | {result['dtype']} | torch {m['torch']} | transformers {m['transformers']} | {m['date']}"
+
+
+def runs_table(runs: list[dict], columns: list[tuple], *head: str) -> str:
+    """A bench's printed table: the lines ``head``, then a line per run with ``(header, width, key[, format])``
+    columns right-aligned, ``key`` a run's field or a function of the run (``-`` for None); a run that failed shows
+    its error instead."""
+    lines = [*head, " ".join(f"{c[0]:>{c[1]}}" for c in columns)]
+    for r in runs:
         if "error" in r:
-            _, width, key = columns[0]
-            lines.append(f"{r[key]:>{width}} failed: {r['error'][:80]}")
+            lines.append(f"{r[columns[0][2]]:>{columns[0][1]}} failed: {r['error'][:80]}")
             continue
-        cells = [key(r) if callable(key) else r[key] for _, _, key in columns]
-        lines.append(" ".join(f"{'-' if v is None else v:>{width}}" for v, (_, width, _) in zip(cells, columns)))
+        cells = [(c[2](r) if callable(c[2]) else r.get(c[2]), c[3] if len(c) > 3 else "") for c in columns]
+        lines.append(" ".join(f"{'-' if v is None else format(v, fmt):>{c[1]}}" for (v, fmt), c in zip(cells, columns)))
     return "\n".join(lines)
 
 
 def add_run_args(parser: argparse.ArgumentParser, name: str, data_help: str) -> None:
-    """The arguments every GPU bench of evaluation, validation and rollouts takes: the data (a generated
-    sample by default), the device and dtype, the seed, the work folder and where the JSON goes."""
+    """The arguments of the evaluation, validation and rollout benches: data, device, dtype, seed, folder, JSON."""
     parser.add_argument("--data", default=None, help=data_help)
     parser.add_argument("--data-root", default=".", help="data root of --data")
     parser.add_argument("--device", default="auto")
@@ -140,9 +142,13 @@ def run_data(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path]:
     return generate_sample(workdir / "sample", args.rows, args.seed)
 
 
+def data_note(args: argparse.Namespace, data: Path) -> str:
+    """What a bench of :func:`add_run_args` ran on, for its JSON."""
+    return str(data) if args.data else f"generated by bench/common.py, {args.rows} rows, seed {args.seed}"
+
+
 def add_random_lora(model, seed: int):
-    """Wrap ``model`` in peft with one random rank-16 adapter named ``arm0`` on the recipe's targets (B is not
-    zero, so it acts)."""
+    """``model`` with one random rank-16 adapter ``arm0`` on the recipe's targets (B not zero, so it acts)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -154,23 +160,22 @@ def add_random_lora(model, seed: int):
 
 
 # ---------------------------------------------------------------- the EO-Gym-shaped sample
+# Row images up to 4000x4000 px, tool results naming image_cache/...png crops, 5-15 tool schemas a row, mostly the
+# OpenAI tool_calls dialect, some Qwen/Hermes <tool_call> text. A handful of distinct image files (a noise tile
+# upscaled, with pixel-level grain so that JPEG and PNG bodies are as dense as imagery's) are written once and
+# hard-linked under many hashed names: data prep checks each distinct path once, so every row costs what real data
+# costs, except for disk reads.
 
-# (width, height, format) of the distinct row images; sizes as EO-Gym's scenes and tiles come.
-ROW_IMAGE_SHAPES = [
-    (4000, 4000, "JPEG"), (4000, 3000, "JPEG"), (3840, 2160, "JPEG"), (3000, 2000, "JPEG"),
-    (2500, 2500, "PNG"), (2048, 2048, "PNG"), (1500, 1500, "JPEG"), (1200, 800, "PNG"),
-    (1024, 1024, "PNG"), (800, 600, "JPEG"), (600, 600, "PNG"), (512, 512, "PNG"),
-]
-# Crops that tools write to image_cache/ (always PNG).
+# (width, height, format) of the distinct row images, sizes as EO-Gym's scenes and tiles come; the crops that tools
+# write to image_cache/ (always PNG).
+ROW_IMAGE_SHAPES = [(4000, 4000, "JPEG"), (4000, 3000, "JPEG"), (3840, 2160, "JPEG"), (3000, 2000, "JPEG"), (2500, 2500, "PNG"),
+                    (2048, 2048, "PNG"), (1500, 1500, "JPEG"), (1200, 800, "PNG"), (1024, 1024, "PNG"), (800, 600, "JPEG"),
+                    (600, 600, "PNG"), (512, 512, "PNG")]
 CROP_SHAPES = [(128, 128), (224, 224), (256, 256), (320, 240), (384, 384), (512, 512), (640, 480),
                (768, 768), (1024, 768), (1024, 1024), (1280, 720), (2048, 1024)]
-
-TOOL_NAMES = [
-    "load_scene", "crop_region", "zoom", "compute_ndvi", "compute_ndwi", "cloud_mask", "detect_objects",
-    "segment_landcover", "count_objects", "measure_area", "measure_distance", "change_detection",
-    "query_metadata", "reproject", "histogram", "band_math", "read_netcdf", "time_series", "geocode",
-    "super_resolve",
-]
+TOOL_NAMES = ("load_scene crop_region zoom compute_ndvi compute_ndwi cloud_mask detect_objects segment_landcover count_objects "
+              "measure_area measure_distance change_detection query_metadata reproject histogram band_math read_netcdf "
+              "time_series geocode super_resolve").split()
 EO_TASKS = ["object_counting", "change_detection", "land_cover", "disaster_assessment", "ocean_monitoring", "agriculture"]
 QUESTION_TYPES = ["counting", "multiple_choice", "numeric", "yes_no", "open"]
 DATA_SOURCES = ["sentinel2", "landsat8", "xview", "dota", "fmow", "era5"]
@@ -328,10 +333,8 @@ def make_row(i: int, rng: random.Random) -> tuple[dict, list[tuple[str, int, str
 
 
 def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple[Path, Path]:
-    """Write ``train.jsonl`` and its data root (``EO_GYM_DATA/``, ``image_cache/``) under ``folder``.
-
-    Deterministic in ``rows`` and ``seed``. Returns ``(jsonl_path, data_root)``.
-    """
+    """Write ``train.jsonl`` and its data root (``EO_GYM_DATA/``, ``image_cache/``) under ``folder``, deterministic in
+    ``rows`` and ``seed``; return ``(jsonl_path, data_root)``."""
     folder = Path(folder)
     data_root = folder / "data"
     pools = dict(zip(("row", "crop"), _write_pool(folder / "pool")))

@@ -1,32 +1,20 @@
-"""GRPO step time by rollout engine, side by side in one process: TRL's own generate loop and padded loss
-forward (``trl``, the text tower on SDPA) and the slot decoder with the packed loss forward (``slots``, the
-text tower on the recipe's ``attn_implementation``), on the same model, data and forced episodes; optionally
-the recipe as it is (``recipe``: its YAML untouched but for the paths and one step, the random policy unforced).
+"""GRPO step time by rollout engine, side by side in one process on the same model, data and forced episodes:
+TRL's own generate loop and padded loss forward (``trl``, the text tower on SDPA), the slot decoder with the packed
+loss forward (``slots``, the recipe's ``attn_implementation``), and optionally the recipe as it is (``recipe``: its
+YAML untouched but for the paths and one step, the random policy unforced). More: bench/README.md.
 
-Commands (from the repository root)::
-
-    # CPU smoke run on the tiny model (what tests/test_bench_grpo.py runs)
-    eogym-sft tiny-model --output /tmp/tiny && PYTHONPATH=. python bench/grpo_step.py --model /tmp/tiny \
-        --questions 1 --generations 2 --images 1 --image-px 64 --calls 1 --call-tokens 72 --steps 1 --warmup 0
-
-    # the seed's scale on one GPU, 4B architecture with random weights (bench/h200_session.sh grpo)
     PYTHONPATH=. python bench/grpo_step.py --model /tmp/qwen3vl4b-random --questions 2 --generations 8 \
         --images 4-7 --image-px 1000 --calls 2 --call-tokens 96 --steps 2 --warmup 1 --arms trl,slots,recipe --json grpo.json
-
-The arms, the forced episodes and the phases timed: bench/README.md (its GRPO section).
-``--recipe-args`` adds recipe flags to every arm, e.g. ``--recipe-args "--rollout_cache_gib 20"``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import os
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,8 +22,7 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO  # noqa: E402
-from common import sync as _sync  # noqa: E402
+from common import REPO, command, machine_info, now, runs_table, write_result  # noqa: E402
 
 SYSTEM = "You are an expert remote-sensing analyst. Look at the images, crop where needed, then reply as: Final Answer: <answer>"
 CROP_TOOL = {
@@ -52,17 +39,13 @@ CROP_TOOL = {
 }
 
 
-def image_counts(spec: str) -> tuple[int, int]:
-    low, _, high = spec.partition("-")
-    return int(low), int(high or low)
-
-
 def write_rows(folder: Path, questions: int, images: str, image_px: int, seed: int = 0) -> tuple[Path, Path]:
     """``questions`` EO-Gym rows (question-only, with ``gt_answer``) and their images under ``folder/data``."""
     import numpy as np
     from PIL import Image
 
-    low, high = image_counts(images)
+    low, _, high = images.partition("-")
+    low, high = int(low), int(high or low)
     root = folder / "data"
     (root / "EO_GYM_DATA" / "bench").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -130,44 +113,31 @@ class Phases(TrainerCallback):
         self.steps: list[dict] = []
         self.acc = defaultdict(float)
         self._start = self._opt = None
-        self.tool_tokens = 0
 
     def timed(self, name, fn):
         def wrapper(*args, **kwargs):
-            _sync()
-            start = time.perf_counter()
+            start = now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                _sync()
-                self.acc[name] += time.perf_counter() - start
+                self.acc[name] += now() - start
 
         return wrapper
 
     def on_train_begin(self, args, state, control, **kwargs):
-        _sync()
-        self._start = time.perf_counter()
+        self._start = now()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        _sync()
-        self._opt = time.perf_counter()
+        self._opt = now()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        _sync()
-        self.acc["optimizer"] += time.perf_counter() - self._opt
+        self.acc["optimizer"] += now() - self._opt
 
     def on_step_end(self, args, state, control, **kwargs):
-        _sync()
-        now = time.perf_counter()
-        a = self.acc
-        step = {
-            "step_s": now - self._start,
-            "generation_s": a["rollout"] - a["tools"],
-            "tools_s": a["tools"],
-            "scoring_s": a["score"] - a["rollout"],
-            "forward_backward_s": a["train_step"] - a["score"],
-            "optimizer_s": a["optimizer"],
-        }
+        end, a = now(), self.acc
+        step = {"step_s": end - self._start, "generation_s": a["rollout"] - a["tools"], "tools_s": a["tools"],
+                "scoring_s": a["score"] - a["rollout"], "forward_backward_s": a["train_step"] - a["score"],
+                "optimizer_s": a["optimizer"]}
         step["other_s"] = step["step_s"] - sum(v for k, v in step.items() if k != "step_s")
         # Two named parts of "other": the dataloader's fetch of the step's examples, and the Trainer's logging
         # (TRL's metrics, after the previous step's end: it falls in this step's window).
@@ -177,7 +147,7 @@ class Phases(TrainerCallback):
             step["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         self.steps.append(step)
         print(f"step {state.global_step}: " + json.dumps({k: round(v, 3) for k, v in step.items()}), flush=True)
-        self._start, self.acc = now, defaultdict(float)
+        self._start, self.acc = end, defaultdict(float)
 
 
 def parse_args(argv=None):
@@ -202,9 +172,10 @@ def parse_args(argv=None):
 
 
 def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
-    """The recipe's YAML through TrlParser, as ``recipes/eo_gym_4b_grpo.py`` reads it, plus this arm's overrides."""
-    from trl import GRPOConfig, ModelConfig, TrlParser
+    """The recipe's YAML through its parser, as ``recipes/eo_gym_4b_grpo.py`` reads it, plus this arm's overrides."""
+    from trl import GRPOConfig, ModelConfig
 
+    from eogym_sft.strict_yaml import RecipeParser
     from eogym_sft.training.grpo import GRPOScriptArguments
 
     cpu = not torch.cuda.is_available()
@@ -228,7 +199,7 @@ def arm_settings(args, arm: str, data: str, root: str, output_dir: str):
     if args.max_episode_tokens:
         argv += ["--max_episode_tokens", str(args.max_episode_tokens)]
     argv += args.recipe_args.split()
-    return TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig)).parse_args_and_config(argv)
+    return RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig), allow_abbrev=False).parse_args_and_config(argv)
 
 
 def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) -> dict:
@@ -264,19 +235,28 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
         trainer.train()
     finally:
         EOGymEnvironment.call = original_call
-    warmup = 0 if arm == "recipe" else args.warmup
-    timed = phases.steps[warmup:]
-    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h][warmup:]
-    episodes_per_step = training.per_device_train_batch_size * training.gradient_accumulation_steps
+    result = summary(arm, phases.steps, trainer.state.log_history, 0 if arm == "recipe" else args.warmup,
+                     training.per_device_train_batch_size * training.gradient_accumulation_steps)
+    result["text_attention"] = attention
+    if forced:
+        result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def summary(arm: str, steps: list[dict], log_history: list[dict], warmup: int, episodes_per_step: int) -> dict:
+    """An arm's means over its timed steps: each phase's seconds and share, the episodes' tokens and calls, peaks."""
+    timed = steps[warmup:]
+    logs = [h for h in log_history if "completions/mean_length" in h][warmup:]
     result = {
-        "arm": arm,
-        "episodes_per_step": episodes_per_step,
-        "steps": timed,
+        "arm": arm, "episodes_per_step": episodes_per_step, "steps": timed,
         "tool_calls_per_episode": _mean([h.get("tools/call_frequency", 0.0) for h in logs]),
         "generated_tokens_per_episode": _mean([h["completions/mean_length"] for h in logs]),
         "clipped_ratio": _mean([h["completions/clipped_ratio"] for h in logs]),
         "rollout_slots": _mean([h["rollout/slots"] for h in logs if "rollout/slots" in h]),
-        "text_attention": attention,
     }
     for key in ("step_s", "generation_s", "tools_s", "scoring_s", "forward_backward_s", "optimizer_s", "other_s",
                 "other_dataloader_s", "other_logging_s"):
@@ -287,12 +267,6 @@ def run_arm(args, arm: str, model, lora_start: dict, data, root, workdir: Path) 
     result["generated_tokens_per_s"] = tokens / result["generation_s"] if result["generation_s"] else None
     result["peak_allocated_gib"] = max((s.get("peak_allocated_gib", 0) for s in timed), default=None)
     result["peak_reserved_gib"] = max((s.get("peak_reserved_gib", 0) for s in timed), default=None)
-    if forced:
-        result["forced_tokens_per_episode"] = forced[0].tokens_per_episode
-    del trainer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return result
 
 
@@ -302,20 +276,12 @@ def _mean(xs):
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'arm':8} {'step s':>8} {'gen':>6} {'tools':>6} {'score':>6} {'fwd+bwd':>8} {'optim':>6} {'gen tok/s':>10} {'peak GiB':>9}"]
-    def share(r, k):
-        return f"{100 * r[k]:.0f}%" if r.get(k) is not None else "-"
-
-    for r in result["arms"]:
-        peak = f"{r['peak_allocated_gib']:.1f}" if r.get("peak_allocated_gib") else "-"
-        tps = f"{r['generated_tokens_per_s']:.0f}" if r.get("generated_tokens_per_s") else "-"
-        lines.append(
-            f"{r['arm']:8} {r['step_s']:8.2f} {share(r, 'generation_share'):>6} {share(r, 'tools_share'):>6} {share(r, 'scoring_share'):>6} "
-            f"{share(r, 'forward_backward_share'):>8} {share(r, 'optimizer_share'):>6} {tps:>10} {peak:>9}"
-        )
-    if "speedup_slots_vs_trl" in result:
-        lines.append(f"slots vs trl: {result['speedup_slots_vs_trl']:.2f}x per step")
-    return "\n".join(lines)
+    columns = [("arm", 8, "arm"), ("step s", 8, "step_s", ".2f"), ("gen", 6, "generation_share", ".0%"), ("tools", 6, "tools_share", ".0%"),
+               ("score", 6, "scoring_share", ".0%"), ("fwd+bwd", 8, "forward_backward_share", ".0%"),
+               ("optim", 6, "optimizer_share", ".0%"), ("gen tok/s", 10, "generated_tokens_per_s", ".0f"),
+               ("peak GiB", 9, "peak_allocated_gib", ".1f")]
+    speedup = [f"slots vs trl: {result['speedup_slots_vs_trl']:.2f}x per step"] if "speedup_slots_vs_trl" in result else []
+    return "\n".join([runs_table(result["arms"], columns), *speedup])
 
 
 def main(argv=None) -> dict:
@@ -335,18 +301,12 @@ def main(argv=None) -> dict:
     arms = [run_arm(args, arm, model, lora_start, data, root, workdir) for arm in args.arms.split(",")]
     by_arm = {r["arm"]: r for r in arms}
     result = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "versions": {m.__name__: m.__version__ for m in map(__import__, ("torch", "transformers", "trl", "peft"))},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
-        "arms": arms,
+        "command": command("grpo_step", argv), "machine": machine_info("cuda" if torch.cuda.is_available() else None),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")}, "arms": arms,
     }
     if "trl" in by_arm and "slots" in by_arm and by_arm["slots"]["step_s"]:
         result["speedup_slots_vs_trl"] = by_arm["trl"]["step_s"] / by_arm["slots"]["step_s"]
-    print(format_table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return write_result(result, args.json, format_table(result))
 
 
 if __name__ == "__main__":

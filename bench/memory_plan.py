@@ -1,19 +1,14 @@
-"""The memory plan against the GPU: calibration points for ``eogym_sft.training.memory_plan`` and checks of its plans.
+"""The memory plan against the GPU: calibration points for ``eogym_sft.training.memory_plan`` and checks of its
+plans, through the SFT recipe's parser, YAML and builders on the Qwen3-VL-4B architecture with random bf16 weights
+and the bench's EO-Gym-shaped rows. Each micro-batch's peak allocated and reserved memory (the allocator's peak
+reset before it) is recorded with its sizes, next to the plan's prediction for it:
+
+  calibration  micro-batches of chosen samples, one a step: no checkpointing at several token counts, LoRA dropout 0,
+               every layer checkpointed, every 2nd layer checkpointed
+  checks       the plan for the card's whole memory and for 48 and 24 GB (``set_per_process_memory_fraction``)
 
     python bench/memory_plan.py --workdir /tmp/bm --json bench/results/h100_memory_plan.json
     python bench/memory_plan.py --fit bench/results/h100_memory_plan_gc.json  # the fitted Calibration, to paste
-                                                        # (--config: the architecture it was measured with)
-
-Model: the Qwen3-VL-4B architecture with random bf16 weights; data: the bench's EO-Gym-shaped rows
-(``train_throughput.prepare_data``); configs parsed by the SFT recipe's own parser from its YAML, the model, collator
-and trainer from ``eogym_sft.training.sft``'s builders.
-Each micro-batch's peak allocated and reserved memory is measured (the allocator's peak reset before it) with its
-tokens, supervised tokens and image tokens, next to the plan's prediction for it:
-
-  calibration  micro-batches of chosen samples, one an optimizer step: no checkpointing at several token counts,
-               LoRA dropout 0, every layer checkpointed, every 2nd layer checkpointed
-  checks       the plan chosen for the card's whole memory and for 48 and 24 GB (emulated with
-               ``torch.cuda.set_per_process_memory_fraction``), run for ``--check-steps`` steps of 64 samples
 
 On a CPU (a tiny ``--config``) it runs the same path with no memory figures: the smoke test.
 """
@@ -21,7 +16,6 @@ On a CPU (a tiny ``--config``) it runs the same path with no memory figures: the
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -31,17 +25,17 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the recipe sets it
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from common import command, machine_info, write_result  # noqa: E402
+from train_throughput import DEVICE, RECIPE, build_base, parse_recipe, prepare_data, restore_base  # noqa: E402
 from transformers.trainer_pt_utils import BatchRebalanceSampler  # noqa: E402
 
 from eogym_sft.models import memory as mm  # noqa: E402
 from eogym_sft.training import memory_plan as mp  # noqa: E402
+from eogym_sft.training.memory_hook import batches_from  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-RECIPE = yaml.safe_load((REPO / "recipes/eo_gym_4b.yaml").read_text())
 GB = 10**9  # a card's marketed size: "24 GB" is 24e9 bytes
 
 
@@ -98,27 +92,17 @@ class Meter:
         return loss
 
 
-def recipe_configs(out: Path, **flags):
-    """The SFT recipe's three configs, parsed by its own parser from its YAML and ``flags`` (as on its command line)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("eo_gym_4b_recipe", REPO / "recipes/eo_gym_4b.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    cpu = {"use_cpu": True, "bf16": False, "optim": "adamw_torch", "compile_layers": False, "dataloader_num_workers": 0,
-           "dataloader_persistent_workers": False, "dataloader_pin_memory": False} if DEVICE == "cpu" else {}
-    given = {"output_dir": out, "save_strategy": "no", "eval_strategy": "no", "logging_steps": 1000, **cpu, **flags}
-    return recipe.parse_args([word for key, value in given.items() for word in (f"--{key}", str(value))])
-
-
 def build(base, dataset, root, processor, out: Path, *, batch: int, accumulation: int, steps: int, every: int,
           dropout: float, groups: list[list[int]] | None = None):
     """The recipe's trainer over ``base`` through its own builders (``groups``: fixed micro-batches, one a step)."""
     from eogym_sft.training.sft import build_collator, build_model, build_trainer, set_samples_per_step
 
-    script, training, model_args = recipe_configs(
-        out, data_root=root, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-        samples_per_step=None if groups is not None else 64, activation_checkpointing=every > 0, lora_dropout=dropout,
+    cpu = {"use_cpu": True, "bf16": False, "optim": "adamw_torch", "compile_layers": False, "dataloader_num_workers": 0,
+           "dataloader_persistent_workers": False, "dataloader_pin_memory": False} if DEVICE == "cpu" else {}
+    script, training, model_args = parse_recipe(
+        output_dir=out, save_strategy="no", eval_strategy="no", logging_steps=1000, **cpu, data_root=root, max_steps=steps,
+        per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation, activation_checkpointing=every > 0,
+        samples_per_step=None if groups is not None else 64, lora_dropout=dropout,
     )
     if every > 1:
         training.activation_checkpointing_kwargs = {**(training.activation_checkpointing_kwargs or {}), "every_n_layers": every}
@@ -129,22 +113,6 @@ def build(base, dataset, root, processor, out: Path, *, batch: int, accumulation
     if groups is not None:
         trainer._get_train_sampler = lambda *args: FixedBatches(groups)
     return trainer
-
-
-def restore(base, model) -> None:
-    """Undo what a setting switched on the shared base model: LoRA, checkpointing, compiled layers, the cache."""
-    model.unload()
-    base.activation_checkpointing_disable()
-    base.disable_input_require_grads()
-    for module in base.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
-    torch._dynamo.reset()
-    if DEVICE == "cuda":
-        import gc
-
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def measure(ctx: dict, name: str, **settings) -> dict:
@@ -161,7 +129,7 @@ def measure(ctx: dict, name: str, **settings) -> dict:
     finally:
         for handle in meter.handles:
             handle.remove()
-        restore(base, trainer.model)
+        restore_base(base, trainer.model)
     setup = mm.Setup(1, 0, settings["dropout"], settings["every"])
     for i, record in enumerate(meter.records):
         step = meter.records[i - i % settings["accumulation"]:][:settings["accumulation"]]
@@ -215,7 +183,7 @@ def check(ctx: dict, gpu_gb: float | None, steps: int) -> dict:
     that memory cap."""
     total = torch.cuda.get_device_properties(0).total_memory if DEVICE == "cuda" else 80 * GB
     cap = total if gpu_gb is None else min(total, gpu_gb * GB)
-    batches_for = mp_batches(ctx, steps)
+    batches_for = batches_from(ctx["dataset"], 64, 1, steps, RECIPE["seed"], False)
     plan = mp.choose(ctx["shape"], mm.Setup(1, 0, RECIPE["lora_dropout"]), batches_for, mm.budget_bytes(cap), 64)
     if DEVICE == "cuda":
         torch.cuda.set_per_process_memory_fraction(cap / total)
@@ -233,12 +201,6 @@ def check(ctx: dict, gpu_gb: float | None, steps: int) -> dict:
                   predicted_peak_allocated_gib=max((r["predicted_allocated_gib"] for r in records), default=None),
                   tokens_per_s=sum(r["tokens"] for r in records) / result["wall_s"])
     return result
-
-
-def mp_batches(ctx: dict, steps: int):
-    from eogym_sft.training.memory_hook import batches_from
-
-    return batches_from(ctx["dataset"], 64, 1, steps, RECIPE["seed"], False)
 
 
 def report_shape(report: dict, config: Path) -> mm.ModelShape:
@@ -296,8 +258,7 @@ def context(base, cfg: dict, dataset, root, processor, workdir: Path) -> dict:
 
 def run(ctx: dict, checks: list[float | None], check_steps: int) -> dict:
     """The calibration points, then the checks (GPU sizes in GB, ``None`` the card's own)."""
-    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": dt.datetime.now(dt.UTC).isoformat(),
-              "torch": torch.__version__, "shape": ctx["shape"].__dict__, "calibration_used": mm.CALIBRATION.__dict__}
+    report = {"machine": machine_info(DEVICE), "shape": ctx["shape"].__dict__, "calibration_used": mm.CALIBRATION.__dict__}
     started = time.perf_counter()
     report["calibration"] = calibration(ctx)
     report["checks"] = [check(ctx, size, check_steps) for size in checks]
@@ -319,18 +280,14 @@ def main(argv=None) -> dict:
     if args.fit:
         print(fit(json.loads(args.fit.read_text()), args.config))
         return {}
-    from train_throughput import build_base, prepare_data
-
     args.workdir.mkdir(parents=True, exist_ok=True)
     base, cfg, model_dir = build_base(args.config, args.workdir)
     dataset, _, root, processor = prepare_data(args.workdir, args.rows, model_dir, args.max_pixels or RECIPE["max_pixels"])
     ctx = context(base, cfg, dataset, root, processor, args.workdir)
     checks = [None if size == "full" else float(size) for size in args.checks.split(",") if size]
     report = run(ctx, checks, args.check_steps)
-    report["command"] = "python bench/memory_plan.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    report["command"] = command("memory_plan", argv)
+    write_result(report, args.json)
     for check in report["checks"]:
         print(f"{check['name']}: plan {check['plan']['per_device_train_batch_size']} a micro-batch, checkpoint every "
               f"{check['plan']['checkpoint_every']}; peak {check['measured_peak_allocated_gib']} measured, "

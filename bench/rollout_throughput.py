@@ -1,27 +1,12 @@
-"""Closed-loop rollout throughput: the slot decoder of ``eogym-sft rollout`` against two plain
-transformers ``generate`` loops, side by side in one run, on the same episodes.
-
-Commands (from the repository root)::
-
-    # CPU smoke run on the tiny model (a minute)
-    eogym-sft tiny-model --output /tmp/tiny
-    python bench/rollout_throughput.py --model /tmp/tiny --episodes 4 --serial-episodes 1 --concurrency 2 \\
-        --turns 2 --new-tokens 4 --min-prompt-tokens 0 --max-context 12288
-
-    # the Qwen3-VL-4B architecture with random weights on one H200 (bench/h200_session.sh rollout_bench)
-    eogym-sft tiny-model --config recipes/configs/qwen3_vl_4b_instruct.json --dtype bfloat16 --device cuda --output /tmp/qwen3vl4b-random
-    python bench/rollout_throughput.py --model /tmp/qwen3vl4b-random --json rollout.json
+"""Closed-loop rollout throughput: the slot decoder of ``eogym-sft rollout`` against two plain transformers
+``generate`` loops, side by side in one run, on the same episodes (arms and figures: bench/README.md).
 
 Episodes: rows of the sample of ``bench/common.py`` (or of ``--data``) whose question prompt has
-``--min-prompt-tokens`` to ``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens (the
-stop tokens held back), then the row's own recorded tool results for that step come back and the next turn starts,
-up to ``--turns`` turns or the row's last step. Arms: ``serial`` (``model.generate`` on one episode at a time, each
-turn re-encoding the conversation), ``batched`` (``generate`` over ``--concurrency`` episodes at once, turn by
-turn), ``slots`` (``eogym-sft rollout``'s :func:`run_episodes` on a ``SlotDecoder`` of ``--concurrency`` slots,
-eager) and with ``--cuda-graphs`` ``slots-cuda-graphs`` (the decode step replayed from CUDA graphs, captured as
-the run first needs them: ``rollout`` on a GPU as shipped). With ``--adapter DIR`` every slot arm runs the base,
-then the adapter, on one decoder reset between them as ``rollout`` does. Figures over each arm's wall time (loading,
-data and a short warm-up excluded): generated tokens/s, episodes/min, peak GPU memory, speed-up over ``batched``.
+``--min-prompt-tokens`` to ``--max-prompt-tokens`` tokens. Each turn generates exactly ``--new-tokens`` tokens, then
+the row's own recorded tool results for that step come back, up to ``--turns`` turns or the row's last step. Figures
+are over each arm's wall time (loading, data and a short warm-up excluded).
+
+    python bench/rollout_throughput.py --model /tmp/qwen3vl4b-random --json rollout.json
 """
 
 from __future__ import annotations
@@ -36,31 +21,28 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_run_args, machine_info, peak_gib, run_data, runs_table, scratch_dir, sync, write_result  # noqa: E402
+from common import add_run_args, command, machine_info, machine_line, peak_gib, run_data, runs_table, scratch_dir, sync, write_result  # noqa: E402
+
+from eogym_sft.agent.episodes import Episode, canonical_prompt, question_messages  # noqa: E402
 
 SPECIAL_TEXT_RE = re.compile(r"<\|[^|>]*\|>|</?tool_call>|</?tool_response>|</?think>")
 
 
-def replay_episode_class():
-    from eogym_sft.agent.episodes import Episode
+class ReplayEpisode(Episode):
+    """An episode whose tool results are the row's recorded ones, step by step, whatever the model wrote."""
 
-    class ReplayEpisode(Episode):
-        """An episode whose tool results are the row's recorded ones, step by step, whatever the model wrote."""
+    replies: list = []
+    max_turns_here: int = 1
 
-        replies: list = []
-        max_turns_here: int = 1
-
-        def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
-            self.turns += 1
-            # Random text may spell template markers; they would end the turn early when re-rendered.
-            self.row["messages"].append({"role": "assistant", "content": SPECIAL_TEXT_RE.sub(" ", text)})
-            if self.turns >= self.max_turns_here:
-                return self.stop_with("max_turns")
-            self.row["messages"].extend(self.replies[self.turns - 1])
-            self.calls += 1
-            return True
-
-    return ReplayEpisode
+    def take_turn(self, text: str, truncated: bool, max_turns: int) -> bool:
+        self.turns += 1
+        # Random text may spell template markers; they would end the turn early when re-rendered.
+        self.row["messages"].append({"role": "assistant", "content": SPECIAL_TEXT_RE.sub(" ", text)})
+        if self.turns >= self.max_turns_here:
+            return self.stop_with("max_turns")
+        self.row["messages"].extend(self.replies[self.turns - 1])
+        self.calls += 1
+        return True
 
 
 def recorded_replies(row: dict) -> list[list[dict]]:
@@ -82,7 +64,6 @@ def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) 
     from eogym_sft.data.images import image_size, resolve_image_path
     from eogym_sft.data.prepare import resized_hw
     from eogym_sft.models.layout import image_factor, image_token_count
-    from eogym_sft.agent.episodes import canonical_prompt, question_messages
 
     ip, factor = processor.image_processor, image_factor(processor)
     out = []
@@ -98,15 +79,11 @@ def select_rows(rows: list[dict], processor, data_root: Path, lo: int, hi: int) 
     return out
 
 
-def make_episodes(selected, turns: int, arm: str):
-    cls = replay_episode_class()
+def make_episodes(selected, turns: int, arm: str) -> list[ReplayEpisode]:
     episodes = []
     for k, (row, _) in enumerate(selected):
-        start = {key: v for key, v in row.items() if key != "messages"}
-        from eogym_sft.agent.episodes import question_messages
-
-        start["messages"] = [dict(m) for m in question_messages(row)]
-        ep = cls(f"bench:{k}", str(row["id"]), arm, 0, start, env=None)
+        start = {key: v for key, v in row.items() if key != "messages"} | {"messages": [dict(m) for m in question_messages(row)]}
+        ep = ReplayEpisode(f"bench:{k}", str(row["id"]), arm, 0, start, env=None)
         ep.replies = recorded_replies(row)
         ep.max_turns_here = min(turns, len(ep.replies) + 1)
         episodes.append(ep)
@@ -115,7 +92,6 @@ def make_episodes(selected, turns: int, arm: str):
 
 def _pictures(processor, ep, data_root, cache: dict):
     from eogym_sft.data.images import load_rgb, resolve_image_path
-    from eogym_sft.agent.episodes import canonical_prompt
 
     trace = canonical_prompt(ep.row)
     text = processor.apply_chat_template(trace.messages, tools=trace.tools or None, tokenize=False, add_generation_prompt=True)
@@ -178,55 +154,60 @@ def run_slots(decoder, processor, episodes, data_root, new_tokens: int) -> dict:
             "merged_weights_gib": round(decoder.merged_bytes() / 2**30, 2), **phases}
 
 
-def slot_decoder(model, slots: int, max_context: int, mode):
-    """The decoder of a slot arm, as ``eogym-sft rollout`` builds it: with ``mode`` ``cuda-graphs`` its graphs are
-    captured per attention span as the run first needs them (timed)."""
-    from eogym_sft.agent.decoder import SlotDecoder
-
-    return SlotDecoder(model, slots, max_context, cuda_graphs=mode == "cuda-graphs")
-
-
 def run_arm(runs: list, name: str, fn, episodes, device) -> None:
     """Time one arm; a failure (out of memory, a compile error) is recorded by name and the other arms go on."""
-    import torch
-
-    try:
-        runs.append(time_arm(name, fn, episodes, device))
-    except Exception as err:
-        runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
-        print(f"{name} failed: {runs[-1]['error']}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def time_arm(name, fn, episodes, device) -> dict:
     import torch
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    sync(device)
-    start = time.perf_counter()
-    extra = fn(episodes)
-    sync(device)
+    try:
+        sync(device)
+        start = time.perf_counter()
+        extra = fn(episodes)
+        sync(device)
+    except Exception as err:
+        runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
+        print(f"{name} failed: {runs[-1]['error']}", flush=True)
+        return
     wall = time.perf_counter() - start
-    result = {
-        "arm": name,
-        "episodes": len(episodes),
-        "turns": sum(ep.turns for ep in episodes),
-        "wall_s": round(wall, 2),
-        "episodes_per_min": round(len(episodes) / wall * 60, 2),
-        "new_tokens_per_s": round(extra["new_tokens"] / wall, 1),
-        "peak_gpu_mem_gib": peak_gib(device),
-        **extra,
-    }
-    print(json.dumps(result), flush=True)
-    return result
+    runs.append({
+        "arm": name, "episodes": len(episodes), "turns": sum(ep.turns for ep in episodes), "wall_s": round(wall, 2),
+        "episodes_per_min": round(len(episodes) / wall * 60, 2), "new_tokens_per_s": round(extra["new_tokens"] / wall, 1),
+        "peak_gpu_mem_gib": peak_gib(device), **extra,
+    })
+    print(json.dumps(runs[-1]), flush=True)
+
+
+def slot_runs(runs: list, mode, args, model, slot_arms, processor, selected, data_root, device) -> None:
+    """The slot arm of ``mode`` (``cuda-graphs``: its graphs captured as the run first needs them, timed), once an
+    arm of ``slot_arms`` (the base only when none), on one decoder reset between them as ``rollout`` does."""
+    import torch
+
+    from eogym_sft.agent.decoder import SlotDecoder
+    from eogym_sft.models.loading import use_arm
+
+    name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
+    # The previous arm's decoder (its whole KV cache) sits in a reference cycle (its step is a bound method).
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        decoder = SlotDecoder(model, args.concurrency, args.max_context, cuda_graphs=mode == "cuda-graphs")
+    except Exception as err:  # a cache that does not fit must not lose the arms already timed
+        runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
+        return
+    for arm in slot_arms or [None]:
+        arm_name = f"{name}-{arm.name}" if arm else name
+        with use_arm(model, arm) if arm else nullcontext():
+            run_arm(runs, arm_name, lambda e: run_slots(decoder, processor, e, data_root, args.new_tokens),
+                    make_episodes(selected, args.turns, arm_name), device)
+        decoder.reset()  # the next arm's adapter makes the caches and graphs stale
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym-sft tiny-model)")
     parser.add_argument("--episodes", type=int, default=64, help="episodes of the batched and slot arms")
     parser.add_argument("--serial-episodes", type=int, default=4, help="episodes of the one-at-a-time arm (0: skip it)")
@@ -243,9 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arms", default="serial,batched,slots", help="comma-separated subset of serial,batched,slots")
     args = parser.parse_args(argv)
 
-    import torch
-
-    from eogym_sft.models.loading import load_inference_model, parse_arms, resolve_device, use_arm
+    from eogym_sft.models.loading import load_inference_model, parse_arms, resolve_device
     from eogym_sft.models.processor import load_processor
 
     with scratch_dir(args.workdir, "eogym_rollout_bench_") as workdir:
@@ -273,43 +252,18 @@ def main(argv: list[str] | None = None) -> dict:
             eps = make_episodes(selected, args.turns, "batched")
             batch = args.concurrency
             run_arm(runs, f"batched{batch}", lambda e: run_generate(model, processor, e, data_root, args.new_tokens, batch), eps, device)
-        modes = ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else [])
-        for mode in modes:
-            name = f"slots{args.concurrency}" + (f"-{mode}" if mode else "")
-            # The previous arm's decoder (its whole KV cache) sits in a reference cycle
-            # (its step is a bound method): collect it before this arm allocates its own.
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            try:
-                decoder = slot_decoder(model, args.concurrency, args.max_context, mode)
-            except Exception as err:  # a cache that does not fit must not lose the arms already timed
-                runs.append({"arm": name, "error": f"{type(err).__name__}: {err}"})
-                continue
-            for arm in slot_arms or [None]:
-                arm_name = f"{name}-{arm.name}" if arm else name
-                eps = make_episodes(selected, args.turns, arm_name)
-                with use_arm(model, arm) if arm else nullcontext():
-                    run_arm(runs, arm_name, lambda e, d=decoder: run_slots(d, processor, e, data_root, args.new_tokens), eps, device)
-                decoder.reset()  # the next arm's adapter makes the caches and graphs stale
-            del decoder  # the lambda went with run_arm: nothing else holds this arm's decoder
+        for mode in ([None] if "slots" in arms else []) + (["cuda-graphs"] if args.cuda_graphs else []):
+            slot_runs(runs, mode, args, model, slot_arms, processor, selected, data_root, device)
         base = next((r for r in runs if r["arm"].startswith("batched") and "error" not in r), None)
         for r in runs:
             if "error" in r:
                 continue
             r["speedup_vs_batched"] = round(r["episodes_per_min"] / base["episodes_per_min"], 2) if base else None
         result = {
-            "bench": "rollout_throughput",
-            "command": " ".join(["python", "bench/rollout_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
-            "model": args.model,
-            "dtype": str(dtype).replace("torch.", ""),
-            "episodes": len(selected),
-            "mean_prompt_tokens": round(sum(n for _, n in selected) / len(selected), 1),
-            "turns_max": args.turns,
-            "new_tokens_per_turn": args.new_tokens,
-            "concurrency": args.concurrency,
-            "machine": machine_info(device),
-            "runs": runs,
+            "bench": "rollout_throughput", "command": command("rollout_throughput", argv), "model": args.model,
+            "dtype": str(dtype).replace("torch.", ""), "episodes": len(selected),
+            "mean_prompt_tokens": round(sum(n for _, n in selected) / len(selected), 1), "turns_max": args.turns,
+            "new_tokens_per_turn": args.new_tokens, "concurrency": args.concurrency, "machine": machine_info(device), "runs": runs,
         }
         return write_result(result, args.json, format_table(result))
 
@@ -320,7 +274,7 @@ def format_table(result: dict) -> str:
     speedup = lambda r: None if r["speedup_vs_batched"] is None else f"{r['speedup_vs_batched']}x"  # noqa: E731
     columns = [("arm", 22, "arm"), ("episodes", 8, "episodes"), ("turns", 6, "turns"), ("eps/min", 8, "episodes_per_min"),
                ("gen tok/s", 10, "new_tokens_per_s"), ("wall s", 8, "wall_s"), ("peak GiB", 9, "peak_gpu_mem_gib"), ("speedup", 8, speedup)]
-    return runs_table(result, subtitle, columns)
+    return runs_table(result["runs"], columns, machine_line(result), subtitle)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
-# The test suite's wall time at two commits, side by side on one machine: fresh clones of BASE and of the
-# checkout's HEAD, run alternately (BASE, HEAD, BASE, HEAD, ...) so that a drift in the machine's speed falls
-# on both. Each run is the README's test command (`python -m pytest -q`, with CI=true) after an editable
-# install of that clone without its dependencies (the environment's packages serve both).
-#
-#   bash bench/suite_time.sh BASE [ROUNDS]      e.g. bash bench/suite_time.sh 8ded506 2
-#
-# Prints one line a run (commit, round, tests passed and skipped, pytest's seconds) and writes
-# suite_time.json (the runs and the machine) in the current folder. The checkout is reinstalled at the end.
+# The test suite's wall time at two commits on one machine: fresh clones of BASE and of HEAD, each installed editable
+# without dependencies and run alternately (BASE, HEAD, BASE, ...) with the README's `CI=true python -m pytest -q`, so
+# that a drift in the machine's speed falls on both. One line a run; suite_time.json (the runs and the machine) in
+# the current folder. The checkout is reinstalled at the end.   bash bench/suite_time.sh BASE [ROUNDS]
 set -euo pipefail
 base=${1:?usage: bash bench/suite_time.sh BASE [ROUNDS]}
 rounds=${2:-2}
@@ -39,19 +34,16 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 
-python - "$runs" "$results" <<'EOF'
-import json, os, platform, sys
-from importlib.metadata import version
+python - "$runs" "$results" "$repo/bench" <<'EOF'
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from common import machine_info
 keys = ("commit", "round", "passed", "failed", "skipped", "seconds", "ended_utc")
 runs = [dict(zip(keys, line.rstrip("\n").split("\t"))) for line in open(sys.argv[1])]
 for run in runs:
     for key in ("round", "passed", "failed", "skipped"):
         run[key] = int(run[key])
     run["seconds"] = float(run["seconds"]) if run["seconds"] else None  # None: pytest did not finish
-cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-machine = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_gib, 1), "python": platform.python_version(),
-           **{name: version(name) for name in ("torch", "transformers", "trl", "peft")}}
-json.dump({"runs": runs, "machine": machine}, open(sys.argv[2], "w"), indent=1)
+json.dump({"runs": runs, "machine": machine_info()}, open(sys.argv[2], "w"), indent=1)
 print(f"wrote {sys.argv[2]}")
 EOF

@@ -1,20 +1,10 @@
-"""Validate throughput: tokens/s of ``eogym-sft validate``'s forward, the padded path it had against
-the defaults it runs now, side by side on the same samples and adapter in one process.
+"""Validate throughput: tokens/s of ``eogym-sft validate``'s forward by path (``PATHS``, bench/README.md), side by
+side on the same samples and random rank-16 adapter in one process, each through
+:func:`~eogym_sft.evaluation.validate.score_arms` after one warm-up batch (where the layers compile). Tokens/s counts
+every token the forwards run (padding excluded, each arm's) over the timed wall; loading, prep and the warm-up
+(``warmup_s``) are excluded. The JSON records how far the old and new paths' figures are apart.
 
-Commands (from the repository root)::
-
-    # CPU smoke run on the tiny model
-    eogym-sft tiny-model --output /tmp/tiny && python bench/validate_throughput.py --model /tmp/tiny --rows 4
-
-    # the Qwen3-VL-4B architecture with random weights on a GPU (bench/h200_session.sh validate_1gpu)
     PYTHONPATH=. python bench/validate_throughput.py --model /tmp/qwen3vl4b-random --rows 100 --json validate_h200.json
-
-It prepares ``--data`` (or the EO-Gym-shaped sample of ``bench/common.py``) as ``validate`` does, loads the model
-with one random rank-16 LoRA adapter once per attention and compile setting, and runs each path of ``--paths`` (bench/README.md,
-its Validation section) on every sample through :func:`~eogym_sft.evaluation.validate.score_arms`, after one warm-up batch
-(where the layers compile). Tokens/s counts every token the forwards run (padding excluded, each arm's) over the
-timed wall time; loading, prep and the warm-up (``warmup_s``) are excluded. The JSON records how far the old and new
-paths' figures are apart (bf16 on GPU: not bit-equal).
 """
 
 from __future__ import annotations
@@ -26,20 +16,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_random_lora, add_run_args, machine_info, peak_gib, run_data, scratch_dir, sync, write_result  # noqa: E402
+from common import (  # noqa: E402
+    add_random_lora, add_run_args, command, data_note, machine_info, machine_line, peak_gib, run_data, runs_table, scratch_dir, sync,
+    write_result,
+)
 
-
+# old: validate's former padded SDPA batches, collated in the main process, eager; new: its defaults (packed batches,
+# workers, compiled layers on CUDA); new-2arms: the base arm too; new-eager, new-inline: new without compiled layers,
+# collated in the main process
 PATHS = ("old", "new", "new-2arms", "new-eager", "new-inline")
 
 
 def path_settings(name: str, device, batch_size: int, old_batch_size: int) -> dict:
-    """What path ``name`` runs (module docstring): attention, packing, batch size, workers, compile, arms."""
-    from eogym_sft.evaluation.validate import (
-        ValidateConfig,
-        dataloader_workers,
-        default_attention,
-        default_compile,
-    )
+    """What path ``name`` runs: attention, packing, batch size, workers, compile, arms."""
+    from eogym_sft.evaluation.validate import ValidateConfig, dataloader_workers, default_attention, default_compile
 
     if name == "old":
         return {"attention": "sdpa", "packed": False, "batch_size": old_batch_size, "workers": 0, "compiled": False, "arms": ("lora",)}
@@ -72,15 +62,9 @@ def time_path(name: str, settings: dict, model, collator, dataset, device) -> tu
     sync(device)
     wall = time.perf_counter() - start
     run = {
-        "path": name,
-        **{k: list(v) if k == "arms" else v for k, v in settings.items()},
-        "samples": len(dataset),
-        "tokens": stats["tokens"],
-        "supervised_tokens": scores["lora"]["overall"]["tokens"],
-        "warmup_s": round(warmup, 3),
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(stats["tokens"] / wall, 1),
-        "peak_gpu_mem_gib": peak_gib(device),
+        "path": name, **{k: list(v) if k == "arms" else v for k, v in settings.items()}, "samples": len(dataset),
+        "tokens": stats["tokens"], "supervised_tokens": scores["lora"]["overall"]["tokens"], "warmup_s": round(warmup, 3),
+        "wall_s": round(wall, 3), "tokens_per_s": round(stats["tokens"] / wall, 1), "peak_gpu_mem_gib": peak_gib(device),
     }
     return run, scores
 
@@ -96,7 +80,7 @@ def load_model(model_dir: str, settings: dict, dtype, device, seed: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model folder (e.g. written by eogym-sft tiny-model)")
     add_run_args(parser, "validate_throughput", "EO-Gym JSONL or a prepared folder (default: a generated sample)")
     parser.add_argument("--rows", type=int, default=100, help="rows of the generated sample")
@@ -139,16 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
         compared = "new" if "new" in scores else paths[-1]
         old, new = scores["old"]["lora"]["overall"], scores[compared]["lora"]["overall"]
         result = {
-            "bench": "validate_throughput",
-            "command": " ".join(["python", "bench/validate_throughput.py", *(argv if argv is not None else sys.argv[1:])]),
-            "model": args.model,
-            "dtype": str(dtype).replace("torch.", ""),
-            "data": str(data) if args.data else f"generated by bench/common.py, {args.rows} rows, seed {args.seed}",
-            "samples": len(dataset),
-            "mean_sample_tokens": round(runs[0]["tokens"] / max(len(dataset), 1), 1),
-            "prep_s": round(prep_s, 2),
-            "machine": machine_info(device),
-            "runs": runs,
+            "bench": "validate_throughput", "command": command("validate_throughput", argv), "model": args.model,
+            "dtype": str(dtype).replace("torch.", ""), "data": data_note(args, data), "samples": len(dataset),
+            "mean_sample_tokens": round(runs[0]["tokens"] / max(len(dataset), 1), 1), "prep_s": round(prep_s, 2),
+            "machine": machine_info(device), "runs": runs,
             "speedup_vs_old": {r["path"]: round(r["tokens_per_s"] / runs[0]["tokens_per_s"], 3) for r in runs[1:]},
             "agreement": {
                 "compared": ["old", compared],
@@ -161,23 +139,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [
-        f"validate throughput: {result['samples']} samples (mean {result['mean_sample_tokens']} tokens), {result['dtype']} on "
-        f"{result['machine']['device_name']}",
-        f"{'path':<11}{'attention':>20}{'packed':>7}{'batch':>6}{'workers':>8}{'compiled':>9}{'arms':>5}{'tokens/s':>11}{'vs old':>7}"
-        f"{'wall s':>9}{'warm-up s':>10}{'peak GiB':>9}",
-    ]
-    for r in result["runs"]:
-        peak = "-" if r["peak_gpu_mem_gib"] is None else f"{r['peak_gpu_mem_gib']}"
-        ratio = result["speedup_vs_old"].get(r["path"], 1.0)
-        lines.append(
-            f"{r['path']:<11}{r['attention']:>20}{r['packed']!s:>7}{r['batch_size']:>6}{r['workers']:>8}{r['compiled']!s:>9}{len(r['arms']):>5}"
-            f"{r['tokens_per_s']:>11}{ratio:>7}{r['wall_s']:>9}{r['warmup_s']:>10}{peak:>9}"
-        )
+    columns = [("path", 10, "path"), ("attention", 19, "attention"), ("packed", 6, "packed"), ("batch", 5, "batch_size"),
+               ("workers", 7, "workers"), ("compiled", 8, "compiled"), ("arms", 4, lambda r: len(r["arms"])),
+               ("tokens/s", 10, "tokens_per_s"), ("vs old", 6, lambda r: result["speedup_vs_old"].get(r["path"], 1.0)),
+               ("wall s", 8, "wall_s"), ("warm-up s", 9, "warmup_s"), ("peak GiB", 8, "peak_gpu_mem_gib")]
     a = result["agreement"]
-    lines.append(f"loss old {a['loss_old']:.6f} vs {a['compared'][1]} {a['loss_new']:.6f}, "
-                 f"token accuracy {a['accuracy_old']:.4f} vs {a['accuracy_new']:.4f}")
-    return "\n".join(lines)
+    return runs_table(result["runs"], columns, machine_line(result), f"{result['samples']} samples, mean {result['mean_sample_tokens']} tokens") + (
+        f"\nloss old {a['loss_old']:.6f} vs {a['compared'][1]} {a['loss_new']:.6f}, "
+        f"token accuracy {a['accuracy_old']:.4f} vs {a['accuracy_new']:.4f}")
 
 
 if __name__ == "__main__":

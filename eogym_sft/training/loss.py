@@ -6,7 +6,7 @@ import torch
 
 from ..metrics.token_accuracy import IGNORE_INDEX
 
-PROFILER_RANGE = "eogym::cross_entropy"  # bench/step_probe.py counts the ops under it as the loss
+PROFILER_RANGE = "eogym::cross_entropy"  # the loss's ops, named in a torch.profiler trace
 
 
 class CrossEntropyWithEntropy(torch.autograd.Function):
