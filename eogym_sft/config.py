@@ -125,6 +125,8 @@ class EOGymScriptArguments(ImageConfig, OutputDirConfig):
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.samples_per_step is not None and self.samples_per_step < 1:
             raise ValueError(f"samples_per_step must be at least 1 (or None), got {self.samples_per_step}")
+        if self.prep_num_proc < 1:
+            raise ValueError(f"prep_num_proc must be at least 1, got {self.prep_num_proc}")
 
     def sample_config(self, max_length: int | None) -> SampleConfig:
         """The run's :class:`SampleConfig`: these pixel settings and ``SFTConfig.max_length``."""

@@ -10,6 +10,8 @@ after data prep and model load. Here, through PyYAML's own hooks (a ``SafeLoader
 * every value is checked against the type of the field it sets (a string where a number is meant is taken
   only if the flag's own conversion takes it, as it would on the command line); no float is NaN or infinite,
   from the file or from a flag;
+* a TRL or transformers setting with no range check of its own is held to its range (:data:`UPSTREAM_RANGES`):
+  a negative batch, LoRA rank or learning rate otherwise fails deep in a run, or trains nothing;
 
 each refusal a ``ValueError`` of one line naming the file, the line and the key, before anything is loaded.
 """
@@ -32,6 +34,57 @@ from .config import describe, fits
 MAX_NODES = 10_000  # values of one file with every alias expanded; the shipped recipes have about 150
 MAX_DEPTH = 16  # nesting of one value; the recipes nest 2 deep
 MAX_BYTES = 1 << 20
+
+# (lowest, whether the lowest itself is allowed, a bound the value stays below or None). Our own settings check
+# their ranges in their dataclasses' __post_init__; transformers checks warmup_steps and few others.
+UPSTREAM_RANGES = {
+    "learning_rate": (0, False, None),
+    "num_train_epochs": (0, False, None),
+    "per_device_train_batch_size": (1, True, None),
+    "per_device_eval_batch_size": (1, True, None),
+    "gradient_accumulation_steps": (1, True, None),
+    "eval_accumulation_steps": (1, True, None),
+    "weight_decay": (0, True, None),
+    "adam_beta1": (0, True, 1),
+    "adam_beta2": (0, True, 1),
+    "adam_epsilon": (0, True, None),
+    "max_grad_norm": (0, True, None),
+    "logging_steps": (0, False, None),
+    "save_steps": (0, False, None),
+    "eval_steps": (0, False, None),
+    "save_total_limit": (0, True, None),
+    "seed": (0, True, None),
+    "data_seed": (0, True, None),
+    "dataloader_num_workers": (0, True, None),
+    "dataloader_prefetch_factor": (1, True, None),
+    "max_length": (1, True, None),
+    "lora_r": (1, True, None),
+    "lora_alpha": (0, False, None),
+    "lora_dropout": (0, True, 1),
+    "num_generations": (2, True, None),
+    "max_completion_length": (1, True, None),
+    "num_iterations": (1, True, None),
+    "temperature": (0, False, None),
+    "beta": (0, True, None),
+    "epsilon": (0, True, None),
+    "epsilon_high": (0, True, None),
+}
+
+
+def out_of_range(name: str, value) -> str | None:
+    """Why the number ``value`` is no value of the setting ``name`` (NaN, infinite, or outside the range
+    :data:`UPSTREAM_RANGES` gives it), or None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if name not in UPSTREAM_RANGES:
+        return None
+    low, low_allowed, below = UPSTREAM_RANGES[name]
+    if value < low or (value == low and not low_allowed) or (below is not None and value >= below):
+        span = f"at least {low}" if low_allowed else f"above {low}"
+        return f"must be {span}{'' if below is None else f' and below {below}'}, got {value}"
+    return None
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -148,11 +201,12 @@ class RecipeParser(TrlParser):
             for name, value in config.pop("env", {}).items():
                 os.environ[name] = str(value)
             self.set_defaults_with_config(**config)
-        parsed = super().parse_args_and_config(args, return_remaining_strings, fail_with_unknown_args,
-                                               separate_remaining_strings)
-        for instance in parsed:
-            refuse_nonfinite(instance)
-        return parsed
+        # before the dataclasses are built: GRPOConfig's own check of a negative batch names another setting
+        for name, value in vars(self.parse_known_args(args)[0]).items():
+            if why := out_of_range(name, value):
+                raise ValueError(f"--{name}: {why}")
+        return super().parse_args_and_config(args, return_remaining_strings, fail_with_unknown_args,
+                                             separate_remaining_strings)
 
     def checked_config(self, path: str) -> dict:
         """The settings of ``path``, each of the type of the field it sets (``ValueError`` naming file, line, key)."""
@@ -175,6 +229,10 @@ class RecipeParser(TrlParser):
             if not (fits(value, fields[key]) or _converts(value, actions.get(key))):
                 raise ValueError(f"{where}: expected {describe(fields[key])}, got {type(value).__name__} "
                                  f"{_shown(value)}")
+            converts = isinstance(value, str) and _converts(value, actions.get(key))
+            as_flag = actions[key].type(value) if converts else value
+            if why := out_of_range(key, as_flag):
+                raise ValueError(f"{where}: {why}")
         return config
 
 
@@ -188,13 +246,3 @@ def _converts(value, action) -> bool:
     except (TypeError, ValueError, argparse.ArgumentTypeError):
         return False
     return not (isinstance(converted, float) and not math.isfinite(converted))
-
-
-def refuse_nonfinite(instance) -> None:
-    """``ValueError`` for a float field of the dataclass ``instance`` that is NaN or infinite."""
-    if not dataclasses.is_dataclass(instance):
-        return
-    for f in dataclasses.fields(instance):
-        value = getattr(instance, f.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"--{f.name}: must be a finite number, got {value}")

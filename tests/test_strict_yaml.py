@@ -5,6 +5,8 @@ naming the file, the line and the key, raised while parsing (before data prep or
 from __future__ import annotations
 
 import importlib.util
+import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,38 @@ def test_a_nan_or_infinite_flag_is_refused(recipe, flag, value):
         recipe.parse_args([*CPU, f"{flag}={value}"])
 
 
+@pytest.mark.parametrize("flag, value, why", [
+    ("--learning_rate", "-1e-4", "must be above 0, got -0.0001"),
+    ("--learning_rate", "0", "must be above 0, got 0.0"),
+    ("--per_device_train_batch_size", "-2", "must be at least 1, got -2"),
+    ("--gradient_accumulation_steps", "0", "must be at least 1, got 0"),
+    ("--lora_r", "-8", "must be at least 1, got -8"),
+    ("--lora_dropout", "1.0", "must be at least 0 and below 1, got 1.0"),
+    ("--max_length", "-10", "must be at least 1, got -10"),
+    ("--seed", "-1", "must be at least 0, got -1"),
+    ("--max_grad_norm", "-1", "must be at least 0, got -1.0"),
+    ("--temperature", "0", "must be above 0, got 0.0"),
+])
+def test_a_setting_outside_its_range_is_refused_from_a_flag_and_from_the_file(recipe, tmp_path, flag, value, why):
+    """TRL and transformers accept these and fail deep in a run (or train nothing); a setting the recipe lacks
+    (``temperature`` in SFT) is not this check's to refuse."""
+    name = flag.removeprefix("--")
+    from trl import GRPOConfig, SFTConfig
+
+    if name not in {f.name for f in fields(GRPOConfig if "grpo" in recipe.__name__ else SFTConfig)} | {"lora_r", "lora_dropout"}:
+        pytest.skip(f"{name} is not a setting of this recipe")
+    with pytest.raises(ValueError, match=f"^{flag}: {why}$"):
+        recipe.parse_args([*CPU, f"{flag}={value}"])
+    from_file = refusal(recipe, tmp_path, f"logging_steps: 1\n{name}: {value}\n")
+    assert float(from_file.rsplit(", got ", 1)[1]) == float(value)  # YAML's 0 is an int where the flag's is a float
+    assert from_file.startswith(f"FILE:2: {name}: {why.rsplit(', got ', 1)[0]}, got ")
+
+
+def test_settings_within_their_ranges_pass(recipe):
+    _, training, model = recipe.parse_args([*CPU, "--learning_rate=2e-4", "--lora_dropout=0", "--seed=0"])
+    assert (training.learning_rate, model.lora_dropout, training.seed) == (2e-4, 0.0, 0)
+
+
 def test_the_strict_read_comes_before_any_data_or_model(tmp_path, monkeypatch):
     """``main`` parses first: a refused YAML never reaches ``train`` (data prep, the model load)."""
     import eogym_sft.training.sft as sft
@@ -133,3 +167,15 @@ def test_the_strict_read_comes_before_any_data_or_model(tmp_path, monkeypatch):
     path.write_text("learning_rate: [1, 2]\n")
     with pytest.raises(ValueError, match=r":1: learning_rate: expected a finite number, got list \[1, 2\]$"):
         load_recipe("eo_gym_4b").main(["--config", str(path), *CPU])
+
+
+@pytest.mark.parametrize("name, flags, message", [
+    ("eo_gym_4b", ["--prep_num_proc=0"], "prep_num_proc must be at least 1, got 0"),
+    ("eo_gym_4b_grpo", ["--judge_timeout=0"], "need progress_seconds, judge_timeout > 0, judge_retries >= 0, limit >= 1 "
+                                              "(or None); got 30.0, 0.0, 3, None"),
+    ("eo_gym_4b_grpo", ["--judge_retries=-1"], "got 30.0, 60.0, -1, None"),
+    ("eo_gym_4b_grpo", ["--limit=0"], "got 30.0, 60.0, 3, 0"),
+])
+def test_our_own_settings_check_their_ranges(name, flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_recipe(name).parse_args([*CPU, *flags])

@@ -116,8 +116,10 @@ class GRPOScriptArguments(SlotRolloutArguments, ImageConfig, OutputDirConfig):
             raise ValueError(f"max_cost_penalty must be <= 1, got {self.max_cost_penalty}")
         if self.judge and self.judge_url:
             raise ValueError("give judge or judge_url, not both")
-        if self.progress_seconds <= 0:
-            raise ValueError(f"progress_seconds must be > 0, got {self.progress_seconds}")
+        limit_bad = self.limit is not None and self.limit < 1
+        if min(self.progress_seconds, self.judge_timeout) <= 0 or self.judge_retries < 0 or limit_bad:
+            raise ValueError("need progress_seconds, judge_timeout > 0, judge_retries >= 0, limit >= 1 (or None); got "
+                             f"{self.progress_seconds}, {self.judge_timeout}, {self.judge_retries}, {self.limit}")
 
     def load_judge(self):
         """The answer judge these settings name, or None for the normalised match."""
