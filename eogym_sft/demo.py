@@ -101,12 +101,12 @@ def run_demo(
 ) -> dict:
     """Small model, LoRA training on the bundled sample, validation on its held-out traces; returns the report."""
     from .evaluation.validate import ValidateConfig, validate
-    from .guards import refuse_nonempty_output
+    from .guards import check_output
     from .models.tiny import DEMO_QWEN3_VL_CONFIG, save_tiny_model
     from .training.sft import train
 
     output = Path(output)
-    refuse_nonempty_output(output, overwrite, "eogym-sft demo")
+    check_output(output, "eogym-sft demo", overwrite, "demo")
     model_dir = save_tiny_model(output / "small-qwen3-vl", config=DEMO_QWEN3_VL_CONFIG)
     script, training, model = demo_configs(model_dir, output, steps, learning_rate, overwrite, max_pixels)
     adapter = train(script, training, model)
@@ -369,13 +369,13 @@ def run_agent_demo(output: str | Path = "runs/agent_demo", overwrite: bool = Fal
     """The agent loop on ``cfg.task`` (``colour_grid`` by default); prints the table and writes
     ``agent_report.json``."""
     from .demo_pick import pick_checkpoint
-    from .guards import refuse_nonempty_output
+    from .guards import check_output
     from .training import grpo
     from .training.sft import train
 
     cfg = cfg or AgentDemoConfig()
     output = Path(output)
-    refuse_nonempty_output(output, overwrite, "eogym-sft demo --agent")
+    check_output(output, "eogym-sft demo --agent", overwrite, "demo")
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 

@@ -48,11 +48,21 @@ def test_demo_summary_names_both_arms_and_where_everything_is(tmp_path):
 
 
 def test_demo_refuses_a_used_output_folder(tmp_path):
-    from eogym_sft.demo import run_demo
+    from eogym_sft.demo import run_agent_demo, run_demo
 
     (tmp_path / "old.txt").write_text("x")
     with pytest.raises(FileExistsError, match="eogym-sft demo: .* --overwrite"):
         run_demo(tmp_path)
+    # the commands' one output rule: never a link, never a training run's folder, even with --overwrite
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError, match="eogym-sft demo: .*link is a symbolic link"):
+        run_demo(tmp_path / "link")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "eogym_run.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="belongs to the training run"):
+        run_demo(tmp_path / "run", overwrite=True)
+    with pytest.raises(FileExistsError, match="eogym-sft demo --agent: .*belongs to the training run"):
+        run_agent_demo(tmp_path / "run", overwrite=True)
 
 
 @pytest.mark.slow(48)
