@@ -283,6 +283,7 @@ def test_the_readme_quotes_no_test_count():
 RECORD = [*DOCS, REPO / "bench" / "README.md"]
 RECORD_WORDS_LIMIT = 22_000  # issue 67's target, met: an explanation has one home; never raise it
 BENCHMARKS_LINES_LIMIT = 300
+RESULTS_BYTES_LIMIT = 300_000  # bench/results: one compact summary per cited claim, no raw reports
 
 
 def word_count(text: str) -> int:
@@ -300,6 +301,12 @@ def test_the_docs_stay_within_their_word_limit():
 def test_benchmarks_md_stays_within_its_line_limit():
     lines = (REPO / "docs" / "benchmarks.md").read_text().count("\n")
     assert lines <= BENCHMARKS_LINES_LIMIT, f"docs/benchmarks.md has {lines} lines, over {BENCHMARKS_LINES_LIMIT}: superseded figures go"
+
+
+def test_bench_results_stay_within_their_size_limit():
+    sizes = {p.name: p.stat().st_size for p in (REPO / "bench" / "results").iterdir() if p.is_file()}
+    largest = ", ".join(f"{name} {n:,}" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:3])
+    assert sum(sizes.values()) < RESULTS_BYTES_LIMIT, f"bench/results holds {sum(sizes.values()):,} bytes ({largest}, ...)"
 
 
 def test_word_count_counts_as_wc_does():
