@@ -39,7 +39,7 @@ MAX_BYTES = 1 << 20
 # their ranges in their dataclasses' __post_init__; transformers checks warmup_steps and few others.
 UPSTREAM_RANGES = {
     "learning_rate": (0, False, None),
-    "num_train_epochs": (0, False, None),
+    "num_train_epochs": (0, True, None),  # 0 with max_steps > 0 is a run; with max_steps -1 the recipe refuses it
     "per_device_train_batch_size": (1, True, None),
     "per_device_eval_batch_size": (1, True, None),
     "gradient_accumulation_steps": (1, True, None),
