@@ -127,11 +127,13 @@ PY
     --new-tokens 64 --arms slots --cuda-graphs --adapter /tmp/cl_adapters/a --workdir /tmp/rb --json $OUT/rollout_arms.json 2>&1 | tail -8 || echo "rollout bench with --adapter: exit $?"
   ;;
 agent_seeds)
-  # agent_1gpu's loop at seeds 0-4 side by side, AgentDemoConfig overrides as FIELD=VALUE; AGENT_SEEDS_NAME names the
-  # workdir, JSON and log, so that two studies can share one call (run both with &)
-  shift; name=${AGENT_SEEDS_NAME:-agent_seeds}
-  CUDA_VISIBLE_DEVICES=0 timeout 570 python bench/agent_seeds.py --seeds 0 1 2 3 4 --device cuda --parallel 5 --workdir /tmp/$name \
-    --json $OUT/$name.json --set $agent_gpu "$@" > $OUT/$name.log 2>&1 || echo "$name: exit $?"
+  # agent_1gpu's loop on AGENT_SEEDS side by side (default: tuning seeds 10-14; a report: AGENT_SEEDS="30 ... 39"
+  # AGENT_SEEDS_FLAGS=--headline), AgentDemoConfig overrides as FIELD=VALUE; AGENT_SEEDS_NAME names the workdir, JSON
+  # and log, so that two studies can share one call (run both with &)
+  shift; name=${AGENT_SEEDS_NAME:-agent_seeds}; seeds=${AGENT_SEEDS:-10 11 12 13 14}
+  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 timeout 570 python bench/agent_seeds.py --seeds $seeds --device cuda \
+    --parallel $(echo $seeds | wc -w) ${AGENT_SEEDS_FLAGS:-} --workdir /tmp/$name --json $OUT/$name.json --set $agent_gpu "$@" \
+    > $OUT/$name.log 2>&1 || echo "$name: exit $?"
   tail -8 $OUT/$name.log
   ;;
 rollout_phases)
