@@ -226,12 +226,11 @@ class RecipeParser(TrlParser):
                 continue
             if not isinstance(key, str) or key not in fields:
                 raise ValueError(f"{where}: not a setting of this recipe (a misspelt name?)")
-            if not (fits(value, fields[key]) or _converts(value, actions.get(key))):
+            converts = _converts(value, actions.get(key))
+            if not (fits(value, fields[key]) or converts):
                 raise ValueError(f"{where}: expected {describe(fields[key])}, got {type(value).__name__} "
                                  f"{_shown(value)}")
-            converts = isinstance(value, str) and _converts(value, actions.get(key))
-            as_flag = actions[key].type(value) if converts else value
-            if why := out_of_range(key, as_flag):
+            if why := out_of_range(key, actions[key].type(value) if converts else value):
                 raise ValueError(f"{where}: {why}")
         return config
 
