@@ -206,7 +206,8 @@ def check(ctx: dict, gpu_gb: float | None, steps: int) -> dict:
 def report_shape(report: dict, config: Path) -> mm.ModelShape:
     """The model shape of ``config`` (the architecture JSON), checked against the one the report was measured with."""
     shape = mm.ModelShape.of(json.loads(config.read_text()), RECIPE["lora_target_modules"], RECIPE["lora_r"])
-    differ = sorted(k for k, v in report["shape"].items() if getattr(shape, k) != v)
+    stored = {k: tuple(v) if isinstance(v, list) else v for k, v in report["shape"].items()}  # JSON made tuples lists
+    differ = sorted(k for k, v in stored.items() if getattr(shape, k) != v)
     if differ:
         raise SystemExit(f"{config}: the report was measured with another shape ({', '.join(differ)} differ)")
     return shape

@@ -115,11 +115,12 @@ def decoder_reserve(model, prefill_tokens: int, adapters: bool, other_phase: flo
     (:func:`eogym_sft.models.memory.generation_reserve`): the merged weights and the margin, and the larger of a
     prefill and ``other_phase``, the transient of work that runs between generations (GRPO's loss), never beside a
     prefill."""
-    from ..models.memory import generation_reserve
+    from ..models.memory import generation_reserve, widths_of
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     merge = base.config.vision_config.spatial_merge_size ** 2
-    parts = generation_reserve(merge, prefill_tokens, merged_bytes(model) if adapters else 0)
+    parts = generation_reserve(merge, prefill_tokens, merged_bytes(model) if adapters else 0,
+                               widths=widths_of(base.config.to_dict()))
     return parts["merged_weights"] + max(parts["prefill"], other_phase) + parts["margin"]
 
 

@@ -303,7 +303,7 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
     :data:`VALIDATE_BATCHES` whose largest batch the GPU holds beside the model; off CUDA ``requested`` or
     :data:`CPU_BATCH`. One line says what it chose."""
     from ..agent.rollout_config import CPU_BATCH, usable_bytes
-    from ..models.memory import GIB, MicroBatch, forward_bytes
+    from ..models.memory import GIB, MicroBatch, forward_bytes, widths_of
     from .run_args import VALIDATE_BATCHES
 
     usable = usable_bytes(device)
@@ -311,6 +311,7 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
         return requested or CPU_BATCH
     config = unwrap_peft(model).config
     vocab, merge = config.get_text_config().vocab_size, config.vision_config.spatial_merge_size ** 2
+    widths = widths_of(config.to_dict())
     columns = [list(dataset[name]) for name in ("n_tokens", "n_trained_tokens", "n_image_tokens")]
     rank, world = (
         (torch.distributed.get_rank(), torch.distributed.get_world_size())
@@ -322,7 +323,7 @@ def sized_batch(model, dataset, requested: int | None, device) -> int:
     def largest(b: int) -> float:
         chunks = [mine[k : k + b] for k in range(0, len(mine), b)] or [[]]
         return max(forward_bytes(MicroBatch(*(sum(col[i] for i in chunk) for col in columns)), vocab,
-                                 merge) for chunk in chunks)
+                                 merge, widths=widths) for chunk in chunks)
 
     for b in [requested] if requested else VALIDATE_BATCHES:
         if largest(b) <= usable:

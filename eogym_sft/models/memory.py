@@ -14,7 +14,7 @@ the merged LoRA weights, a prefill's forward and the tower, beside the KV cache 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 2**30
 
@@ -46,6 +46,28 @@ CALIBRATION = Calibration(
     budget_margin_bytes=2.0 * GIB,
     dropped_input_bytes_per_element=1.572,
 )
+# The widths of the architecture CALIBRATION was measured on (Qwen3-VL-4B, :func:`widths_of`): a decoder layer's,
+# a vision block's and the hidden size. Activations scale with them, so another size's constants are these scaled.
+CALIBRATED_WIDTHS = (57_344, 16_384, 2_560)
+
+
+def widths_of(config: dict) -> tuple[int, int, int]:
+    """A Qwen3-VL ``config.json``'s activation widths: a decoder layer's (the inputs and outputs of its seven
+    projections), a vision block's (likewise, its four) and the hidden size."""
+    t, v = config["text_config"], config["vision_config"]
+    h, inter = t["hidden_size"], t["intermediate_size"]
+    q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+    return 7 * h + 2 * q + 2 * kv + 3 * inter, 8 * v["hidden_size"] + 2 * v["intermediate_size"], h
+
+
+def calibration_for(widths: tuple[int, int, int], cal: Calibration | None = None) -> Calibration:
+    """``cal`` (the calibrated architecture's constants) for a model of ``widths``: per-token and per-patch bytes
+    scaled by the width ratios; the rest as measured."""
+    cal = cal or CALIBRATION
+    layer, vision, hidden = (w / c for w, c in zip(widths, CALIBRATED_WIDTHS))
+    return replace(cal, layer_bytes_per_token=cal.layer_bytes_per_token * layer,
+                   checkpointed_layer_bytes_per_token=cal.checkpointed_layer_bytes_per_token * hidden,
+                   vision_bytes_per_patch=cal.vision_bytes_per_patch * vision)
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,7 @@ class ModelShape:
     patches_per_token: int  # vision patches merged into one image token
     patch_elements: int  # pixel values of one vision patch (channels x frames x patch height x width)
     targeted_weights: int = 0  # weights of the projections LoRA targets, all layers (the slot decoder merges them)
+    widths: tuple[int, int, int] = CALIBRATED_WIDTHS  # :func:`widths_of`
     weight_bytes: int = 2  # bf16
     pixel_bytes: int = 2  # the collator's pixel dtype (bfloat16 in the recipes)
 
@@ -90,6 +113,7 @@ class ModelShape:
             lora_inputs=sum(shapes[name][0] for name in targets), patches_per_token=v["spatial_merge_size"] ** 2,
             patch_elements=v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2,
             targeted_weights=layers * sum(i * o for i, o in (shapes[name] for name in targets)),
+            widths=widths_of(config),
         )
 
 
@@ -147,7 +171,10 @@ def static_terms(shape: ModelShape, setup: Setup, cal: Calibration | None = None
 
 def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration | None = None) -> dict[str, float]:
     """Per token: what the decoder keeps until the backward, and what one recomputed layer rebuilds."""
-    cal = cal or CALIBRATION
+    return _per_token(shape, setup, calibration_for(shape.widths, cal))
+
+
+def _per_token(shape: ModelShape, setup: Setup, cal: Calibration) -> dict[str, float]:
     dropped = cal.dropped_input_bytes_per_element * shape.lora_inputs if setup.lora_dropout > 0 else 0.0
     full = cal.layer_bytes_per_token + dropped
     kept_layers = checkpointed_layers(shape.layers, setup.checkpoint_every)
@@ -163,8 +190,8 @@ def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibrat
     The vision tower runs first and keeps nothing; then the decoder's kept activations grow to the end of the
     forward, where the loss's logits join them; in the backward a recomputed layer and attention's workspace
     come and go one layer at a time. The peak is the larger of the tower's phase and the decoder's."""
-    cal = cal or CALIBRATION
-    per_token = activation_bytes_per_token(shape, setup, cal)
+    cal = calibration_for(shape.widths, cal)
+    per_token = _per_token(shape, setup, cal)
     terms = dict(static_terms(shape, setup, cal))
     terms["vision_tower"] = batch.image_tokens * shape.patches_per_token * cal.vision_bytes_per_patch
     terms["decoder_activations"] = batch.tokens * per_token["kept"]
@@ -194,12 +221,13 @@ def budget_bytes(free_bytes: float, cal: Calibration | None = None) -> float:
 
 
 def generation_reserve(patches_per_token: int, prefill_tokens: int, merged_bytes: float,
-                       cal: Calibration | None = None) -> dict[str, float]:
+                       cal: Calibration | None = None, widths: tuple[int, int, int] = CALIBRATED_WIDTHS,
+                       ) -> dict[str, float]:
     """Bytes a slot decoder needs beside the loaded weights and its KV cache: the merged copies of the projections
     LoRA targets (``merged_bytes``, when an adapter runs), the larger of one prefill forward of ``prefill_tokens``
     tokens (a decoder layer's activations per token, nothing kept) and the vision tower on as many image tokens, and
     the margin."""
-    cal = cal or CALIBRATION
+    cal = calibration_for(widths, cal)
     return {
         "merged_weights": float(merged_bytes),
         "prefill": max(prefill_tokens * cal.layer_bytes_per_token,
@@ -208,10 +236,11 @@ def generation_reserve(patches_per_token: int, prefill_tokens: int, merged_bytes
     }
 
 
-def forward_bytes(batch: MicroBatch, vocab: int, patches_per_token: int, cal: Calibration | None = None) -> float:
+def forward_bytes(batch: MicroBatch, vocab: int, patches_per_token: int, cal: Calibration | None = None,
+                  widths: tuple[int, int, int] = CALIBRATED_WIDTHS) -> float:
     """Bytes one forward without gradients takes beside the weights (``validate``'s scoring): the vision tower
     first, then a decoder layer's activations per token (nothing kept) and the logits at the supervised positions;
     and the margin."""
-    cal = cal or CALIBRATION
+    cal = calibration_for(widths, cal)
     decoder = batch.tokens * cal.layer_bytes_per_token + batch.supervised * vocab * cal.loss_bytes_per_logit
     return max(decoder, batch.image_tokens * patches_per_token * cal.vision_bytes_per_patch) + cal.budget_margin_bytes

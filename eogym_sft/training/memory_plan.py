@@ -118,7 +118,7 @@ def choose_eval(plan: Plan, shape: ModelShape, setup: Setup, batches_for, budget
     static = sum(static_terms(shape, setup, cal).values()) - cal.budget_margin_bytes  # forward_bytes adds the margin
     peak = 0.0
     for b in [batch_size] if batch_size else EVAL_BATCHES:
-        peak = max(static + forward_bytes(batch, shape.vocab, shape.patches_per_token, cal)
+        peak = max(static + forward_bytes(batch, shape.vocab, shape.patches_per_token, cal, shape.widths)
                    for batch in batches_for(b))
         if peak * cal.reserved_over_allocated <= budget_bytes:
             break

@@ -139,7 +139,7 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     terms = peak_terms(shape, Setup(cfg.gpus, cfg.zero_stage, model.lora_dropout, checkpoint_every(training)), batch)
     loss = terms["reserved"] - terms["frozen_weights"] if script.rollout_keep_cache else 0.0
     generation = generation_reserve(shape.patches_per_token, PREFILL_TOKENS,
-                                    shape.targeted_weights * shape.weight_bytes)
+                                    shape.targeted_weights * shape.weight_bytes, widths=shape.widths)
     # loss and prefill: apart
     reserve = generation["merged_weights"] + max(generation["prefill"], loss) + generation["margin"]
     usable = cfg.gpu_bytes - terms["frozen_weights"]

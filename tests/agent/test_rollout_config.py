@@ -44,8 +44,10 @@ def test_the_merged_weights_are_the_lora_wrapped_projections(lora_model):
     assert len(wrapped) == 7 * text.num_hidden_layers  # q, k, v, o, gate, up, down of each layer; none of the tower
     assert rc.merged_bytes(lora_model) == sum(w.numel() * w.element_size() for w in wrapped) > 0
     merge = lora_model.get_base_model().config.vision_config.spatial_merge_size ** 2
-    assert rc.decoder_reserve(lora_model, 100, adapters=True) == sum(mm.generation_reserve(merge, 100, rc.merged_bytes(lora_model)).values())
-    assert rc.decoder_reserve(lora_model, 100, adapters=False) == sum(mm.generation_reserve(merge, 100, 0).values())
+    widths = mm.widths_of(lora_model.get_base_model().config.to_dict())
+    parts = mm.generation_reserve(merge, 100, rc.merged_bytes(lora_model), widths=widths)
+    assert rc.decoder_reserve(lora_model, 100, adapters=True) == sum(parts.values())
+    assert rc.decoder_reserve(lora_model, 100, adapters=False) == sum(mm.generation_reserve(merge, 100, 0, widths=widths).values())
 
 
 def test_off_cuda_the_slots_are_as_requested_or_the_former_default(lora_model, capsys):

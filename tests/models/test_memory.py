@@ -97,3 +97,35 @@ def test_a_forward_without_gradients_keeps_one_layer_and_the_supervised_logits()
     # 50 tokens x 100 + 10 supervised x 10 vocab x 8 against the tower's 20 x 4 x 5, and the margin
     assert mm.forward_bytes(BATCH, 10, 4, CAL) == 50 * 100 + 10 * 10 * 8 + 300
     assert mm.forward_bytes(mm.MicroBatch(1, 0, 1000), 10, 4, CAL) == 1000 * 4 * 5 + 300
+
+
+def test_the_calibrated_architecture_keeps_its_constants_and_others_scale_by_width():
+    import json
+    from pathlib import Path
+
+    from eogym_sft.models.memory import CALIBRATED_WIDTHS, CALIBRATION, calibration_for, widths_of
+    from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG
+
+    four_b = json.loads((Path(__file__).parents[2] / "recipes/configs/qwen3_vl_4b_instruct.json").read_text())
+    assert widths_of(four_b) == CALIBRATED_WIDTHS
+    assert calibration_for(CALIBRATED_WIDTHS) == CALIBRATION
+    # the demo's model: 128 wide, intermediate 256, 4 heads and 2 KV heads of 32, a 16-wide vision tower, intermediate 32
+    assert widths_of(DEMO_QWEN3_VL_CONFIG) == (7 * 128 + 2 * 128 + 2 * 64 + 3 * 256, 8 * 16 + 2 * 32, 128)
+    demo = calibration_for(widths_of(DEMO_QWEN3_VL_CONFIG))
+    assert demo.layer_bytes_per_token == CALIBRATION.layer_bytes_per_token * 2048 / 57_344
+    assert demo.checkpointed_layer_bytes_per_token == CALIBRATION.checkpointed_layer_bytes_per_token * 128 / 2560
+    assert demo.vision_bytes_per_patch == CALIBRATION.vision_bytes_per_patch * 192 / 16_384
+    assert demo.budget_margin_bytes == CALIBRATION.budget_margin_bytes
+
+
+def test_a_small_models_grpo_loss_is_not_planned_at_the_4b_size():
+    # sixteen episodes of 16,384 tokens on the demo's model: sized by its widths, a few GiB, not the 4B's tens
+    from eogym_sft.models.memory import GIB, MicroBatch, ModelShape, Setup, peak_terms
+    from eogym_sft.models.tiny import DEMO_QWEN3_VL_CONFIG
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    shape = ModelShape.of(DEMO_QWEN3_VL_CONFIG, targets, 16)
+    tokens = 16 * 16_384
+    terms = peak_terms(shape, Setup(1, 0, 0.05, 0), MicroBatch(tokens, 0, tokens, 16))
+    assert terms["decoder_activations"] < 3 * GIB
+    assert terms["reserved"] < 8 * GIB
