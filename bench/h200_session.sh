@@ -129,7 +129,8 @@ PY
 agent_seeds)
   # agent_1gpu's loop on AGENT_SEEDS side by side (default: tuning seeds 10-14; a report: AGENT_SEEDS="30 ... 39"
   # AGENT_SEEDS_FLAGS=--headline), AgentDemoConfig overrides as FIELD=VALUE; AGENT_SEEDS_NAME names the workdir, JSON
-  # and log, so that two studies can share one call (run both with &)
+  # and log, so that two studies can share one call (run both with &); at most 10 seeds in all a call, one process a
+  # seed on the 16-core host: 14 at once overran the call's 570 s
   shift; name=${AGENT_SEEDS_NAME:-agent_seeds}; seeds=${AGENT_SEEDS:-10 11 12 13 14}
   CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 timeout 570 python bench/agent_seeds.py --seeds $seeds --device cuda \
     --parallel $(echo $seeds | wc -w) ${AGENT_SEEDS_FLAGS:-} --workdir /tmp/$name --json $OUT/$name.json --set $agent_gpu "$@" \
