@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -106,20 +107,29 @@ def run_seeds(seeds: list[int], settings: dict, workdir: Path, parallel: int, on
     ``{"failed": exit code}``, its log's tail printed. ``on_done(reports)`` runs after each seed ends."""
     workdir.mkdir(parents=True, exist_ok=True)
     pending, running, reports = list(seeds), {}, {}
-    while pending or running:
-        while pending and len(running) < parallel:
-            seed = pending.pop(0)
-            log = open(workdir / f"seed{seed}.log", "w")
-            cmd = [sys.executable, "-c", RUN_ONE, json.dumps(settings | {"seed": seed}), str(workdir / f"seed{seed}")]
-            running[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(parallel)), log, time.time())
-        for seed, (proc, log, start) in list(running.items()):
-            if proc.poll() is None:
-                continue
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                seed = pending.pop(0)
+                log = open(workdir / f"seed{seed}.log", "w")
+                cmd = [sys.executable, "-c", RUN_ONE, json.dumps(settings | {"seed": seed}), str(workdir / f"seed{seed}")]
+                running[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(parallel)), log, time.time())
+            for seed, (proc, log, start) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[seed]
+                reports[seed] = _finished(seed, workdir, proc.returncode, start)
+                on_done(reports)
+            time.sleep(1)
+    finally:  # stopped from outside (a call's time limit, Ctrl-C): every seed still keeps its row
+        for seed, (proc, log, start) in running.items():
+            proc.kill()
             log.close()
-            del running[seed]
-            reports[seed] = _finished(seed, workdir, proc.returncode, start)
+            reports[seed] = {"failed": "stopped", "wall_s": round(time.time() - start, 1)}
+        reports |= {seed: {"failed": "not started", "wall_s": 0.0} for seed in pending}
+        if running or pending:
             on_done(reports)
-        time.sleep(1)
     return reports
 
 
@@ -214,7 +224,7 @@ def format_table(rows: list[dict]) -> str:
              "            entropy by part"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"{r['seed']:>4}  failed (exit {r['failed']})")
+            lines.append(f"{r['seed']:>4}  failed ({'exit ' if isinstance(r['failed'], int) else ''}{r['failed']})")
             continue
         parts = " ".join(f"{v:.2f}" for v in r["reward_by_part"] or [])
         ent = " ".join(f"{v:.3f}" for v in r["entropy_by_part"] or [])
@@ -261,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         return result
 
     write({})  # the seed roles are on disk before any seed runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the run: run_seeds records its seeds
     result = write(run_seeds(args.seeds, settings, Path(args.workdir), args.parallel, write))
     print(format_table(result["seeds"]))
     for field, c in result.get("against", {}).items():

@@ -107,3 +107,20 @@ def test_each_seed_gets_its_share_of_the_cores_unless_threads_are_set():
     assert agent_seeds.child_env(5, {"PATH": "/bin"}, cpus=16) == {"PATH": "/bin", "OMP_NUM_THREADS": "3"}
     assert agent_seeds.child_env(32, {}, cpus=16)["OMP_NUM_THREADS"] == "1"
     assert agent_seeds.child_env(5, {"OMP_NUM_THREADS": "8"}, cpus=16)["OMP_NUM_THREADS"] == "8"
+
+
+def test_a_run_stopped_from_outside_keeps_every_seeds_row(tmp_path, monkeypatch):
+    # two seeds' processes run (sleeping), one waits; the stop comes as SIGTERM's SystemExit would, mid-wait
+    monkeypatch.setattr(agent_seeds, "RUN_ONE", "import time; time.sleep(60)")
+
+    def stop(seconds):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(agent_seeds.time, "sleep", stop)
+    written = []
+    with pytest.raises(SystemExit):
+        agent_seeds.run_seeds([7, 8, 9], {}, tmp_path, 2, lambda reports: written.append(dict(reports)))
+    assert len(written) == 1 and sorted(written[0]) == [7, 8, 9]
+    assert written[0][7]["failed"] == written[0][8]["failed"] == "stopped"
+    assert written[0][9] == {"failed": "not started", "wall_s": 0.0}
+    assert [agent_seeds.seed_row(s, written[0][s])["failed"] for s in (7, 8, 9)] == ["stopped", "stopped", "not started"]
