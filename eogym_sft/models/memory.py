@@ -169,12 +169,9 @@ def static_terms(shape: ModelShape, setup: Setup, cal: Calibration | None = None
     }
 
 
-def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration | None = None) -> dict[str, float]:
-    """Per token: what the decoder keeps until the backward, and what one recomputed layer rebuilds."""
-    return _per_token(shape, setup, calibration_for(shape.widths, cal))
-
-
-def _per_token(shape: ModelShape, setup: Setup, cal: Calibration) -> dict[str, float]:
+def activation_bytes_per_token(shape: ModelShape, setup: Setup, cal: Calibration) -> dict[str, float]:
+    """Per token: what the decoder keeps until the backward, and what one recomputed layer rebuilds (``cal``
+    already scaled to the shape, :func:`calibration_for`)."""
     dropped = cal.dropped_input_bytes_per_element * shape.lora_inputs if setup.lora_dropout > 0 else 0.0
     full = cal.layer_bytes_per_token + dropped
     kept_layers = checkpointed_layers(shape.layers, setup.checkpoint_every)
@@ -191,7 +188,7 @@ def peak_terms(shape: ModelShape, setup: Setup, batch: MicroBatch, cal: Calibrat
     forward, where the loss's logits join them; in the backward a recomputed layer and attention's workspace
     come and go one layer at a time. The peak is the larger of the tower's phase and the decoder's."""
     cal = calibration_for(shape.widths, cal)
-    per_token = _per_token(shape, setup, cal)
+    per_token = activation_bytes_per_token(shape, setup, cal)
     terms = dict(static_terms(shape, setup, cal))
     terms["vision_tower"] = batch.image_tokens * shape.patches_per_token * cal.vision_bytes_per_patch
     terms["decoder_activations"] = batch.tokens * per_token["kept"]
