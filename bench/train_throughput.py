@@ -53,6 +53,9 @@ ARMS = {  # B-b1-X: B-X at one sample (at most 8,192 tokens) a micro-batch, the 
     "B-conv3d": {"patch_matmul": False},  # transformers' Conv3d patch embedding, on the same weights
     "B-visioneager": {"compile_vision": False},  # the vision tower eager, transformers' per-image SDPA loop
     "B-nolevers": {"patch_matmul": False, "compile_vision": False},  # both vision-tower levers off
+    # the recipe as launched: the memory plan chooses the batch and checkpointing for this GPU, and a step is the
+    # recipe's samples_per_step (--grad-accum does not apply)
+    "B-plan": {"batch": None, "gc": None},
 }
 
 
@@ -238,13 +241,15 @@ def recipe_configs(s: dict, out: Path, steps: int, grad_accum: int, model_dir, r
     cpu = DEVICE == "cpu"
     flags = {
         "model_name_or_path": model_dir, "data_root": root, "output_dir": out, "eval_fraction": 0, "eval_strategy": "no",
-        "save_strategy": "no", "logging_steps": 1000, "report_to": "none", "max_steps": steps,
-        "gradient_accumulation_steps": grad_accum, "per_device_train_batch_size": s["batch"], "padding_free": s["pack"],
-        "attn_implementation": s["attn"], "activation_checkpointing": s["gc"], "compile_layers": s["compile"],
+        "save_strategy": "no", "logging_steps": 1000, "report_to": "none", "max_steps": steps, "padding_free": s["pack"],
+        "attn_implementation": s["attn"], "compile_layers": s["compile"],
         "train_sampling_strategy": "batch_rebalance" if s["rebalance"] else "random", "lora_dropout": s["dropout"],
         "dataloader_num_workers": s["workers"], "dataloader_persistent_workers": s["workers"] > 0,
         "use_cpu": cpu, "bf16": not cpu,
     }
+    if s["batch"] is not None:  # else the memory plan's (build_trainer)
+        flags.update(gradient_accumulation_steps=grad_accum, per_device_train_batch_size=s["batch"],
+                     activation_checkpointing=s["gc"])
     if cpu:  # a smoke run: the fused optimizer and bf16 are the GPU's
         flags.update(optim="adamw_torch", dtype="float32")
     return parse_recipe(**flags)
@@ -259,7 +264,8 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
     from trl import SFTConfig, SFTTrainer
 
     from eogym_sft.models.loading import LORA_TARGETS, compile_language_layers
-    from eogym_sft.training.sft import build_collator, build_model
+    from eogym_sft.training.memory_hook import plan_run
+    from eogym_sft.training.sft import build_collator, build_model, set_samples_per_step
     from eogym_sft.training.sft import build_trainer as recipe_trainer
 
     if arm == "A":
@@ -277,6 +283,9 @@ def build_trainer(arm: str, base, dataset, root, processor, out: Path, steps: in
         return SFTTrainer(model=base, args=args, train_dataset=trl_dataset(dataset, root, processor), processing_class=processor, peft_config=peft_config)
     s = arm_settings(arm)
     script, training, model_args = recipe_configs(s, out, steps, grad_accum, out.parent / "processor", root)  # build_base's folder
+    if s["batch"] is None:  # as train() plans it, before the model is built
+        plan_run(script, training, model_args, dataset, frozenset())
+        set_samples_per_step(script, training)
     base.set_attn_implementation({"text_config": s["attn"], "vision_config": "sdpa"})  # load_base_model's, on this base
     if not s["patch_matmul"]:
         _patch_conv3d(base)
@@ -335,8 +344,8 @@ def run_arm(arm: str, base, dataset, root, processor, cfg, workdir: Path, steps:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    micro = 1 if arm == "A" else grad_accum
-    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup, micro)
+    trainer = build_trainer(arm, base, dataset, root, processor, workdir / arm, steps + warmup, grad_accum)
+    micro = trainer.args.gradient_accumulation_steps  # arm A: 1; B-plan: the plan's
     probe = StepProbe()
     trainer.add_callback(probe)
     counted = Counted(trainer)

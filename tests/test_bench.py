@@ -73,6 +73,30 @@ def test_a_b_arm_is_the_recipes_yaml_with_only_its_own_changes(tmp_path):
     assert fixed.train_sampling_strategy == "random" and flash.attn_implementation == "eogym_varlen_cudnn"
 
 
+@pytest.mark.slow(16)
+def test_the_plan_arm_takes_the_memory_plans_batch_and_the_recipes_step(tiny_config, tmp_path):
+    """Arm B-plan leaves the batch, accumulation and checkpointing to the recipe's memory plan (on CPU: one sample
+    a micro-batch) and runs the recipe's own 64 samples a step, whatever --grad-accum says."""
+    import train_throughput
+    from test_recipe import MAX_PIXELS, MIN_PIXELS, write_rows
+
+    from eogym_sft.data.datasets import load_or_prepare
+    from eogym_sft.data.prepare import PrepConfig
+    from eogym_sft.models.processor import load_processor
+
+    script, training, _ = train_throughput.recipe_configs(train_throughput.arm_settings("B-plan"), tmp_path / "p", 3, 2, "m", "r")
+    assert (training.gradient_accumulation_steps, script.samples_per_step) == (1, 64)  # TRL's default: not given
+    base, cfg, model_dir = train_throughput.build_base(tiny_config, tmp_path)
+    data = write_rows(tmp_path / "data")
+    processor = load_processor(str(model_dir), MAX_PIXELS, MIN_PIXELS)
+    dataset, _ = load_or_prepare(str(data), str(model_dir), processor, PrepConfig(data_root=str(data.parent)),
+                                 tmp_path / "prepared", 1)
+    result = train_throughput.run_arm("B-plan", base, dataset, data.parent, processor, cfg, tmp_path, steps=1, warmup=0,
+                                      grad_accum=2)
+    assert result["micro_batches_per_step"] == 64 and result["timed_steps"] == 1
+    assert result["settings"] == dict(train_throughput.SHIPPED, batch=None, gc=None)
+
+
 def test_micro_batches_are_counted_where_they_are_collated():
     """The bench counts each micro-batch on the host, as the collator builds it (no sync in the timed step):
     packed samples by their position restarts, padded rows by their mask; supervised tokens after the shift."""
