@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info  # noqa: E402
+from common import machine_info, results_json  # noqa: E402
 
 from eogym_sft.atomic import write_text_atomic  # noqa: E402
 from eogym_sft.demo_arguments import ARGUMENT_FIELDS  # noqa: E402
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "machine": machine}
         if args.against:
             result["against"] = {"baseline": args.against, **against(rows, json.loads(Path(args.against).read_text())["seeds"])}
-        write_text_atomic(Path(args.json), json.dumps(result, indent=1) + "\n")
+        write_text_atomic(Path(args.json), results_json(result))
         return result
 
     write({})  # the seed roles are on disk before any seed runs

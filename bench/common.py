@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -77,6 +78,22 @@ def peak_gib(device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if torch.device(device).type == "cuda" else None
 
 
+def rounded(value, places: int = 4):
+    """``value`` with every float rounded to ``places`` decimals: results cite at most 3."""
+    if isinstance(value, float):
+        return round(value, places)
+    if isinstance(value, dict):
+        return {key: rounded(item, places) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(item, places) for item in value]
+    return value
+
+
+def results_json(result: dict) -> str:
+    """A result as bench/results keeps it: compact, floats to 4 decimals (tests/test_docs.py caps the folder)."""
+    return json.dumps(rounded(result), separators=(",", ":"), ensure_ascii=False) + "\n"
+
+
 def write_result(result: dict, json_path, table: str | None = None) -> dict:
     """Print ``table`` (when given), write ``result`` as JSON to ``json_path`` (when given), say where, return it."""
     if table is not None:
@@ -84,7 +101,7 @@ def write_result(result: dict, json_path, table: str | None = None) -> dict:
     if json_path is not None:
         json_path = Path(json_path)
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
+        json_path.write_text(results_json(result))
         print(f"wrote {json_path}")
     return result
 
@@ -346,3 +363,17 @@ def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple
                 _place(pools[pool][index], data_root / rel)
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     return jsonl, data_root
+
+
+def launch_log_result(log_path: str, exit_code: int, device: str, launch: str) -> dict:
+    """A launched recipe's log as a result: its exit, memory plan line, logged dicts and step times (h200_session.sh's
+    readme_command)."""
+    log = Path(log_path).read_text(errors="replace")
+    return {"what": "the README's SFT launch, unchanged but for the model, data, output and --max_steps 2",
+            "command": " ".join(launch.split()), "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(Path(log_path).stat().st_mtime)),
+            "exit_code": exit_code, "memory_plan_line": (re.findall(r"memory plan: [^\r\n]*", log) or [None])[-1],
+            "logged": re.findall(r"\{'(?:loss|eval_loss|train_runtime)'[^}]*\}", log)}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["readme-log"]:
+    print(results_json(launch_log_result(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])), end="")

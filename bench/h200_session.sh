@@ -84,21 +84,23 @@ after_1gpu)  # the headline: plain TRL (A) and B in one process, 1 warm-up + 4 t
   # B as the memory plan sizes it for this GPU, 64 samples a step (issue 63's 80 GB figure)
   arms after ${AFTER_ARMS:-A,B} 4 560
   ;;
-readme_command)  # the README's SFT launch unchanged but for the model, data, output and 2 steps; its plan line and exit
+readme_command)  # the README's SFT launch unchanged but for the model, data, output and 2 steps: its exit, plan line and logs
   make_model; make_bench_data
-  set +e; timeout 400 accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/eo_gym_4b.py \
-    --config recipes/eo_gym_4b.yaml --model_name_or_path $model --dataset_path /tmp/bt/sample/train.jsonl \
-    --data_root /tmp/bt/sample/data --output_dir /tmp/readme_run --max_steps 2 --logging_steps 1 > $OUT/readme_command.log 2>&1
-  echo "readme_command: exit $?"; set -e
-  grep -E "memory plan|'loss'|train_runtime|Error" $OUT/readme_command.log | tail -6
+  launch="accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml recipes/eo_gym_4b.py --config recipes/eo_gym_4b.yaml
+    --model_name_or_path $model --dataset_path /tmp/bt/sample/train.jsonl --data_root /tmp/bt/sample/data --output_dir /tmp/readme_run
+    --max_steps 2 --logging_steps 1"
+  rc=0; timeout 400 $launch > $OUT/readme_command.log 2>&1 || rc=$?
+  python bench/common.py readme-log $OUT/readme_command.log $rc "$(nvidia-smi --query-gpu=name --format=csv,noheader)" "$launch" \
+    > $OUT/readme_command.json
+  tail -c 600 $OUT/readme_command.json
   ;;
 defaults_80gb)  # validate, evaluate and rollout at their defaults (the batch, slots and KV cache sized to the free
   # memory) on the base and a random adapter; each one's peak device memory as nvidia-smi sees it, every 200 ms
   make_model; make_data 48; make_adapters
   common="--model $model --adapter a=/tmp/cl_adapters/a --data-root $data/data --overwrite"
-  for run in "validate --data $data/train.jsonl --output $OUT/validate_defaults.json" \
-             "evaluate --data $data/train.jsonl --limit 4 --output $OUT/evaluate_defaults" \
-             "rollout --data $data/train.jsonl --limit 12 --samples 4 --temperature 1 --max-turns 3 --output $OUT/rollout_defaults"; do
+  for run in "rollout --data $data/train.jsonl --limit 12 --samples 4 --temperature 1 --max-turns 3 --output /tmp/defaults_out/rollout_defaults" \
+             "evaluate --data $data/train.jsonl --limit 4 --output /tmp/defaults_out/evaluate_defaults" \
+             "validate --data $data/train.jsonl --output /tmp/defaults_out/validate_defaults.json"; do
     name=${run%% *}
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits -lms 200 > $OUT/${name}_smi.csv &
     smi=$!

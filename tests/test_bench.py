@@ -149,3 +149,16 @@ def test_the_bench_stays_within_its_line_limit():
     total = sum(counts.values())
     largest = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3])
     assert len(files) > 5 and total <= BENCH_LINES_LIMIT, f"bench/ holds {total} lines, over {BENCH_LINES_LIMIT} ({largest}, ...)"
+
+
+def test_a_launch_log_becomes_its_result(tmp_path):
+    """readme_command's result: the exit, the last memory plan line and the Trainer's logged dicts, in order."""
+    from common import launch_log_result
+
+    log = tmp_path / "readme_command.log"
+    log.write_text("INFO:x:memory plan: GPU, 2 sample(s) each\r 50%|{'loss': '12.49', 'epoch': '0.25'}\n"
+                   "{'eval_loss': '11.98'}\n{'train_runtime': '112', 'epoch': '0.5'}\n")
+    result = launch_log_result(str(log), 0, "NVIDIA H200", "accelerate launch\n    recipes/eo_gym_4b.py")
+    assert (result["exit_code"], result["device"], result["command"]) == (0, "NVIDIA H200", "accelerate launch recipes/eo_gym_4b.py")
+    assert result["memory_plan_line"] == "memory plan: GPU, 2 sample(s) each"
+    assert result["logged"] == ["{'loss': '12.49', 'epoch': '0.25'}", "{'eval_loss': '11.98'}", "{'train_runtime': '112', 'epoch': '0.5'}"]
