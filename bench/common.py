@@ -80,13 +80,11 @@ def peak_gib(device) -> float | None:
 
 def rounded(value, places: int = 4):
     """``value`` with every float rounded to ``places`` decimals: results cite at most 3."""
-    if isinstance(value, float):
-        return round(value, places)
     if isinstance(value, dict):
         return {key: rounded(item, places) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [rounded(item, places) for item in value]
-    return value
+    return round(value, places) if isinstance(value, float) else value
 
 
 def results_json(result: dict) -> str:
@@ -375,5 +373,22 @@ def launch_log_result(log_path: str, exit_code: int, device: str, launch: str) -
             "logged": re.findall(r"\{'(?:loss|eval_loss|train_runtime)'[^}]*\}", log)}
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["readme-log"]:
-    print(results_json(launch_log_result(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])), end="")
+def defaults_result(out: str, device: str) -> dict:
+    """defaults_80gb's runs as a result: each command's memory plan line, exit and peak device memory (the largest
+    of nvidia-smi's samples, MiB used of MiB total)."""
+    runs = {}
+    for smi in sorted(Path(out).glob("*_smi.csv")):
+        name = smi.name[: -len("_smi.csv")]
+        samples = [tuple(int(v) for v in line.split(",")) for line in smi.read_text().splitlines() if line.strip()]
+        log = (Path(out) / f"{name}_defaults.log").read_text(errors="replace")
+        runs[name] = {"memory_plan_line": (re.findall(r"memory plan: [^\r\n]*", log) or [None])[-1],
+                      "traceback": "Traceback" in log, "peak_mib_used": max(samples)[0] if samples else None,
+                      "total_mib": samples[0][1] if samples else None}
+    newest = max((smi.stat().st_mtime for smi in Path(out).glob("*_smi.csv")), default=time.time())
+    return {"what": "validate, evaluate and rollout at their defaults on the base and a random adapter (h200_session.sh defaults)",
+            "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(newest)), "runs": runs}
+
+
+if __name__ == "__main__":  # h200_session.sh's result writers: readme-log LOG EXIT DEVICE LAUNCH, defaults OUT DEVICE
+    writers = {"readme-log": lambda log, code, *rest: launch_log_result(log, int(code), *rest), "defaults": defaults_result}
+    print(results_json(writers[sys.argv[1]](*sys.argv[2:])), end="")

@@ -94,7 +94,7 @@ readme_command)  # the README's SFT launch unchanged but for the model, data, ou
     > $OUT/readme_command.json
   tail -c 600 $OUT/readme_command.json
   ;;
-defaults_80gb)  # validate, evaluate and rollout at their defaults (the batch, slots and KV cache sized to the free
+defaults)  # validate, evaluate and rollout at their defaults (the batch, slots and KV cache sized to the free
   # memory) on the base and a random adapter; each one's peak device memory as nvidia-smi sees it, every 200 ms
   make_model; make_data 48; make_adapters
   common="--model $model --adapter a=/tmp/cl_adapters/a --data-root $data/data --overwrite"
@@ -108,6 +108,7 @@ defaults_80gb)  # validate, evaluate and rollout at their defaults (the batch, s
     kill $smi; sort -t, -k1 -n $OUT/${name}_smi.csv | tail -1 | sed "s/^/$name peak MiB used, total: /"
     grep -iE "memory plan|slots|batch|Error" $OUT/${name}_defaults.log | grep -v Warning | tail -3
   done
+  python bench/common.py defaults $OUT "$(nvidia-smi --query-gpu=name --format=csv,noheader)" > $OUT/defaults.json
   ;;
 rollout_bench)
   make_model

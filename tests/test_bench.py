@@ -162,3 +162,17 @@ def test_a_launch_log_becomes_its_result(tmp_path):
     assert (result["exit_code"], result["device"], result["command"]) == (0, "NVIDIA H200", "accelerate launch recipes/eo_gym_4b.py")
     assert result["memory_plan_line"] == "memory plan: GPU, 2 sample(s) each"
     assert result["logged"] == ["{'loss': '12.49', 'epoch': '0.25'}", "{'eval_loss': '11.98'}", "{'train_runtime': '112', 'epoch': '0.5'}"]
+
+
+def test_the_defaults_runs_become_one_result(tmp_path):
+    """defaults_80gb's result: per command its last memory plan line, whether it died, its largest sample."""
+    from common import defaults_result
+
+    (tmp_path / "rollout_smi.csv").write_text("1200, 81559\n70123, 81559\n65000, 81559\n")
+    (tmp_path / "rollout_defaults.log").write_text("memory plan: H100, 12 slots\rprogress\n")
+    (tmp_path / "validate_smi.csv").write_text("")
+    (tmp_path / "validate_defaults.log").write_text("Traceback (most recent call last):\n")
+    runs = defaults_result(str(tmp_path), "NVIDIA H100 80GB HBM3")["runs"]
+    assert runs["rollout"] == {"memory_plan_line": "memory plan: H100, 12 slots", "traceback": False,
+                               "peak_mib_used": 70123, "total_mib": 81559}
+    assert runs["validate"] == {"memory_plan_line": None, "traceback": True, "peak_mib_used": None, "total_mib": None}
