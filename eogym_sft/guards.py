@@ -130,6 +130,30 @@ class GPUOutOfMemory(RuntimeError):
     """A CUDA out-of-memory error in a run, told as the setting to lower (the CUDA error is its ``__cause__``)."""
 
 
+# What to lower when CUDA runs out of memory mid-run despite the sizing at start, by a word of the command's name
+# (the SFT trainer names its own settings: GPUOutOfMemory). Each sized itself to the memory free at start.
+OUT_OF_MEMORY_ADVICE = {
+    "validate": "pass a smaller --batch-size than the one its memory plan line chose",
+    "evaluate": "pass a smaller --batch-size than the one its memory plan line chose",
+    "rollout": "pass fewer --slots than its memory plan line chose, or a smaller --max-episode-tokens",
+    "grpo": "lower per_device_train_batch_size or max_episode_tokens, or set rollout_cache_gib below the logged KV "
+            "cache; `eogym-sft plan --config recipes/eo_gym_4b_grpo.yaml --gpu-memory SIZE` shows what fits",
+}
+
+
+def out_of_memory_line(command: str) -> str:
+    """One line for a CUDA out-of-memory error that reached ``command``'s top: what to lower."""
+    advice = next((text for word, text in OUT_OF_MEMORY_ADVICE.items() if word in command),
+                  "lower its batch size or lengths")
+    return ("CUDA out of memory (the GPU had less free memory than when the run sized itself, or another process "
+            f"took some): {advice}")
+
+
+def _cuda_out_of_memory(err: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # not imported: no CUDA error can have come
+    return torch is not None and isinstance(err, torch.OutOfMemoryError)
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """What a user's input or setup causes (a bad flag value, a missing file, a taken output, a refused URL,
     a broken install): shown as one line. Anything else is a bug and keeps its traceback."""
@@ -208,7 +232,8 @@ def check_model_source(name: str, connect_timeout_s: float = 3.0) -> None:
 @contextlib.contextmanager
 def user_errors(command: str, debug: bool = False):
     """Turn a user error into ``SystemExit("<command>: <message>")``: one line, no traceback, exit status 1. So
-    are OS faults a user fixes (disk full, read-only, no permission: :data:`USER_OS_ERRNOS`, naming the file);
+    are OS faults a user fixes (disk full, read-only, no permission: :data:`USER_OS_ERRNOS`, naming the file) and
+    a CUDA out-of-memory error (:func:`out_of_memory_line`);
     a closed stdout (``| head``) exits 1 quietly, Ctrl-C with one line and status 130. ``debug`` (or
     ``EOGYM_DEBUG=1``) lets the exception through with its traceback."""
     debug = debug or os.environ.get("EOGYM_DEBUG", "") not in ("", "0")
@@ -234,6 +259,10 @@ def user_errors(command: str, debug: bool = False):
             raise
         where = f"{err.filename}: " if err.filename else ""
         raise SystemExit(_one_line(command, f"{where}{os.strerror(err.errno)}")) from None
+    except RuntimeError as err:
+        if debug or not _cuda_out_of_memory(err):
+            raise
+        raise SystemExit(_one_line(command, out_of_memory_line(command))) from None
 
 
 def _one_line(command: str, message: str) -> str:

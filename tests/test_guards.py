@@ -282,3 +282,50 @@ def test_every_writing_command_refuses_a_runs_files_even_with_overwrite(tmp_path
         assert f"belongs to the " in str(stop.value.code) and "even with --overwrite" in str(stop.value.code), (command, target, stop.value.code)
         assert str(stop.value.code).startswith(f"eogym-sft {command}: "), stop.value.code
     assert all(path.read_text() == text for path, text in files.items())
+
+
+@pytest.mark.parametrize("command, advice", [
+    ("eogym-sft validate", "pass a smaller --batch-size than the one its memory plan line chose"),
+    ("eogym-sft evaluate", "pass a smaller --batch-size than the one its memory plan line chose"),
+    ("eogym-sft rollout", "pass fewer --slots than its memory plan line chose, or a smaller --max-episode-tokens"),
+    ("eo_gym_4b_grpo.py", "lower per_device_train_batch_size or max_episode_tokens, or set rollout_cache_gib below the "
+                          "logged KV cache; `eogym-sft plan --config recipes/eo_gym_4b_grpo.yaml --gpu-memory SIZE` shows what fits"),
+    ("eogym-sft demo", "lower its batch size or lengths"),
+])
+def test_a_cuda_out_of_memory_error_is_one_line_naming_what_to_lower(command, advice):
+    """Every command sizes itself at start; an OOM that still comes (the GPU shared, fragmentation) ends the run in
+    one line naming the setting to lower. A CUDA OOM cannot be raised on CPU: torch's own error type is raised."""
+    import torch
+
+    from eogym_sft.guards import user_errors
+
+    with pytest.raises(SystemExit) as exit_:
+        with user_errors(command):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert exit_.value.code == (f"{command}: CUDA out of memory (the GPU had less free memory than when the run sized "
+                                f"itself, or another process took some): {advice} (--debug or EOGYM_DEBUG=1 shows the traceback)")
+    with pytest.raises(torch.OutOfMemoryError):  # --debug: the traceback
+        with user_errors(command, debug=True):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(RuntimeError, match="^a bug$"):  # any other RuntimeError keeps its traceback
+        with user_errors(command):
+            raise RuntimeError("a bug")
+
+
+def test_an_out_of_memory_error_in_rollout_reaches_the_user_as_one_line(monkeypatch, tmp_path, tiny_model_dir, sample_dir,
+                                                                          capsys):
+    """The CLI's path: `eogym-sft rollout` on real inputs, its run raising CUDA's error where the decoder would."""
+    import torch
+
+    from eogym_sft.cli import main
+    from eogym_sft.evaluation import rollout
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(rollout, "rollout", out_of_memory)
+    with pytest.raises(SystemExit) as exit_:
+        main(["rollout", "--model", str(tiny_model_dir), "--data", str(sample_dir / "eogym_sample.jsonl"),
+              "--data-root", str(sample_dir), "--output", str(tmp_path / "out"), "--limit", "1"])
+    assert str(exit_.value.code).startswith("eogym-sft rollout: CUDA out of memory (the GPU had less free memory ")
+    assert "pass fewer --slots" in str(exit_.value.code)
