@@ -88,18 +88,20 @@ def rounded(value, places: int = 4):
 
 
 def results_json(result: dict) -> str:
-    """A result as bench/results keeps it: compact, floats to 4 decimals (tests/test_docs.py caps the folder)."""
+    """A result as bench/results keeps it: compact, floats to 4 decimals (tests/test_docs.py caps the folder);
+    ``python bench/common.py results FILE`` rewrites a run's JSON so."""
     return json.dumps(rounded(result), separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
 def write_result(result: dict, json_path, table: str | None = None) -> dict:
-    """Print ``table`` (when given), write ``result`` as JSON to ``json_path`` (when given), say where, return it."""
+    """Print ``table`` (when given), write ``result`` as compact JSON to ``json_path`` (when given), say where,
+    return it. bench/results keeps it as :func:`results_json` writes it."""
     if table is not None:
         print(table)
     if json_path is not None:
         json_path = Path(json_path)
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(results_json(result))
+        json_path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
         print(f"wrote {json_path}")
     return result
 
@@ -364,8 +366,7 @@ def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple
 
 
 def launch_log_result(log_path: str, exit_code: int, device: str, launch: str) -> dict:
-    """A launched recipe's log as a result: its exit, memory plan line, logged dicts and step times (h200_session.sh's
-    readme_command)."""
+    """A launched recipe's log as a result: its exit, memory plan line and logged dicts (readme_command)."""
     log = Path(log_path).read_text(errors="replace")
     return {"what": "the README's SFT launch, unchanged but for the model, data, output and --max_steps 2",
             "command": " ".join(launch.split()), "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(Path(log_path).stat().st_mtime)),
@@ -374,8 +375,7 @@ def launch_log_result(log_path: str, exit_code: int, device: str, launch: str) -
 
 
 def defaults_result(out: str, device: str) -> dict:
-    """defaults_80gb's runs as a result: each command's memory plan line, exit and peak device memory (the largest
-    of nvidia-smi's samples, MiB used of MiB total)."""
+    """The defaults stage's runs: each one's memory plan line, traceback or not, and nvidia-smi's largest sample."""
     runs = {}
     for smi in sorted(Path(out).glob("*_smi.csv")):
         name = smi.name[: -len("_smi.csv")]
@@ -389,6 +389,7 @@ def defaults_result(out: str, device: str) -> dict:
             "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(newest)), "runs": runs}
 
 
-if __name__ == "__main__":  # h200_session.sh's result writers: readme-log LOG EXIT DEVICE LAUNCH, defaults OUT DEVICE
-    writers = {"readme-log": lambda log, code, *rest: launch_log_result(log, int(code), *rest), "defaults": defaults_result}
+if __name__ == "__main__":  # readme-log LOG EXIT DEVICE LAUNCH, defaults OUT DEVICE (h200_session.sh's), results FILE
+    writers = {"readme-log": lambda log, code, *rest: launch_log_result(log, int(code), *rest), "defaults": defaults_result,
+               "results": lambda path: json.loads(Path(path).read_text())}
     print(results_json(writers[sys.argv[1]](*sys.argv[2:])), end="")
