@@ -201,6 +201,8 @@ class AgentDemoConfig:
     # trained token) is at or below this, its coefficient growing by TRL's entropy_coef_delta a step there,
     # else shrinking
     grpo_entropy_target: float | None = None
+    # TRL's top_entropy_quantile: the loss on each batch's highest-entropy tokens only, this share of them (1: all)
+    grpo_top_entropy_quantile: float = 1.0
     rft_steps: int = 100
     samples: int = 2  # episodes per held-out question (Pass@1 is the mean over them, Pass@k any of them)
     rft_samples: int = 1  # episodes per training question for rejection sampling
@@ -259,6 +261,8 @@ class AgentDemoConfig:
         if self.grpo_entropy_coef < 0 or (self.grpo_entropy_target is not None and self.grpo_entropy_target <= 0):
             raise ValueError(f"grpo_entropy_coef must be >= 0 and grpo_entropy_target > 0 (or None), got "
                              f"{self.grpo_entropy_coef} and {self.grpo_entropy_target}")
+        if not 0 < self.grpo_top_entropy_quantile <= 1:
+            raise ValueError(f"grpo_top_entropy_quantile must be in (0, 1], got {self.grpo_top_entropy_quantile}")
 
 
 def _sft_configs(
@@ -303,6 +307,7 @@ def _grpo_configs(cfg: AgentDemoConfig, model_dir: Path, dataset: Path, data_roo
         num_iterations=cfg.grpo_num_iterations, epsilon_high=cfg.grpo_epsilon_high,
         disable_dropout=cfg.grpo_disable_dropout, max_completion_length=cfg.completion_tokens,
         loss_type=cfg.grpo_loss_type, entropy_coef=cfg.grpo_entropy_coef,
+        top_entropy_quantile=cfg.grpo_top_entropy_quantile,
         use_adaptive_entropy=cfg.grpo_entropy_target is not None,
         **({} if cfg.grpo_entropy_target is None else {"entropy_target": cfg.grpo_entropy_target}),
         max_tool_calling_iterations=cfg.max_turns - 1, mask_truncated_completions=True, seed=cfg.seed,

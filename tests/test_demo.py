@@ -238,6 +238,10 @@ def test_agent_loss_and_entropy_levers_reach_grpo_config(tmp_path):
         AgentDemoConfig(grpo_loss_type="ppo")
     with pytest.raises(ValueError, match="grpo_entropy_coef must be >= 0 and grpo_entropy_target > 0"):
         AgentDemoConfig(grpo_entropy_target=0.0)
+    assert (default.top_entropy_quantile, grpo(grpo_top_entropy_quantile=0.2).top_entropy_quantile) == (1.0, 0.2)
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"grpo_top_entropy_quantile must be in \\(0, 1\\], got {share}"):
+            AgentDemoConfig(grpo_top_entropy_quantile=share)
 
 
 def test_demo_agent_takes_steps_learning_rate_seed_and_task(tmp_path):
