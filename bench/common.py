@@ -367,9 +367,9 @@ def generate_sample(folder: str | Path, rows: int = 400, seed: int = 0) -> tuple
 
 def launch_log_result(log_path: str, exit_code: int, device: str, launch: str) -> dict:
     """A launched recipe's log as a result: its exit, memory plan line and logged dicts (readme_command)."""
-    log = Path(log_path).read_text(errors="replace")
+    log, ended = Path(log_path).read_text(errors="replace"), time.gmtime(Path(log_path).stat().st_mtime)
     return {"what": "the README's SFT launch, unchanged but for the model, data, output and --max_steps 2",
-            "command": " ".join(launch.split()), "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime(Path(log_path).stat().st_mtime)),
+            "command": " ".join(launch.split()), "device": device, "date": time.strftime("%Y-%m-%dT%H:%MZ", ended),
             "exit_code": exit_code, "memory_plan_line": (re.findall(r"memory plan: [^\r\n]*", log) or [None])[-1],
             "logged": re.findall(r"\{'(?:loss|eval_loss|train_runtime)'[^}]*\}", log)}
 
