@@ -7,6 +7,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import platform
 import random
@@ -78,18 +79,19 @@ def peak_gib(device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if torch.device(device).type == "cuda" else None
 
 
-def rounded(value, places: int = 4):
-    """``value`` with every float rounded to ``places`` decimals: results cite at most 3."""
+def rounded(value, digits: int = 4):
+    """Floats to ``digits`` decimals, below 1 to ``digits`` significant digits (a 2e-6 difference stays one)."""
     if isinstance(value, dict):
-        return {key: rounded(item, places) for key, item in value.items()}
+        return {key: rounded(item, digits) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [rounded(item, places) for item in value]
-    return round(value, places) if isinstance(value, float) else value
+        return [rounded(item, digits) for item in value]
+    if isinstance(value, float) and math.isfinite(value):
+        return round(value, digits) if abs(value) >= 1 else float(f"{value:.{digits}g}")
+    return value
 
 
 def results_json(result: dict) -> str:
-    """A result as bench/results keeps it: compact, floats to 4 decimals (tests/test_docs.py caps the folder);
-    ``python bench/common.py results FILE`` rewrites a run's JSON so."""
+    """A result as bench/results keeps it (``python bench/common.py results FILE``): compact, :func:`rounded`."""
     return json.dumps(rounded(result), separators=(",", ":"), ensure_ascii=False) + "\n"
 
 

@@ -80,8 +80,7 @@ balance_x2)  # 2 GPUs, ZeRO-2: token-balanced (B) against fixed-count micro-batc
     --arms B,B-fixedcount --json $OUT/balance_x2.json > $OUT/balance_x2.log 2>&1 || echo "balance_x2: exit $?"
   grep -vE "Warning|warn" $OUT/balance_x2.log | tail -6
   ;;
-after_1gpu)  # the headline: plain TRL (A) and B in one process, 1 warm-up + 4 timed steps each; AFTER_ARMS=A,B-plan:
-  # B as the memory plan sizes it for this GPU, 64 samples a step (issue 63's 80 GB figure); AFTER_STEPS, AFTER_LIMIT
+after_1gpu)  # the headline: plain TRL (A) and B in one process; AFTER_ARMS=A,B-plan (as the plan sizes it), AFTER_STEPS
   arms after ${AFTER_ARMS:-A,B} ${AFTER_STEPS:-4} ${AFTER_LIMIT:-560}
   ;;
 readme_command)  # the README's SFT launch unchanged but for the model, data, output and 2 steps: its exit, plan line and logs
@@ -94,8 +93,7 @@ readme_command)  # the README's SFT launch unchanged but for the model, data, ou
     > $OUT/readme_command.json
   tail -c 600 $OUT/readme_command.json
   ;;
-defaults)  # validate, evaluate and rollout at their defaults (the batch, slots and KV cache sized to the free
-  # memory) on the base and a random adapter; each one's peak device memory as nvidia-smi sees it, every 200 ms
+defaults)  # validate, evaluate and rollout at their defaults, base + a random adapter: nvidia-smi's peak, every 200 ms
   make_model; make_data 24; make_adapters
   common="--model $model --adapter a=/tmp/cl_adapters/a --data-root $data/data --overwrite"
   for run in "rollout --data $data/train.jsonl --limit 12 --samples 4 --temperature 1 --max-turns 3 --output /tmp/defaults_out/rollout_defaults" \

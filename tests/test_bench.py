@@ -176,3 +176,11 @@ def test_the_defaults_runs_become_one_result(tmp_path):
     assert runs["rollout"] == {"memory_plan_line": "memory plan: H100, 12 slots", "traceback": False,
                                "peak_mib_used": 70123, "total_mib": 81559}
     assert runs["validate"] == {"memory_plan_line": None, "traceback": True, "peak_mib_used": None, "total_mib": None}
+
+
+def test_results_keep_the_digits_they_cite():
+    """bench/results' rounding: 4 decimals, but 4 significant digits below 1, so a 2e-6 difference stays one."""
+    from common import results_json
+
+    assert results_json({"diff": 1.90735e-06, "share": 0.11914, "gib": 82.93707418, "tok_s": 15371.6, "n": 3}) == (
+        '{"diff":1.907e-06,"share":0.1191,"gib":82.9371,"tok_s":15371.6,"n":3}\n')
