@@ -37,12 +37,9 @@ settings = json.loads(sys.argv[1])
 run_agent_demo(sys.argv[2], overwrite=True, cfg=AgentDemoConfig(**settings))
 """
 
-# Declared before the report seeds ran (issue 64). Seeds 0-4 chose the GRPO settings and 5-9 were looked at, so
-# all of 0-9 are tuning seeds; each task's report seeds are run only with settings frozen on tuning seeds.
-# colour_grid's 10-19 were reported on (2026-12-07, grpo_entropy_target=0.05, docs/rl.md): looked at since, they
-# tune, and a setting changed after them reports on 30-39. 40-49 report the crop-IoU reward term against the
-# answer-only reward (issue 66), a setting no seed tuned. colour_pair's 20-29 were reported on (2026-12-07): they
-# tune now, and its next settings report on 30-39.
+# Declared before the report seeds ran (issue 64): each task's report seeds run only with settings frozen on tuning
+# seeds (0-4 chose the GRPO settings, 5-9 were looked at). Reported seeds tune from then on (docs/rl.md): colour_grid's
+# 10-19 (a setting changed since reports on 30-39; 40-49: the crop-IoU term, issue 66) and colour_pair's 20-29.
 SEED_ROLES = {
     "colour_grid": {"tuning": list(range(20)), "report": list(range(30, 50))},
     "colour_count": {"tuning": list(range(10)), "report": list(range(20, 30))},
@@ -271,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         write_text_atomic(Path(args.json), results_json(result))
         return result
 
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     write({})  # the seed roles are on disk before any seed runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the run: run_seeds records its seeds
     result = write(run_seeds(args.seeds, settings, Path(args.workdir), args.parallel, write))

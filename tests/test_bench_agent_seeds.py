@@ -94,11 +94,11 @@ def test_a_headline_takes_report_seeds_only_and_the_roles_are_written_before_any
     seen = {}
 
     def fake_run(seeds, settings, workdir, parallel, on_done):
-        seen["before"] = json.loads((tmp_path / "s.json").read_text())
+        seen["before"] = json.loads((tmp_path / "new" / "s.json").read_text())
         return {0: {"failed": 1, "wall_s": 1.0}}
 
     monkeypatch.setattr(agent_seeds, "run_seeds", fake_run)
-    out = agent_seeds.main(["--seeds", "0", "--json", str(tmp_path / "s.json"), "--set", "task=colour_count"])
+    out = agent_seeds.main(["--seeds", "0", "--json", str(tmp_path / "new" / "s.json"), "--set", "task=colour_count"])
     assert seen["before"]["protocol"]["report_seeds"] == list(range(20, 30)) and seen["before"]["seeds"] == []
     assert out["protocol"]["role"] == "tuning" and out["seeds"] == [{"seed": 0, "failed": 1, "wall_s": 1.0}]
 
