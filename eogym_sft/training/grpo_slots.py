@@ -17,8 +17,8 @@ sampled (tool mask 1), everything between the turns is the conversation as data 
 
 The decoder runs on the policy's own weights (no copy, no sync), in eval mode and under inference mode.
 Its KV cache (``max_episode_tokens`` tokens a slot, at most one per episode; as many as ``rollout_cache_gib`` holds,
-or by default as many as the GPU holds beside the model, a prefill, the merged LoRA weights and the loss micro-batch)
-is kept between steps unless ``rollout_keep_cache`` is false; docs/rl.md says why.
+or by default as many as the GPU holds beside the model, a prefill and the merged LoRA weights) is kept between
+steps unless ``rollout_keep_cache`` is false or, sized by default, a step's loss micro-batch would not fit beside it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from ..agent.decoder import PREFILL_TOKENS, SlotDecoder
 from ..agent.sampling import Sampling
 from ..agent.rollout_config import decoder_reserve, fitting_slots, kv_bytes_per_token, slots_for, usable_bytes
 from .grpo_mismatch import SampledLogps, completion_logps
+from .grpo_rollout_log import log_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +279,8 @@ def check_whole_weights(accelerator_state) -> None:
         raise ValueError("rollout_engine=slots decodes on whole weights; FSDP shards them: use --rollout_engine trl")
 
 
-# What to lower when no slot fits beside the loss micro-batch (fitting_slots names it)
-KEEP_OR_LOWER = "per_device_train_batch_size, set rollout_keep_cache false (the loss then takes the cache's memory),"
+# What to lower when no slot fits (fitting_slots names it)
+KEEP_OR_LOWER = "rollout_turn_tokens, per_device_train_batch_size,"
 
 
 class SlotEngine:
@@ -298,6 +299,7 @@ class SlotEngine:
         self.logits_processors = list(logits_processors)
         self._decoder: SlotDecoder | None = None
         self._auto_slots: int | None = None  # sized to the GPU once, at the first step
+        self._loss_room: float | None = None  # bytes beside the sized cache for a loss micro-batch
         self.sampling: ProcessedSampling | None = None
         self.trainer_args, self.processes, self.shared_prompts = None, 1, False
 
@@ -336,27 +338,43 @@ class SlotEngine:
         return self._decoder
 
     def fitting_slots(self, model, episodes: int) -> int:
-        """Slots the GPU holds now beside the model, a prefill, the merged LoRA weights and (when the cache is kept
-        through the step) the loss micro-batch; logged once. Off CUDA, one per episode."""
-        from .memory_hook import grpo_loss_reserve
+        """Slots the GPU holds now beside the model, a prefill and the merged LoRA weights; logged once, with the
+        room left beside them for a loss micro-batch (:meth:`keep_or_release`). Off CUDA, one per episode."""
+        from .memory_hook import check_worst_loss, grpo_loss_batch, grpo_loss_reserve
 
         ra, usable = self.rollout_args, usable_bytes(model.device)
         if usable is None:
             return episodes
-        # the loss runs beside a kept cache, never beside a prefill
-        loss = (grpo_loss_reserve(model, self.trainer_args, ra, self.processes, self.shared_prompts)
-                if ra.rollout_keep_cache else 0.0)
-        reserve = decoder_reserve(model, PREFILL_TOKENS, adapters=True, other_phase=loss)
+        reserve = decoder_reserve(model, PREFILL_TOKENS, adapters=True)
         per_token = kv_bytes_per_token(model)
         self._auto_slots = fitting_slots(episodes, ra.max_episode_tokens, per_token, usable, reserve, KEEP_OR_LOWER)
+        cache = self._auto_slots * ra.max_episode_tokens * per_token
+        beside = usable - decoder_reserve(model, 0, adapters=True)  # the loss's room with the cache freed
+        self._loss_room = beside - cache
+        check_worst_loss(grpo_loss_reserve(model, self.trainer_args, ra, self.processes, self.shared_prompts),
+                         beside, grpo_loss_batch(self.trainer_args, ra, self.shared_prompts).tokens)
         logger.info(
-            "memory plan (GRPO): %.1f GiB free beside the model, %.1f GiB of it kept for the loss micro-batch (%.1f "
-            "GiB predicted), a prefill and the merged LoRA weights: KV cache %d slots of %d tokens, %.1f GiB",
-            usable / 2**30,
-            reserve / 2**30, loss / 2**30, self._auto_slots, ra.max_episode_tokens,
-            self._auto_slots * ra.max_episode_tokens * per_token / 2**30,
+            "memory plan (GRPO): %.1f GiB free beside the model, %.1f GiB of it kept for a prefill and the merged "
+            "LoRA weights: KV cache %d slots of %d tokens, %.1f GiB; a step's loss micro-batch over %.1f GiB "
+            "frees the cache first", usable / 2**30, reserve / 2**30, self._auto_slots, ra.max_episode_tokens,
+            cache / 2**30, self._loss_room / 2**30,
         )
         return self._auto_slots
+
+    def keep_or_release(self, model, samples: list) -> None:
+        """Free the kept cache when this step's largest loss micro-batch (its longest episodes) would not fit
+        beside it: the cache is sized for generation, the loss planned on the episodes it got."""
+        from .memory_hook import grpo_loss_reserve, longest_micro_batch
+
+        if self._decoder is None or self._loss_room is None:
+            return
+        batch = longest_micro_batch([s.prompt_ids for s in samples], [len(s.completion_ids) for s in samples],
+                                    self.trainer_args.per_device_train_batch_size, self.shared_prompts)
+        loss = grpo_loss_reserve(model, self.trainer_args, self.rollout_args, self.processes, False, batch)
+        if loss > self._loss_room:
+            logger.info("loss micro-batch of %d tokens (%.1f GiB predicted) over the %.1f GiB beside the KV cache: "
+                        "the cache is freed this step", batch.tokens, loss / 2**30, self._loss_room / 2**30)
+            self._decoder = None
 
     def generate(self, trainer, prompts: list, inputs: list[dict]):
         """TRL's ``_generate(prompts)`` result for the examples ``inputs`` (each one's row, not only its prompt)."""
@@ -373,6 +391,7 @@ class SlotEngine:
         start = time.perf_counter()
         samples = encode_episodes(episodes, trainer.processing_class, self.rollout_args, pictures,
                                   trainer.max_completion_length)
+        self.keep_or_release(trainer.accelerator.unwrap_model(trainer.model), samples)
         for env, ep in zip(trainer.environments, episodes):  # the reward reads these counts
             env.tool_calls = ep.calls
             env.tool_errors = ep.tool_errors - ep.tool_error_codes.get("invalid_call", 0)
@@ -448,18 +467,6 @@ def encode_episodes(episodes, processor, rollout_args, pictures, max_completion_
     return samples
 
 
-def log_rollout(trainer, mode: str, stats: dict, encode_seconds: float, slots: int, samples, episodes) -> None:
-    """The rollout's own metrics (``rollout/...``), then TRL's length and tool metrics (:func:`log_lengths`)."""
-    metrics = trainer._metrics[mode]
-    metrics["rollout/seconds"].append(stats["seconds"])
-    metrics["rollout/encode_seconds"].append(encode_seconds)
-    metrics["rollout/new_tokens_per_s"].append(stats["new_tokens"] / max(stats["seconds"], 1e-9))
-    metrics["rollout/slots"].append(float(slots))
-    metrics["rollout/failed"].append(sum(s.failed for s in samples) / len(samples))
-    log_lengths(trainer, samples, [ep.calls for ep in episodes], [env.tool_errors for env in trainer.environments],
-                trainer.accelerator.device, mode)
-
-
 def sampling_of(args) -> ProcessedSampling:
     """The slot loop's sampling from TRL's ``GRPOConfig``; refuses the settings it does not implement."""
     kwargs = dict(args.generation_kwargs or {})
@@ -472,28 +479,3 @@ def sampling_of(args) -> ProcessedSampling:
         raise ValueError(f"rollout_engine=slots does not support {unsupported}; use --rollout_engine trl for them")
     temperature = args.temperature if do_sample else 0.0
     return ProcessedSampling(temperature, args.top_p, args.top_k or 0)
-
-
-def log_lengths(trainer, samples, calls, failures, device, mode) -> None:
-    """The length and tool metrics TRL's ``_generate`` logs, under the same names."""
-    gather = trainer.accelerator.gather
-    prompt_lengths = gather(torch.tensor([len(s.prompt_ids) for s in samples], device=device))
-    lengths = gather(torch.tensor([sum(s.tool_mask) for s in samples], device=device)).float()
-    truncated = gather(torch.tensor([s.truncated for s in samples], device=device))
-    if mode == "train":
-        trainer.state.num_input_tokens_seen += (prompt_lengths.sum() + lengths.sum()).item()
-    m = trainer._metrics[mode]
-    m["num_tokens"] = [trainer.state.num_input_tokens_seen]
-    m["completions/mean_length"].append(lengths.mean().item())
-    m["completions/min_length"].append(lengths.min().item())
-    m["completions/max_length"].append(lengths.max().item())
-    m["completions/clipped_ratio"].append(truncated.float().mean().item())
-    ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1, device=device)
-    m["completions/mean_terminated_length"].append(ended.mean().item())
-    m["completions/min_terminated_length"].append(ended.min().item())
-    m["completions/max_terminated_length"].append(ended.max().item())
-    total_calls = gather(torch.tensor(sum(calls), device=device)).sum()
-    total_failures = gather(torch.tensor(sum(failures), device=device)).sum()
-    m["tools/call_frequency"].append((total_calls / len(prompt_lengths)).item())
-    m["tools/failure_frequency"].append((total_failures / total_calls).item() if total_calls > 0 else 0.0)
-

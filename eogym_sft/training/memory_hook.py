@@ -231,8 +231,38 @@ def grpo_loss_batch(args, rollout_args, shared_prompts: bool) -> MicroBatch:
     return MicroBatch(tokens, 0, tokens, episodes)
 
 
-def grpo_loss_reserve(model, args, rollout_args, processes: int, shared_prompts: bool) -> float:
-    """Bytes GRPO's loss forward and backward take beside the loaded weights (:func:`grpo_loss_batch`)."""
+def check_worst_loss(loss: float, room: float, tokens: int) -> None:
+    """Refuse, in one line, settings whose largest loss micro-batch (``tokens``, ``loss`` bytes) does not fit in
+    ``room`` even with the KV cache freed."""
+    if loss > room:
+        raise ValueError(f"a loss micro-batch of {tokens:,} tokens ({loss / 2**30:.1f} GiB predicted) does not fit "
+                         f"even with the KV cache freed ({room / 2**30:.1f} GiB): lower per_device_train_batch_size "
+                         "or max_completion_length")
+
+
+def longest_micro_batch(prompts: list[list[int]], completions: list[int], size: int, shared: bool) -> MicroBatch:
+    """No loss micro-batch of a step is larger: the ``size`` longest completions, with the longest of the step's
+    ``prompts`` (token ids, an episode's each) once per question they can come from when the loss shares a question's
+    prompt, else each with its own. Every token is counted as an image's.
+
+    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 2, shared=True)
+    MicroBatch(tokens=190, supervised=0, image_tokens=190, samples=2, step_image_tokens=0)
+    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 2, shared=False)
+    MicroBatch(tokens=190, supervised=0, image_tokens=190, samples=2, step_image_tokens=0)
+    """
+    if shared:
+        distinct = sorted({tuple(p): len(p) for p in prompts}.values(), reverse=True)
+        tokens = sum(distinct[:size]) + sum(sorted(completions, reverse=True)[:size])
+    else:
+        tokens = sum(sorted((len(p) + c for p, c in zip(prompts, completions)), reverse=True)[:size])
+    count = min(size, len(completions))
+    return MicroBatch(tokens, 0, tokens, count)
+
+
+def grpo_loss_reserve(model, args, rollout_args, processes: int, shared_prompts: bool,
+                      batch: MicroBatch | None = None) -> float:
+    """Bytes GRPO's loss forward and backward take beside the loaded weights for ``batch`` (by default the largest
+    the settings allow, :func:`grpo_loss_batch`)."""
     from ..models.memory import peak_terms
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -241,7 +271,7 @@ def grpo_loss_reserve(model, args, rollout_args, processes: int, shared_prompts:
     dropout = max((d.p for m in model.modules() if hasattr(m, "lora_dropout")
                    for d in m.lora_dropout.values() if hasattr(d, "p")), default=0.0)
     setup = Setup(processes, zero_stage(args), dropout, checkpoint_every(args))
-    terms = peak_terms(shape, setup, grpo_loss_batch(args, rollout_args, shared_prompts))
+    terms = peak_terms(shape, setup, batch or grpo_loss_batch(args, rollout_args, shared_prompts))
     return terms["reserved"] - terms["frozen_weights"]
 
 

@@ -120,9 +120,9 @@ def grpo_configs(config: str, recipe_argv: list[str]):
 
 
 def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
-    """GRPO on a GPU of ``cfg.gpu_bytes``: the loss micro-batches as set, and the slot decoder's KV cache sized as the
-    recipe sizes it at its first step (beside the weights, the loss micro-batch, a prefill and the merged LoRA
-    weights)."""
+    """GRPO on a GPU of ``cfg.gpu_bytes``: the slot decoder's KV cache sized as the recipe sizes it at its first step
+    (beside the weights, a prefill and the merged LoRA weights), and the largest loss micro-batch the settings allow,
+    beside the kept cache if it fits there, else after the cache is freed (as the recipe does for such a step)."""
     from ..agent.decoder import PREFILL_TOKENS
     from ..agent.rollout_config import fitting_slots, slots_for
     from ..models.attention import NAMES as VARLEN_NAMES
@@ -133,33 +133,35 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     script, training, model = grpo_configs(cfg.config, recipe_argv)
     architecture = model_config(model.model_name_or_path, cfg.model_config)
     shape = ModelShape.of(architecture, model.lora_target_modules or (), model.lora_r)
-    text = architecture["text_config"]
-    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * text["head_dim"] * shape.weight_bytes
+    per_token = kv_bytes(architecture["text_config"], shape.weight_bytes)
     batch = grpo_loss_batch(training, script, model.attn_implementation in VARLEN_NAMES)
     terms = peak_terms(shape, Setup(cfg.gpus, cfg.zero_stage, model.lora_dropout, checkpoint_every(training)), batch)
-    loss = terms["reserved"] - terms["frozen_weights"] if script.rollout_keep_cache else 0.0
+    loss = terms["reserved"] - terms["frozen_weights"]
     generation = generation_reserve(shape.patches_per_token, PREFILL_TOKENS,
                                     shape.targeted_weights * shape.weight_bytes, widths=shape.widths)
-    # loss and prefill: apart
-    reserve = generation["merged_weights"] + max(generation["prefill"], loss) + generation["margin"]
     usable = cfg.gpu_bytes - terms["frozen_weights"]
     episodes = training.per_device_train_batch_size * (training.steps_per_generation
                                                        or training.gradient_accumulation_steps)
     refused, slots = None, 0
     try:
         if script.rollout_cache_gib is None:
-            slots = fitting_slots(episodes, script.max_episode_tokens, per_token, usable, reserve, KEEP_OR_LOWER)
+            slots = fitting_slots(episodes, script.max_episode_tokens, per_token, usable,
+                                  sum(generation.values()), KEEP_OR_LOWER)
         else:
             slots = slots_for(episodes, script.max_episode_tokens, per_token, script.rollout_cache_gib)
     except ValueError as err:
         refused = str(err)
     cache = slots * script.max_episode_tokens * per_token
-    peak = terms["frozen_weights"] + loss + generation["merged_weights"] + cache
+    beside = usable - generation["merged_weights"] - generation["margin"]  # room for the loss, the cache freed
+    kept = script.rollout_keep_cache and loss <= beside - cache
+    refused = refused or worst_loss_refusal(loss, beside, batch.tokens)
+    peak = (terms["frozen_weights"] + generation["merged_weights"]
+            + max(cache + generation["prefill"], loss + (cache if kept else 0.0)))
     every = checkpoint_every(training)
     line = (f"memory plan (GRPO): a {cfg.gpu_memory} GPU: KV cache {slots} slots of {script.max_episode_tokens:,} "
             f"tokens ({cache / GIB:.1f} GiB) for {episodes} episodes a generation, loss micro-batches of "
-            f"{training.per_device_train_batch_size} episodes (at most {batch.tokens:,} tokens), "
-            "activation checkpointing "
+            f"{training.per_device_train_batch_size} episodes (at most {batch.tokens:,} tokens, "
+            f"{'beside the kept cache' if kept else 'the cache freed first'}), activation checkpointing "
             f"{'off' if not every else 'every layer' if every == 1 else f'every {ordinal(every)} layer'}, "
             f"predicted peak {peak / GIB:.1f} GiB")
     return {
@@ -170,7 +172,25 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
         "per_device_train_batch_size": training.per_device_train_batch_size,
         "gradient_accumulation_steps": training.gradient_accumulation_steps, "activation_checkpointing": bool(every),
         "checkpoint_every": every, "micro_batch_tokens": batch.tokens, "predicted_peak_gib": round(peak / GIB, 2),
-        "loss_gib": round(loss / GIB, 2), "merged_lora_gib": round(generation["merged_weights"] / GIB, 2),
+        "loss_gib": round(loss / GIB, 2), "loss_beside_cache": kept,
+        "merged_lora_gib": round(generation["merged_weights"] / GIB, 2),
         "budget_gib": round(budget_bytes(cfg.gpu_bytes) / GIB, 2), "fits": refused is None, "refused": refused,
         "line": line,
     }
+
+
+def kv_bytes(text_config: dict, weight_bytes: int) -> int:
+    """The KV cache's bytes a token: keys and values of every layer."""
+    t = text_config
+    return 2 * t["num_hidden_layers"] * t["num_key_value_heads"] * t["head_dim"] * weight_bytes
+
+
+def worst_loss_refusal(loss: float, room: float, tokens: int) -> str | None:
+    """:func:`~eogym_sft.training.memory_hook.check_worst_loss`'s refusal as a line, or None."""
+    from .memory_hook import check_worst_loss
+
+    try:
+        check_worst_loss(loss, room, tokens)
+    except ValueError as err:
+        return str(err)
+    return None

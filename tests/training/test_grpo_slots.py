@@ -385,3 +385,30 @@ def test_the_slots_engine_refuses_sharded_weights():
         check_whole_weights(SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None))
     with pytest.raises(ValueError, match="FSDP shards them: use --rollout_engine trl"):
         check_whole_weights(SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=object()))
+
+
+def test_the_kept_cache_is_freed_only_for_a_loss_micro_batch_that_would_not_fit_beside_it(tmp_path):
+    from types import SimpleNamespace
+
+    from trl import GRPOConfig
+
+    from eogym_sft.models.loading import apply_lora
+    from eogym_sft.models.tiny import TINY_QWEN3_VL_CONFIG
+    from eogym_sft.training.memory_hook import grpo_loss_reserve, longest_micro_batch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    model = apply_lora(Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(TINY_QWEN3_VL_CONFIG)), 4, 8, 0.05)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=64, use_cpu=True, report_to="none")
+    engine = SlotEngine(SimpleNamespace(max_episode_tokens=128))
+    engine.trainer_args = args
+    samples = [SimpleNamespace(prompt_ids=[0] * p, completion_ids=[0] * c) for p, c in ((50, 10), (90, 30), (20, 5))]
+    need = grpo_loss_reserve(model, args, engine.rollout_args, 1, False,
+                             longest_micro_batch([[0] * 50, [0] * 90, [0] * 20], [10, 30, 5], 2, shared=False))
+    for room, kept in ((need, True), (need - 1, False)):
+        engine._decoder, engine._loss_room = "the decoder", room
+        engine.keep_or_release(model, samples)
+        assert (engine._decoder is not None) == kept
+    engine._decoder, engine._loss_room = "the decoder", None  # off CUDA, or a cache the user sized: kept
+    engine.keep_or_release(model, samples)
+    assert engine._decoder == "the decoder"

@@ -191,3 +191,28 @@ def test_grpo_plans_its_loss_micro_batch_with_the_prompt_shared_once():
     assert hook.grpo_loss_batch(args, rollout, shared_prompts=True) == mm.MicroBatch(10240 + 8 * 6144, 0, 10240 + 8 * 6144, 8)
     assert hook.grpo_loss_batch(args, rollout, shared_prompts=False).tokens == 8 * 16384
     assert hook.grpo_loss_batch(SimpleNamespace(per_device_train_batch_size=2, max_completion_length=99999), rollout, True).tokens == 2 * 16384
+
+
+def test_a_steps_largest_loss_micro_batch_is_its_longest_episodes():
+    from eogym_sft.models.memory import MicroBatch
+    from eogym_sft.training.memory_hook import longest_micro_batch
+
+    prompts = [[1] * 50, [1] * 50, [2] * 90, [3] * 20]  # three questions, the first asked twice
+    completions = [10, 40, 30, 20]
+    # shared: the two longest distinct prompts (90 + 50) and the two longest completions (40 + 30)
+    assert longest_micro_batch(prompts, completions, 2, shared=True) == MicroBatch(210, 0, 210, 2)
+    # apart: the two longest episodes, 90 + 30 and 50 + 40
+    assert longest_micro_batch(prompts, completions, 2, shared=False) == MicroBatch(210, 0, 210, 2)
+    assert longest_micro_batch(prompts, completions, 3, shared=True) == MicroBatch(160 + 90, 0, 250, 3)
+    assert longest_micro_batch(prompts, completions, 3, shared=False) == MicroBatch(120 + 90 + 60, 0, 270, 3)
+    assert longest_micro_batch([[1] * 10], [5], 8, shared=False) == MicroBatch(15, 0, 15, 1)
+
+
+def test_a_loss_that_cannot_fit_with_the_cache_freed_is_refused_in_one_line():
+    from eogym_sft.training.memory_hook import check_worst_loss
+
+    check_worst_loss(10 * 2**30, 10 * 2**30, 59_392)
+    with pytest.raises(ValueError) as refused:
+        check_worst_loss(30.2 * 2**30, 27.7 * 2**30, 59_392)
+    assert str(refused.value) == ("a loss micro-batch of 59,392 tokens (30.2 GiB predicted) does not fit even with the "
+                                  "KV cache freed (27.7 GiB): lower per_device_train_batch_size or max_completion_length")

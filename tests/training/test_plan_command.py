@@ -100,18 +100,23 @@ def test_the_docs_table_is_the_plans_output():
     assert block.strip() == plan_table(), "regenerate docs/training.md's plan table:\n" + plan_table()
 
 
-def test_the_grpo_plan_sizes_the_kv_cache_beside_the_loss_micro_batch(capsys, monkeypatch):
+def test_the_grpo_plan_sizes_the_kv_cache_for_generation_and_frees_it_for_a_loss_that_needs_it(capsys, monkeypatch):
     monkeypatch.setattr(mm, "CALIBRATION", CAL)
     grpo = str(REPO / "recipes" / "eo_gym_4b_grpo.yaml")
     out = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "80GiB", "--json"))
     # 8 episodes, the prompt once: 10,240 + 8 x 6,144 tokens, every layer recomputed -> 20.83 GiB beside the weights,
     # and their pixel values, every token an image's (0.68 GiB);
-    # beside them too the merged LoRA copies (6.77 GiB); the rest holds 19 slots of 2.25 GiB, 16 episodes need 16
+    # beside them too the merged LoRA copies (6.77 GiB); 16 episodes need 16 slots of 2.25 GiB, and the largest loss
+    # micro-batch fits beside them
     assert out["recipe"] == "grpo" and out["micro_batch_tokens"] == 59392 and out["activation_checkpointing"] is True
     assert (out["slots"], out["kv_cache_gib"], out["episodes_per_generation"], out["prefill_tokens"]) == (16, 36.0, 16, 16384)
     assert (out["loss_gib"], out["merged_lora_gib"], out["predicted_peak_gib"], out["refused"]) == (21.51, 6.77, 72.54, None)
-    assert json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "48GB", "--json"))["slots"] == 3
+    assert out["loss_beside_cache"] is True
+    # 48 GB: 11 slots beside a prefill of 16,384 tokens; the largest loss micro-batch frees them first
+    smaller = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "48GB", "--json"))
+    assert (smaller["slots"], smaller["loss_beside_cache"], smaller["predicted_peak_gib"]) == (11, False, 42.84)
     refused = plan(capsys, "--config", grpo, "--gpu-memory", "24GB")
-    assert refused.startswith("refused at launch: one slot of 16,384 tokens (2.25 GiB each) does not fit") and "rollout_keep_cache false" in refused
+    assert refused.startswith("refused at launch: a loss micro-batch of 59,392 tokens (21.5 GiB predicted) does not "
+                              "fit even with the KV cache freed")
     fixed = json.loads(plan(capsys, "--config", grpo, "--gpu-memory", "80GiB", "--json", "--rollout_cache_gib", "20"))
     assert fixed["slots"] == 8  # 20 GiB // 2.25
