@@ -6,11 +6,13 @@ quarter, the rejection-sampling counts and each stage's seconds.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
 
 from .demo_arguments import argument_figures, argument_lines
+from .metrics.scoring import t_quantile_975
 
 
 def grpo_per_step(grpo_dir: str | Path, key: str = "reward") -> list[float]:
@@ -39,6 +41,26 @@ def reward_by_part(rewards: list[float], parts: int = 4, min_steps: int = MIN_ST
     bounds = [k * size for k in range(parts)] + [len(rewards)]
     return [sum(rewards[a:b]) / (b - a) for a, b in pairwise(bounds)]
 
+
+
+def late_reward_change(rewards: list[float], parts: int = 4, min_steps: int = MIN_STEPS_PER_QUARTER) -> dict | None:
+    """The last part's mean training reward minus the one before it (parts as :func:`reward_by_part` cuts them),
+    with a 95% CI by Welch's t over the two parts' per-step rewards: ``{"delta", "ci95"}``, None where
+    :func:`reward_by_part` is None. Why a CI: one step's reward is one group's, so the two parts of a run at a
+    plateau differ by the questions they drew, and a fade is a difference beyond that."""
+    if len(rewards) < parts * min_steps:
+        return None
+    size = len(rewards) // parts
+    before, last = rewards[(parts - 2) * size:(parts - 1) * size], rewards[(parts - 1) * size:]
+    mean_b, mean_l = sum(before) / len(before), sum(last) / len(last)
+    var_b = sum((r - mean_b) ** 2 for r in before) / (len(before) - 1) / len(before)
+    var_l = sum((r - mean_l) ** 2 for r in last) / (len(last) - 1) / len(last)
+    delta = mean_l - mean_b
+    if var_b + var_l == 0:
+        return {"delta": delta, "ci95": [delta, delta]}
+    df = (var_b + var_l) ** 2 / (var_b**2 / (len(before) - 1) + var_l**2 / (len(last) - 1))
+    half = t_quantile_975(max(1, int(df))) * math.sqrt(var_b + var_l)
+    return {"delta": delta, "ci95": [delta - half, delta + half]}
 
 ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes",
               "stop_reasons")

@@ -15,10 +15,7 @@ def test_settings_parse_json_values_and_bare_strings():
         "grpo_beta": 0.04, "task": "colour_count", "grpo_steps": 120, "device": "cuda"}
 
 
-def test_by_part_averages_equal_runs_and_keeps_short_curves_whole():
-    assert agent_seeds.by_part([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    values = [float(v) for v in range(22)]  # 4 parts of 5, the last takes the remainder
-    assert agent_seeds.by_part(values) == [2.0, 7.0, 12.0, 18.0]
+PLATEAU = [0.4] * 10 + [0.6, 0.2, 0.6, 0.2, 0.6] + [0.2, 0.6, 0.2, 0.6, 0.2]  # quarters 0.44 then 0.36
 
 
 def _report(sft, grpo, delta, ci, sft4, grpo4, ci4, rewards):
@@ -34,7 +31,7 @@ def _report(sft, grpo, delta, ci, sft4, grpo4, ci4, rewards):
 def test_seed_row_reads_pass_at_1_and_pass_at_k_and_keeps_a_failed_seed():
     row = agent_seeds.seed_row(3, _report(0.25, 0.5, 0.25, [0.1, 0.4], 0.5, 0.625, [-0.05, 0.3], [0.1, 0.2]))
     assert row == {"seed": 3, "sft": 0.25, "grpo": 0.5, "delta": 0.25, "ci95": [0.1, 0.4], "k": 4, "sft_pass_k": 0.5,
-                   "grpo_pass_k": 0.625, "pass_k_delta": 0.125, "pass_k_ci95": [-0.05, 0.3], "reward_by_part": [0.1, 0.2],
+                   "grpo_pass_k": 0.625, "pass_k_delta": 0.125, "pass_k_ci95": [-0.05, 0.3], "reward_by_part": [0.1, 0.2], "late_reward_ci95": None,
                    "entropy_by_part": [0.05, 0.04], "picked": None, "wall_s": 9.0, "grpo_param_prefix": None,
                    "grpo_param_prefix_aoi@0.5": None, "grpo_arg_acc_aoi@0.5": None}
     assert agent_seeds.seed_row(5, {"failed": 1, "wall_s": 2.0}) == {"seed": 5, "failed": 1, "wall_s": 2.0}
@@ -51,6 +48,11 @@ def test_criteria_count_issue_64s_checks_and_a_failed_seed_fails_them():
     c = agent_seeds.criteria([good, worse])
     assert c["mean_delta"] == pytest.approx(0.075, abs=1e-12)
     assert (c["grpo_ge_sft"], c["ci_above_0"], c["pass_k_held"], c["late_reward_held"], c["sft_range"]) == (1, 1, 1, 1, [0.4, 0.4])
+    assert (good["late_reward_ci95"], worse["late_reward_ci95"], c["late_reward_rose"]) == (pytest.approx([0.1, 0.1]), pytest.approx([-0.05, -0.05]), 1)
+    # a plateau whose last quarter drew harder questions: below the third's, within its CI, so held
+    plateau = agent_seeds.seed_row(2, _report(0.4, 0.6, 0.2, [0.1, 0.3], 0.6, 0.6, [-0.1, 0.1], PLATEAU))
+    assert plateau["reward_by_part"][3] < plateau["reward_by_part"][2] and plateau["late_reward_ci95"][1] > 0
+    assert agent_seeds.criteria([plateau])["late_reward_held"] == 1 and agent_seeds.criteria([plateau])["late_reward_rose"] == 0
     assert c["checks"] == {"grpo_ge_sft_every_seed": False, "ci_above_0_in_2": False, "mean_ge_0.10": False,
                            "pass_k_held_in_2": False, "late_reward_held_every_seed": False}
     ten = agent_seeds.criteria([good | {"seed": s} for s in range(9)] + [agent_seeds.seed_row(9, {"failed": 1, "wall_s": 1.0})])

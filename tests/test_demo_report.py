@@ -53,3 +53,14 @@ def test_the_reward_by_quarter_is_the_mean_of_consecutive_steps_when_each_quarte
     assert reward_by_part([0.25] * 19) is None  # a quarter of 4 steps would follow the 4 questions drawn
     assert reward_by_part([0.0, 1.0, 1.0, 1.0, 1.0, 1.0]) is None  # the demo's 6 steps: quarters of 1, 1, 1 and 3
     assert reward_by_part([]) is None
+
+
+def test_late_reward_change_is_the_last_quarter_minus_the_third_with_welchs_t():
+    from eogym_sft.demo_report import late_reward_change
+
+    third, last = [0.6, 0.2, 0.6, 0.2, 0.6], [0.2, 0.6, 0.2, 0.6, 0.2]  # means 0.44 and 0.36, each variance 0.048
+    change = late_reward_change([0.4] * 10 + third + last)
+    half = 2.306004135204 * (2 * 0.048 / 5) ** 0.5  # t(0.975) at Welch's 8 degrees of freedom
+    assert change["delta"] == pytest.approx(-0.08) and change["ci95"] == pytest.approx([-0.08 - half, -0.08 + half])
+    assert late_reward_change([0.1] * 15 + [0.3] * 6) == {"delta": pytest.approx(0.2), "ci95": [pytest.approx(0.2)] * 2}
+    assert late_reward_change([0.25] * 19) is None
