@@ -41,8 +41,8 @@ work = Path('/tmp/bt'); proc = work / 'processor'; build_offline_processor().sav
 (proc / 'config.json').write_text(Path('$cfg').read_text()); t.prepare_data(work, 220, proc)" > /tmp/bench_data.log 2>&1 || { tail -5 /tmp/bench_data.log; exit 1; }
 }
 arms() {  # train_throughput arms in one process, 220 rows, 32 micro-batches a step: STAGE ARMS TIMED_STEPS LIMIT_S [WARM-UP, 1]
-  make_bench_data
-  timeout $(($4 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup ${5:-1} --steps $3 --grad-accum 32 \
+  make_bench_data  # A_STEPS: arm A's timed steps (default TIMED_STEPS)
+  timeout $(($4 - SECONDS)) python bench/train_throughput.py --rows 220 --warmup ${5:-1} --steps $3 --a-steps ${A_STEPS:-$3} --grad-accum 32 \
     --workdir /tmp/bt --parity-samples 0 --arms $2 --json $OUT/$1_arms.json > $OUT/$1_arms.log 2>&1 || echo "arms: exit $?"
   grep -vE "Warning|warn" $OUT/$1_arms.log | tail -4
 }
@@ -80,7 +80,7 @@ balance_x2)  # 2 GPUs, ZeRO-2: token-balanced (B) against fixed-count micro-batc
     --arms B,B-fixedcount --json $OUT/balance_x2.json > $OUT/balance_x2.log 2>&1 || echo "balance_x2: exit $?"
   grep -vE "Warning|warn" $OUT/balance_x2.log | tail -6
   ;;
-after_1gpu)  # the headline: plain TRL (A) and B in one process; AFTER_ARMS=A,B-plan (as the plan sizes it), AFTER_STEPS
+after_1gpu)  # the headline: A and B in one process; AFTER_ARMS (A,B-plan: as the plan sizes it), AFTER_STEPS, A_STEPS
   arms after ${AFTER_ARMS:-A,B} ${AFTER_STEPS:-4} ${AFTER_LIMIT:-560}
   ;;
 readme_command)  # the README's SFT launch unchanged but for the model, data, output and 2 steps: its exit, plan line and logs

@@ -447,7 +447,8 @@ def run_arms(args, state, base, cfg, dataset, root, processor, workdir: Path) ->
     results = []
     for arm in args.arms.split(","):
         try:
-            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, args.steps, args.warmup, args.grad_accum))
+            steps = args.a_steps if arm == "A" and args.a_steps else args.steps
+            results.append(run_arm(arm, base, dataset, root, processor, cfg, workdir, steps, args.warmup, args.grad_accum))
         except Exception as err:
             traceback.print_exc()
             results.append({"arm": arm, "error": f"{type(err).__name__}: {err}"})
@@ -468,6 +469,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=160)
     parser.add_argument("--max-pixels", type=int, default=ImageConfig.max_pixels, help="pixel cap per image (smaller for a CPU smoke run)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per arm")
+    parser.add_argument("--a-steps", type=int, default=None, help="timed steps for arm A (4 samples each; default --steps): more, so its tok/s is not a few samples' mix")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--parity-samples", type=int, default=4, help="samples in the loss-parity batch (0: skip)")
     parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches a step for the B arms (the recipe has 32)")

@@ -184,3 +184,20 @@ def test_results_keep_the_digits_they_cite():
 
     assert results_json({"diff": 1.90735e-06, "share": 0.11914, "gib": 82.93707418, "tok_s": 15371.6, "n": 3}) == (
         '{"diff":1.907e-06,"share":0.1191,"gib":82.9371,"tok_s":15371.6,"n":3}\n')
+
+
+def test_arm_a_times_its_own_step_count_when_given(monkeypatch):
+    """``--a-steps``: plain TRL's steps hold 4 samples, so its tok/s needs more of them than arm B's 64-sample steps."""
+    import types
+
+    import train_throughput
+
+    seen = {}
+    monkeypatch.setattr(train_throughput, "run_arm", lambda arm, *a: seen.setdefault(arm, a[6]) and {"arm": arm, "real_tokens_per_s": 1.0})
+    args = types.SimpleNamespace(arms="A,B", steps=3, a_steps=24, warmup=1, grad_accum=32, json=None)
+    state = types.SimpleNamespace(is_main_process=False)
+    train_throughput.run_arms(args, state, None, None, None, None, None, Path("."))
+    assert seen == {"A": 24, "B": 3}
+    seen.clear()
+    train_throughput.run_arms(types.SimpleNamespace(**{**vars(args), "a_steps": None}), state, None, None, None, None, None, Path("."))
+    assert seen == {"A": 3, "B": 3}
