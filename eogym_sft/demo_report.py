@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
+from statistics import mean, variance
 
 from .demo_arguments import argument_figures, argument_lines
 from .metrics.scoring import t_quantile_975
@@ -42,7 +43,6 @@ def reward_by_part(rewards: list[float], parts: int = 4, min_steps: int = MIN_ST
     return [sum(rewards[a:b]) / (b - a) for a, b in pairwise(bounds)]
 
 
-
 def late_reward_change(rewards: list[float], parts: int = 4, min_steps: int = MIN_STEPS_PER_QUARTER) -> dict | None:
     """The last part's mean training reward minus the one before it (parts as :func:`reward_by_part` cuts them),
     with a 95% CI by Welch's t over the two parts' per-step rewards: ``{"delta", "ci95"}``, None where
@@ -52,15 +52,14 @@ def late_reward_change(rewards: list[float], parts: int = 4, min_steps: int = MI
         return None
     size = len(rewards) // parts
     before, last = rewards[(parts - 2) * size:(parts - 1) * size], rewards[(parts - 1) * size:]
-    mean_b, mean_l = sum(before) / len(before), sum(last) / len(last)
-    var_b = sum((r - mean_b) ** 2 for r in before) / (len(before) - 1) / len(before)
-    var_l = sum((r - mean_l) ** 2 for r in last) / (len(last) - 1) / len(last)
-    delta = mean_l - mean_b
+    delta = mean(last) - mean(before)
+    var_b, var_l = variance(before) / len(before), variance(last) / len(last)  # each mean's squared SE
     if var_b + var_l == 0:
         return {"delta": delta, "ci95": [delta, delta]}
     df = (var_b + var_l) ** 2 / (var_b**2 / (len(before) - 1) + var_l**2 / (len(last) - 1))
     half = t_quantile_975(max(1, int(df))) * math.sqrt(var_b + var_l)
     return {"delta": delta, "ci95": [delta - half, delta + half]}
+
 
 ARM_FIELDS = ("pass@1", "mean_score", "tool_any", "calls_per_episode", "answered", "questions", "episodes",
               "stop_reasons")

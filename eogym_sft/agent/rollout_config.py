@@ -70,10 +70,15 @@ def kv_bytes_per_token(model) -> int:
     from ..models.loading import unwrap_peft
 
     base = unwrap_peft(model)
-    cfg = base.config.text_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = base.lm_head.weight.dtype
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return kv_bytes(base.config.text_config.to_dict(), torch.empty((), dtype=base.lm_head.weight.dtype).element_size())
+
+
+def kv_bytes(text_config: dict, element_bytes: int) -> int:
+    """Bytes of keys and values one token takes over every layer of a text config (``config.json``'s
+    ``text_config``), at ``element_bytes`` an element."""
+    t = text_config
+    head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+    return 2 * t["num_hidden_layers"] * t["num_key_value_heads"] * head_dim * element_bytes
 
 
 def slots_for(episodes: int, max_length: int, bytes_per_token: int, budget_gib: float) -> int:

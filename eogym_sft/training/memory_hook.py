@@ -231,13 +231,19 @@ def grpo_loss_batch(args, rollout_args, shared_prompts: bool) -> MicroBatch:
     return MicroBatch(tokens, 0, tokens, episodes)
 
 
+def worst_loss_refusal(loss: float, room: float, tokens: int) -> str | None:
+    """The one-line refusal of settings whose largest loss micro-batch (``tokens``, ``loss`` bytes) does not fit in
+    ``room`` even with the KV cache freed; None when it fits."""
+    if loss <= room:
+        return None
+    return (f"a loss micro-batch of {tokens:,} tokens ({loss / 2**30:.1f} GiB predicted) does not fit even with the "
+            f"KV cache freed ({room / 2**30:.1f} GiB): lower per_device_train_batch_size or max_completion_length")
+
+
 def check_worst_loss(loss: float, room: float, tokens: int) -> None:
-    """Refuse, in one line, settings whose largest loss micro-batch (``tokens``, ``loss`` bytes) does not fit in
-    ``room`` even with the KV cache freed."""
-    if loss > room:
-        raise ValueError(f"a loss micro-batch of {tokens:,} tokens ({loss / 2**30:.1f} GiB predicted) does not fit "
-                         f"even with the KV cache freed ({room / 2**30:.1f} GiB): lower per_device_train_batch_size "
-                         "or max_completion_length")
+    """Raise :func:`worst_loss_refusal`'s line, if any."""
+    if (refusal := worst_loss_refusal(loss, room, tokens)) is not None:
+        raise ValueError(refusal)
 
 
 def longest_micro_batch(prompts: list[list[int]], completions: list[int], size: int, shared: bool) -> MicroBatch:
@@ -245,10 +251,10 @@ def longest_micro_batch(prompts: list[list[int]], completions: list[int], size: 
     ``prompts`` (token ids, an episode's each) once per question they can come from when the loss shares a question's
     prompt, else each with its own. Every token is counted as an image's.
 
-    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 2, shared=True)
-    MicroBatch(tokens=190, supervised=0, image_tokens=190, samples=2, step_image_tokens=0)
-    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 2, shared=False)
-    MicroBatch(tokens=190, supervised=0, image_tokens=190, samples=2, step_image_tokens=0)
+    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 3, shared=True).tokens  # 90 + 50 + 60
+    200
+    >>> longest_micro_batch([[1] * 50, [1] * 50, [2] * 90], [10, 30, 20], 3, shared=False).tokens  # 110 + 80 + 60
+    250
     """
     if shared:
         distinct = sorted({tuple(p): len(p) for p in prompts}.values(), reverse=True)

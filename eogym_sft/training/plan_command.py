@@ -124,11 +124,11 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
     (beside the weights, a prefill and the merged LoRA weights), and the largest loss micro-batch the settings allow,
     beside the kept cache if it fits there, else after the cache is freed (as the recipe does for such a step)."""
     from ..agent.decoder import PREFILL_TOKENS
-    from ..agent.rollout_config import fitting_slots, slots_for
+    from ..agent.rollout_config import fitting_slots, kv_bytes, slots_for
     from ..models.attention import NAMES as VARLEN_NAMES
     from ..models.memory import ModelShape, Setup, budget_bytes, generation_reserve, peak_terms
     from .grpo_slots import KEEP_OR_LOWER
-    from .memory_hook import checkpoint_every, grpo_loss_batch, model_config
+    from .memory_hook import checkpoint_every, grpo_loss_batch, model_config, worst_loss_refusal
 
     script, training, model = grpo_configs(cfg.config, recipe_argv)
     architecture = model_config(model.model_name_or_path, cfg.model_config)
@@ -178,19 +178,3 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
         "line": line,
     }
 
-
-def kv_bytes(text_config: dict, weight_bytes: int) -> int:
-    """The KV cache's bytes a token: keys and values of every layer."""
-    t = text_config
-    return 2 * t["num_hidden_layers"] * t["num_key_value_heads"] * t["head_dim"] * weight_bytes
-
-
-def worst_loss_refusal(loss: float, room: float, tokens: int) -> str | None:
-    """:func:`~eogym_sft.training.memory_hook.check_worst_loss`'s refusal as a line, or None."""
-    from .memory_hook import check_worst_loss
-
-    try:
-        check_worst_loss(loss, room, tokens)
-    except ValueError as err:
-        return str(err)
-    return None

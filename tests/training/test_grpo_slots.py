@@ -121,6 +121,10 @@ def test_slots_are_what_the_cache_budget_holds(tiny_model_dir):
     text = model.config.text_config
     per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
     assert kv_bytes_per_token(apply_lora(model)) == per_token
+    from eogym_sft.agent.rollout_config import kv_bytes
+
+    assert kv_bytes({"num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128}, 2) == 147456  # the 4B, as `plan` reads it
+    assert kv_bytes({"num_hidden_layers": 2, "num_key_value_heads": 2, "hidden_size": 64, "num_attention_heads": 4}, 4) == 512
     assert slots_for(16, 16384, 147456, 40.0) == 16  # the 4B: 144 KiB a token, 2.25 GiB a slot
     assert slots_for(16, 16384, 147456, 24.0) == 10
     assert slots_for(4, 16384, 147456, 40.0) == 4  # never more slots than episodes
