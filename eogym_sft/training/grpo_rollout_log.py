@@ -40,4 +40,3 @@ def log_lengths(trainer, samples, calls, failures, device, mode) -> None:
     total_failures = gather(torch.tensor(sum(failures), device=device)).sum()
     m["tools/call_frequency"].append((total_calls / len(prompt_lengths)).item())
     m["tools/failure_frequency"].append((total_failures / total_calls).item() if total_calls > 0 else 0.0)
-

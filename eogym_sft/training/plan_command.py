@@ -177,4 +177,3 @@ def grpo_plan(cfg: PlanConfig, recipe_argv: list[str]) -> dict:
         "budget_gib": round(budget_bytes(cfg.gpu_bytes) / GIB, 2), "fits": refused is None, "refused": refused,
         "line": line,
     }
-
